@@ -1,0 +1,182 @@
+"""``precompile.standalone_compile``: upstream's API, compiled into checked variants."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import sympy
+import torch
+
+from runtime import CompiledArtifact
+from runtime import _torch_adapter as runtime_adapter
+from runtime._environment import current_environment
+from runtime._errors import InvalidOptionError, UnsupportedGraphError
+from runtime._manifest import (
+    InputSpec,
+    IntInput,
+    Manifest,
+    Symbol,
+    SymbolSource,
+    TensorInput,
+    Variant,
+)
+from runtime._payloads import MemoryPayloads, sha256_hex
+
+from . import _torch_adapter as adapter
+from ._variant_plan import DEFAULT_MAX_VARIANTS, Hints, Sizes, VariantRequest, plan_variants
+
+log = logging.getLogger("precompile.compile")
+
+
+def _symbols(graph: adapter.GraphDescription) -> tuple[Symbol, ...]:
+    found: dict[sympy.Symbol, list[SymbolSource]] = {s: [] for s in graph.symbols}
+    for index, item in enumerate(graph.inputs):
+        if item.kind == "int" and item.value in found:
+            found[item.value].append(SymbolSource(index, None))
+        for dim, size in enumerate(item.shape):
+            if size in found:
+                found[size].append(SymbolSource(index, dim))
+    symbols = []
+    for symbol, sources in found.items():
+        if not sources:
+            raise UnsupportedGraphError(
+                f"symbol {symbol} never appears alone as an input size or int input, so its "
+                "value cannot be read from a call's inputs"
+            )
+        low, high = graph.ranges[symbol]
+        symbols.append(Symbol(str(symbol), tuple(sources), low, high))
+    return tuple(symbols)
+
+
+def _size_text(expr: sympy.Expr) -> int | str:
+    return int(expr) if expr.is_Integer else adapter.print_expr(expr)
+
+
+def _input_specs(graph: adapter.GraphDescription) -> tuple[InputSpec, ...]:
+    specs: list[InputSpec] = []
+    for item in graph.inputs:
+        if item.kind == "int":
+            specs.append(IntInput(_size_text(item.value)))
+        else:
+            assert item.dtype is not None and item.device is not None
+            specs.append(
+                TensorInput(
+                    dtype=str(item.dtype).removeprefix("torch."),
+                    device=str(item.device),
+                    shape=tuple(_size_text(s) for s in item.shape),
+                )
+            )
+    return tuple(specs)
+
+
+def _device_of(graph: adapter.GraphDescription) -> str:
+    devices = {str(i.device.type) for i in graph.inputs if i.device is not None}
+    return "cuda" if "cuda" in devices else "cpu"
+
+
+def _propagate_common_guards(
+    graph: adapter.GraphDescription,
+    requests: Sequence[VariantRequest],
+    guards: Sequence[tuple[sympy.Expr, ...]],
+) -> None:
+    """Give the caller's ShapeEnv the guards every variant needs, as upstream would.
+
+    A guard common to all hint variants that also holds at every exact size excludes
+    only sizes no variant could serve; Dynamo then recompiles there instead of calling
+    code outside its assumptions. Hint-specific guards stay with their variants.
+    """
+    env = graph.caller_shape_env
+    hint_guards = [set(g) for r, g in zip(requests, guards) if r.kind == "hint"]
+    if env is None or not hint_guards:
+        return
+    common = set.intersection(*hint_guards)
+    statics = [r.point for r in requests if r.kind == "static"]
+    caller_point = dict(graph.hints)
+    for expr in sorted(common, key=str):
+        holds_static = all(
+            adapter.evaluate(expr, dict(zip(graph.symbols, point))) for point in statics
+        )
+        if holds_static and adapter.evaluate(expr, caller_point):
+            adapter.add_caller_guard(env, expr)
+
+
+def standalone_compile(
+    gm: torch.fx.GraphModule,
+    example_inputs: Sequence[Any],
+    *,
+    dynamic_shapes: str = "from_graph",
+    options: Mapping[str, Any] | None = None,
+    hints: Hints = None,
+    sizes: Sizes = None,
+    max_variants: int = DEFAULT_MAX_VARIANTS,
+) -> CompiledArtifact:
+    """Compile ``gm`` into one variant per hint point plus one per exact size.
+
+    ``gm``, ``example_inputs``, ``dynamic_shapes`` and ``options`` mean what they mean
+    for ``torch._inductor.standalone_compile`` (``options`` are compile_fx keyword
+    arguments, e.g. ``{"config_patches": {...}}``). With neither ``hints`` nor ``sizes``
+    the result is a single variant, like upstream's, but with its guards checked.
+    """
+    if not isinstance(gm, torch.fx.GraphModule):
+        raise InvalidOptionError(f"gm must be a torch.fx.GraphModule, got {type(gm).__name__}")
+    if dynamic_shapes not in adapter.DYNAMIC_SHAPES:
+        raise InvalidOptionError(
+            f"dynamic_shapes must be one of {adapter.DYNAMIC_SHAPES}, got {dynamic_shapes!r}"
+        )
+    if options is not None and not isinstance(options, Mapping):
+        raise InvalidOptionError(
+            "options must be a dict of compile_fx keyword arguments, e.g. "
+            f"{{'config_patches': {{...}}}}, got {type(options).__name__}"
+        )
+    graph = adapter.describe_graph(gm, list(example_inputs), dynamic_shapes)
+    symbols = _symbols(graph)
+    names = [s.name for s in symbols]
+    dims = {(src.input_index, src.dim): s.name for s in symbols for src in s.sources
+            if src.dim is not None}
+    default_point = [graph.hints[s] for s in graph.symbols]
+    requests = plan_variants(
+        names, dims, default_point, hints=hints, sizes=sizes, max_variants=max_variants
+    )
+    payloads: dict[str, bytes] = {}
+    by_code: dict[str, str] = {}
+    variants: list[Variant] = []
+    all_guards: list[tuple[sympy.Expr, ...]] = []
+    for number, request in enumerate(requests):
+        point = dict(zip(graph.symbols, request.point))
+        started = time.perf_counter()
+        compiled = adapter.compile_variant(
+            gm, graph, point, dynamic=request.kind == "hint", options=options or {}
+        )
+        guards = compiled.guards
+        if request.kind == "static":
+            guards = (*(sympy.Eq(s, v) for s, v in point.items()), *guards)
+        all_guards.append(guards)
+        code = runtime_adapter.variant_code_digest(compiled.payload)
+        payload_digest = by_code.get(code)
+        if payload_digest is None:
+            payload_digest = sha256_hex(compiled.payload)
+            payloads[payload_digest] = compiled.payload
+            by_code[code] = payload_digest
+        texts = tuple(dict.fromkeys(adapter.print_expr(g) for g in guards))
+        variants.append(
+            Variant(number, request.kind, dict(zip(names, request.point)), texts,
+                    payload_digest, code)
+        )
+        log.info(
+            "compiled variant %d/%d (%s %s) in %.1f s; %d guards%s",
+            number + 1, len(requests), request.kind,
+            ", ".join(f"{n}={v}" for n, v in zip(names, request.point)) or "static",
+            time.perf_counter() - started, len(texts),
+            "" if payloads.get(payload_digest) is compiled.payload else "; same code as an earlier variant",
+        )
+    _propagate_common_guards(graph, requests, all_guards)
+    manifest = Manifest(
+        environment=current_environment(_device_of(graph)),
+        symbols=symbols,
+        inputs=_input_specs(graph),
+        variants=tuple(variants),
+    )
+    return CompiledArtifact(manifest, MemoryPayloads(payloads))

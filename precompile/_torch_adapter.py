@@ -1,0 +1,356 @@
+"""Every private torch API the compile side touches (Dynamo, Inductor, ShapeEnv, sympy).
+
+A variant is compiled from a fresh ShapeEnv whose symbols mirror the caller's, with
+their backed hints set to the variant's point. The caller's ShapeEnv is never handed to
+Inductor, so guards that one variant's compile adds stay with that variant.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import os
+import shutil
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import sympy
+import torch
+
+from runtime import _torch_adapter as runtime_adapter
+from runtime._errors import UnsupportedGraphError
+
+log = logging.getLogger("precompile.compile")
+
+DYNAMIC_SHAPES = ("from_graph", "from_tracing_context", "from_example_inputs")
+
+
+@dataclass(frozen=True)
+class GraphInput:
+    """One flat input as the compile sees it: a tensor template, a SymInt or an int."""
+
+    kind: str  # "tensor" | "int"
+    dtype: torch.dtype | None = None
+    device: torch.device | None = None
+    requires_grad: bool = False
+    shape: tuple[sympy.Expr, ...] = ()
+    stride: tuple[sympy.Expr, ...] = ()
+    storage_offset: sympy.Expr = sympy.Integer(0)
+    value: sympy.Expr = sympy.Integer(0)  # for "int"
+
+
+@dataclass(frozen=True)
+class GraphDescription:
+    inputs: tuple[GraphInput, ...]
+    symbols: tuple[sympy.Symbol, ...]
+    hints: Mapping[sympy.Symbol, int]
+    ranges: Mapping[sympy.Symbol, tuple[int, int | None]]
+    caller_shape_env: Any | None
+
+
+# -- reading the caller's graph ----------------------------------------------------------
+def _resolve_fake_mode(gm: torch.fx.GraphModule, dynamic_shapes: str) -> Any | None:
+    if dynamic_shapes == "from_example_inputs":
+        return None
+    if dynamic_shapes == "from_tracing_context":
+        context = torch._guards.TracingContext.try_get()
+        if context is None or context.fake_mode is None:
+            from runtime._errors import InvalidOptionError
+
+            raise InvalidOptionError(
+                "dynamic_shapes='from_tracing_context' needs an active tracing context "
+                "(call it from inside a torch.compile backend)"
+            )
+        return context.fake_mode
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    for node in reversed(gm.graph.nodes):
+        if node.op != "output":
+            continue
+        outputs = node.args[0] if isinstance(node.args[0], (list, tuple)) else [node.args[0]]
+        for out in outputs:
+            value = getattr(out, "meta", {}).get("example_value", None)
+            if value is None:
+                value = getattr(out, "meta", {}).get("val", None)
+            if isinstance(value, FakeTensor):
+                return value.fake_mode
+    return None
+
+
+def _placeholder_values(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> list[Any]:
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    if len(placeholders) != len(example_inputs):
+        from runtime._errors import InvalidOptionError
+
+        raise InvalidOptionError(
+            f"example_inputs has {len(example_inputs)} entries but the graph has "
+            f"{len(placeholders)} placeholders"
+        )
+    values = []
+    for node, example in zip(placeholders, example_inputs):
+        meta = node.meta.get("example_value", node.meta.get("val"))
+        values.append(meta if meta is not None else example)
+    return values
+
+
+def _expr(value: Any, shape_env: Any | None) -> sympy.Expr:
+    if isinstance(value, torch.SymInt):
+        expr = value.node.expr
+        if shape_env is not None and value.node.shape_env is shape_env:
+            expr = shape_env.replace(expr)
+        return sympy.sympify(expr)
+    return sympy.Integer(int(value))
+
+
+def _hint(shape_env: Any, symbol: sympy.Symbol) -> int:
+    table = getattr(shape_env, "backed_var_to_val", None)
+    if table is None:
+        table = shape_env.var_to_val
+    if symbol not in table:
+        raise UnsupportedGraphError(
+            f"symbol {symbol} has no hint (unbacked symbols are not supported as inputs)"
+        )
+    return int(table[symbol])
+
+
+def _range(shape_env: Any, symbol: sympy.Symbol) -> tuple[int, int | None]:
+    bounds = shape_env.var_to_range.get(symbol)
+    if bounds is None:
+        return 0, None
+    low = int(bounds.lower) if bounds.lower.is_Integer else 0
+    high = int(bounds.upper) if bounds.upper.is_Integer else None
+    # Dynamo's lower bound of 2 only reflects its 0/1 specialization; variants are compiled
+    # without that assumption (their own guards say what they need), so sizes 0/1 stay open.
+    if low == 2:
+        low = 0
+    return low, high
+
+
+def describe_graph(
+    gm: torch.fx.GraphModule, example_inputs: Sequence[Any], dynamic_shapes: str
+) -> GraphDescription:
+    fake_mode = _resolve_fake_mode(gm, dynamic_shapes)
+    shape_env = getattr(fake_mode, "shape_env", None)
+    if dynamic_shapes == "from_example_inputs":
+        values = list(example_inputs)
+    else:
+        values = _placeholder_values(gm, example_inputs)
+    inputs: list[GraphInput] = []
+    for index, value in enumerate(values):
+        if isinstance(value, torch.Tensor):
+            if dynamic_shapes == "from_example_inputs":
+                shape = tuple(sympy.Integer(int(s)) for s in value.shape)
+                stride = tuple(sympy.Integer(int(s)) for s in value.stride())
+                offset: sympy.Expr = sympy.Integer(int(value.storage_offset()))
+            else:
+                env = shape_env or _env_of(value)
+                shape = tuple(_expr(s, env) for s in value.shape)
+                stride = tuple(_expr(s, env) for s in value.stride())
+                offset = _expr(value.storage_offset(), env)
+            inputs.append(
+                GraphInput(
+                    "tensor",
+                    dtype=value.dtype,
+                    device=value.device,
+                    requires_grad=bool(value.requires_grad),
+                    shape=shape,
+                    stride=stride,
+                    storage_offset=offset,
+                )
+            )
+        elif isinstance(value, (int, torch.SymInt)) and not isinstance(value, bool):
+            if dynamic_shapes == "from_example_inputs":
+                inputs.append(GraphInput("int", value=sympy.Integer(int(value))))
+            else:
+                inputs.append(GraphInput("int", value=_expr(value, shape_env or _env_of(value))))
+        else:
+            raise UnsupportedGraphError(
+                f"graph input {index} is a {type(value).__name__}; precompile supports tensor "
+                "and int inputs"
+            )
+    symbols: dict[sympy.Symbol, None] = {}
+    for item in inputs:
+        exprs = (*item.shape, *item.stride, item.storage_offset, item.value)
+        for expr in exprs:
+            for symbol in sorted(expr.free_symbols, key=str):
+                symbols.setdefault(symbol)
+    if symbols and shape_env is None:
+        shape_env = _first_env(values)
+    hints = {s: _hint(shape_env, s) for s in symbols}
+    ranges = {s: _range(shape_env, s) for s in symbols}
+    return GraphDescription(tuple(inputs), tuple(symbols), hints, ranges, shape_env)
+
+
+def _env_of(value: Any) -> Any | None:
+    if isinstance(value, torch.SymInt):
+        return value.node.shape_env
+    fake_mode = getattr(value, "fake_mode", None)
+    return getattr(fake_mode, "shape_env", None)
+
+
+def _first_env(values: Sequence[Any]) -> Any:
+    for value in values:
+        env = _env_of(value)
+        if env is None and isinstance(value, torch.Tensor):
+            for size in value.shape:
+                env = _env_of(size)
+                if env is not None:
+                    break
+        if env is not None:
+            return env
+    raise UnsupportedGraphError("graph has symbolic sizes but no ShapeEnv could be found")
+
+
+# -- compiling one variant -----------------------------------------------------------
+@dataclass(frozen=True)
+class CompiledVariant:
+    payload: bytes
+    guards: tuple[sympy.Expr, ...]  # in the caller's symbols
+
+
+def _fresh_inputs(
+    graph: GraphDescription, point: Mapping[sympy.Symbol, int], dynamic: bool
+) -> tuple[list[Any], Any, dict[sympy.Symbol, sympy.Symbol]]:
+    from torch._dynamo.source import ConstantSource
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv
+
+    shape_env = ShapeEnv(specialize_zero_one=False, duck_shape=False)
+    fake_mode = FakeTensorMode(shape_env=shape_env)
+    mapping: dict[sympy.Symbol, sympy.Expr] = {}
+    for symbol in graph.symbols:
+        if dynamic:
+            mapping[symbol] = shape_env.create_symbol(
+                point[symbol],
+                source=ConstantSource(f"precompile_{symbol}"),
+                dynamic_dim=DimDynamic.DYNAMIC,
+            )
+        else:
+            mapping[symbol] = sympy.Integer(point[symbol])
+
+    def concrete(expr: sympy.Expr) -> Any:
+        new = sympy.sympify(expr).xreplace(mapping)
+        if new.is_Integer:
+            return int(new)
+        hint = int(sympy.sympify(expr).xreplace({s: point[s] for s in graph.symbols}))
+        return shape_env.create_symintnode(new, hint=hint)
+
+    values: list[Any] = []
+    for item in graph.inputs:
+        if item.kind == "int":
+            values.append(concrete(item.value))
+            continue
+        with fake_mode:
+            tensor = torch.empty_strided(
+                [concrete(s) for s in item.shape],
+                [concrete(s) for s in item.stride],
+                dtype=item.dtype,
+                device=item.device,
+                requires_grad=item.requires_grad,
+            )
+        values.append(tensor)
+    reverse = {new: old for old, new in mapping.items() if isinstance(new, sympy.Symbol)}
+    return values, fake_mode, reverse
+
+
+@contextmanager
+def _compile_context(fake_mode: Any) -> Iterator[None]:
+    import torch._functorch.config as functorch_config
+    from torch._inductor import config as inductor_config
+
+    patches: dict[str, Any] = {"bundled_autograd_cache": True}
+    if hasattr(functorch_config, "force_non_lazy_backward_lowering"):
+        patches["force_non_lazy_backward_lowering"] = True
+    build = runtime_adapter.build_dir()
+    with ExitStack() as stack:
+        stack.enter_context(runtime_adapter.inductor_cache_dir(build))
+        # Variants of one graph share an AOTAutograd key; drop earlier entries so a later
+        # variant is compiled for its own hints instead of reusing an earlier one's code.
+        shutil.rmtree(os.path.join(build, "aotautograd"), ignore_errors=True)
+        stack.enter_context(torch._guards.tracing(torch._guards.TracingContext(fake_mode)))
+        stack.enter_context(inductor_config.patch("triton.autotune_at_compile_time", True))
+        stack.enter_context(functorch_config.patch(patches))
+        yield
+
+
+def compile_variant(
+    gm: torch.fx.GraphModule,
+    graph: GraphDescription,
+    point: Mapping[sympy.Symbol, int],
+    *,
+    dynamic: bool,
+    options: Mapping[str, Any],
+) -> CompiledVariant:
+    from torch._dynamo.aot_compile_types import BundledAOTAutogradSerializableCallable
+    from torch._inductor.compile_fx import compile_fx
+
+    inputs, fake_mode, reverse = _fresh_inputs(graph, point, dynamic)
+    with _compile_context(fake_mode):
+        compiled = compile_fx(copy.deepcopy(gm), inputs, **dict(options))
+        if not hasattr(compiled, "serialize"):
+            raise UnsupportedGraphError(
+                "inductor returned a compiled graph that cannot be serialized (for example "
+                "a graph with no operations, or options such as freezing that upstream "
+                "cannot save)"
+            )
+        payload = BundledAOTAutogradSerializableCallable.serialize_compile_artifacts(
+            BundledAOTAutogradSerializableCallable(compiled)
+        )
+    shape_env = fake_mode.shape_env
+    guards: list[sympy.Expr] = [g.expr for g in shape_env.guards]
+    for symbol, replacement in shape_env.replacements.items():
+        if symbol in reverse:
+            guards.append(sympy.Eq(symbol, replacement))
+    for symbol in reverse:
+        bounds = shape_env.var_to_range.get(symbol)
+        if bounds is not None and bounds.lower.is_Integer and int(bounds.lower) > 0:
+            guards.append(sympy.Ge(symbol, int(bounds.lower)))
+        if bounds is not None and bounds.upper.is_Integer:
+            guards.append(sympy.Le(symbol, int(bounds.upper)))
+    translated = []
+    for guard in guards:
+        expr = sympy.sympify(guard).xreplace(reverse)
+        if expr.free_symbols - set(graph.symbols):
+            raise UnsupportedGraphError(
+                f"variant guard {guard} involves symbols that are not graph inputs"
+            )
+        if expr is sympy.true:
+            continue
+        translated.append(expr)
+    return CompiledVariant(payload, tuple(dict.fromkeys(translated)))
+
+
+# -- expressions and the caller's ShapeEnv -------------------------------------------
+def print_expr(expr: sympy.Expr) -> str:
+    """Python syntax for an integer/boolean sympy expression (what artifacts store)."""
+    from torch.utils._sympy.printers import PythonPrinter
+
+    return str(PythonPrinter().doprint(expr))
+
+
+def evaluate(expr: sympy.Expr, values: Mapping[sympy.Symbol, int]) -> bool:
+    return bool(sympy.sympify(expr).xreplace({s: sympy.Integer(v) for s, v in values.items()}))
+
+
+def add_caller_guard(shape_env: Any, expr: sympy.Expr) -> None:
+    """Record ``expr`` (true at the caller's hints) as a guard of the caller's ShapeEnv."""
+    shape_env.evaluate_expr(expr)
+
+
+def guard_count(shape_env: Any) -> int:
+    return len(shape_env.guards)
+
+
+def counters() -> Mapping[str, Mapping[str, int]]:
+    from torch._dynamo.utils import counters as dynamo_counters
+
+    return dynamo_counters
+
+
+def is_tracing() -> bool:
+    return torch._guards.TracingContext.try_get() is not None
+
+
+CompileFn = Callable[..., Any]

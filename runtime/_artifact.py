@@ -1,0 +1,173 @@
+"""CompiledArtifact: a multi-variant compiled graph that dispatches each call by shape."""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from collections.abc import Callable, Mapping
+from typing import Any, Literal
+
+from . import _torch_adapter as adapter
+from ._binary_format import read_binary, write_binary
+from ._contract import InputContract
+from ._dispatch import Dispatcher, Explanation
+from ._environment import check_compatible
+from ._errors import InvalidOptionError
+from ._manifest import Manifest, Symbol, Variant
+from ._payloads import PayloadStore
+from ._unpacked_format import read_unpacked, write_unpacked
+
+log = logging.getLogger("precompile.runtime")
+ArtifactFormat = Literal["binary", "unpacked"]
+_FORMATS = ("binary", "unpacked")
+DEFAULT_MEMO_SIZE = 4096
+
+
+def _check_format(format: str) -> None:
+    if format not in _FORMATS:
+        raise InvalidOptionError(f"format must be 'binary' or 'unpacked', got {format!r}")
+
+
+class CompiledArtifact:
+    """Call it like the graph (flat inputs, SymInt placeholders as ints); save it; load it.
+
+    Each call reads the symbols' sizes from the inputs, checks the inputs against the
+    graph's contract, and runs the variant chosen for those sizes (memoized per size
+    tuple). Variants load on first use; ``warmup()`` loads them all ahead.
+    """
+
+    def __init__(
+        self,
+        manifest: Manifest,
+        payloads: PayloadStore,
+        *,
+        loaded: Mapping[str, Callable[..., Any]] | None = None,
+        memo_size: int = DEFAULT_MEMO_SIZE,
+    ) -> None:
+        self._manifest = manifest
+        self._payloads = payloads
+        self._contract = InputContract(manifest)
+        self._dispatcher = Dispatcher(manifest)
+        self._callables: dict[str, Callable[..., Any]] = dict(loaded or {})
+        self._memo: dict[tuple[int, ...], Callable[..., Any]] = {}
+        self._memo_size = max(1, memo_size)
+        self._lock = threading.RLock()
+        self._read_key = self._contract.read_key
+
+    # -- calling ---------------------------------------------------------------------
+    def __call__(self, *args: Any) -> Any:
+        key = self._read_key(args)
+        if key is None:
+            raise self._contract.mismatch(args)
+        function = self._memo.get(key)
+        if function is None:
+            function = self._resolve(key)
+        return function(*args)
+
+    def _resolve(self, key: tuple[int, ...]) -> Callable[..., Any]:
+        with self._lock:
+            function = self._memo.get(key)
+            if function is not None:
+                return function
+            index = self._dispatcher.choose(key)
+            function = self._variant_callable(self._manifest.variants[index])
+            if len(self._memo) >= self._memo_size:
+                del self._memo[next(iter(self._memo))]
+            self._memo[key] = function
+            log.debug("sizes %s -> variant %d", key, index)
+            return function
+
+    def _variant_callable(self, variant: Variant) -> Callable[..., Any]:
+        with self._lock:
+            function = self._callables.get(variant.payload)
+            if function is None:
+                payload = self._payloads.read(variant.payload)
+                edited = self._payloads.edited_source(variant.payload)
+                if edited is not None:
+                    payload = adapter.with_source_code(payload, edited)
+                function = adapter.load_variant(payload)
+                self._callables[variant.payload] = function
+            return function
+
+    def variant_callable(self, index: int) -> Callable[..., Any]:
+        """The raw callable of variant ``index`` (no contract check, no dispatch)."""
+        return self._variant_callable(self._manifest.variants[index])
+
+    def warmup(self) -> CompiledArtifact:
+        """Load every variant now, so no call pays a first-use cost."""
+        for variant in self._manifest.variants:
+            self._variant_callable(variant)
+        return self
+
+    def sizes_of(self, *args: Any) -> dict[str, int]:
+        key = self._read_key(args)
+        if key is None:
+            raise self._contract.mismatch(args)
+        return dict(zip(self._manifest.symbol_names, key))
+
+    def explain(self, *args: Any) -> Explanation:
+        """Which variant these inputs would run, each variant's distance, failing guards."""
+        key = self._read_key(args)
+        if key is None:
+            raise self._contract.mismatch(args)
+        return self._dispatcher.explain(key)
+
+    def variant_for(self, *args: Any) -> int:
+        """Index of the variant a call with these inputs runs (raises like a call would)."""
+        key = self._read_key(args)
+        if key is None:
+            raise self._contract.mismatch(args)
+        return self._dispatcher.choose(key)
+
+    # -- description -----------------------------------------------------------------
+    @property
+    def manifest(self) -> Manifest:
+        return self._manifest
+
+    @property
+    def symbols(self) -> tuple[Symbol, ...]:
+        return self._manifest.symbols
+
+    @property
+    def variants(self) -> tuple[Variant, ...]:
+        return self._manifest.variants
+
+    def __repr__(self) -> str:
+        names = ", ".join(self._manifest.symbol_names) or "static"
+        kinds = [v.kind for v in self.variants]
+        return (
+            f"<precompile.CompiledArtifact symbols=({names}) variants={len(kinds)} "
+            f"(hint={kinds.count('hint')}, static={kinds.count('static')}) "
+            f"payloads={len(self._manifest.payload_digests)} "
+            f"device={self._manifest.environment.device_type}>"
+        )
+
+    # -- persistence -----------------------------------------------------------------
+    def save(self, *, path: str | os.PathLike[str], format: ArtifactFormat = "binary") -> None:
+        _check_format(format)
+        target = os.fspath(path)
+        if format == "binary":
+            write_binary(target, self._manifest, self._payloads)
+        else:
+            write_unpacked(target, self._manifest, self._payloads)
+        log.info("saved %s artifact to %s", format, target)
+
+    @staticmethod
+    def load(
+        *,
+        path: str | os.PathLike[str],
+        format: ArtifactFormat = "binary",
+        warmup: bool = False,
+    ) -> CompiledArtifact:
+        _check_format(format)
+        source = os.fspath(path)
+        if format == "binary":
+            manifest, payloads = read_binary(source)
+        else:
+            manifest, payloads = read_unpacked(source)
+        check_compatible(manifest.environment, f"artifact {source!r}")
+        artifact = CompiledArtifact(manifest, payloads)
+        if warmup:
+            artifact.warmup()
+        return artifact

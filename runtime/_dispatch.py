@@ -1,0 +1,141 @@
+"""Choosing a variant for a call's sizes: exact sizes first, then the nearest hint point.
+
+Nearness is the L1 distance in log2 space, the measure upstream's size-hint multi-kernel
+uses (log2 of 0 taken as -1), restricted to the variants whose guards admit the sizes.
+Ties go to the variant listed first, so a choice never depends on dict or set order.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Any, Literal
+
+from ._errors import NoVariantError
+from ._expressions import compile_function
+from ._manifest import Manifest
+
+DecidedBy = Literal["exact-size", "nearest-hint", "only-variant", "no-variant"]
+
+
+def log2_coordinate(value: int) -> float:
+    return math.log2(value) if value > 0 else -1.0
+
+
+def log2_distance(sizes: Sequence[int], point: Sequence[int]) -> float:
+    return sum(abs(log2_coordinate(v) - log2_coordinate(h)) for v, h in zip(sizes, point))
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """How one variant fared for the explained sizes."""
+
+    variant: int
+    kind: str
+    point: Mapping[str, int]
+    distance: float
+    failed_guards: tuple[str, ...]
+
+    @property
+    def admissible(self) -> bool:
+        return not self.failed_guards
+
+
+@dataclass(frozen=True)
+class Explanation:
+    """Why a call would run the variant it runs (``art.explain(*args)``)."""
+
+    sizes: Mapping[str, int]
+    chosen: int | None
+    decided_by: DecidedBy
+    candidates: tuple[Candidate, ...]
+
+    def __str__(self) -> str:
+        sizes = ", ".join(f"{k}={v}" for k, v in self.sizes.items()) or "(no dynamic dims)"
+        head = (
+            f"sizes {sizes}: variant {self.chosen} ({self.decided_by})"
+            if self.chosen is not None
+            else f"sizes {sizes}: no variant admits these sizes"
+        )
+        rows = [head]
+        for c in self.candidates:
+            mark = "*" if c.variant == self.chosen else " "
+            point = ", ".join(f"{k}={v}" for k, v in c.point.items())
+            status = "ok" if c.admissible else "guards fail: " + "; ".join(c.failed_guards)
+            rows.append(
+                f" {mark} variant {c.variant} [{c.kind} {point}] distance {c.distance:.3f}  {status}"
+            )
+        return "\n".join(rows)
+
+
+class Dispatcher:
+    """Pure decision logic over a manifest; memoization lives with the caller."""
+
+    def __init__(self, manifest: Manifest) -> None:
+        self._names = manifest.symbol_names
+        self._variants = manifest.variants
+        self._points = [tuple(v.point[n] for n in self._names) for v in self._variants]
+        self._guards: list[Callable[..., tuple[Any, ...]] | None] = [
+            compile_function(v.guards, self._names, name=f"variant_{v.index}_guards")
+            if v.guards
+            else None
+            for v in self._variants
+        ]
+        self._bounds = [(s.name, s.min, s.max) for s in manifest.symbols]
+
+    def _failed_guards(self, index: int, sizes: Sequence[int]) -> tuple[str, ...]:
+        failed = [
+            f"{name} >= {low}" if value < low else f"{name} <= {high}"
+            for (name, low, high), value in zip(self._bounds, sizes)
+            if value < low or (high is not None and value > high)
+        ]
+        guards = self._guards[index]
+        if guards is None:
+            return tuple(failed)
+        try:
+            results = guards(*sizes)
+        except (ArithmeticError, ValueError, TypeError):
+            return (*failed, "(guard evaluation raised)")
+        texts = self._variants[index].guards
+        return (*failed, *(text for text, ok in zip(texts, results) if not ok))
+
+    def explain(self, sizes: Sequence[int]) -> Explanation:
+        candidates = tuple(
+            Candidate(
+                variant=v.index,
+                kind=v.kind,
+                point=v.point,
+                distance=log2_distance(sizes, self._points[v.index]),
+                failed_guards=self._failed_guards(v.index, sizes),
+            )
+            for v in self._variants
+        )
+        exact = [
+            c for c in candidates if c.kind == "static" and c.admissible
+            and self._points[c.variant] == tuple(sizes)
+        ]
+        admissible = [c for c in candidates if c.kind == "hint" and c.admissible]
+        chosen: int | None
+        decided_by: DecidedBy
+        if exact:
+            chosen, decided_by = exact[0].variant, "exact-size"
+        elif admissible:
+            best = min(admissible, key=lambda c: (c.distance, c.variant))
+            chosen = best.variant
+            decided_by = "only-variant" if len(admissible) == 1 else "nearest-hint"
+        else:
+            chosen, decided_by = None, "no-variant"
+        named = MappingProxyType(dict(zip(self._names, sizes)))
+        return Explanation(named, chosen, decided_by, candidates)
+
+    def choose(self, sizes: Sequence[int]) -> int:
+        explanation = self.explain(sizes)
+        if explanation.chosen is None:
+            raise NoVariantError(
+                "no compiled variant admits these sizes, and precompile never compiles at "
+                "call time; compile with a hint or exact size that covers them.\n"
+                + str(explanation)
+            )
+        return explanation.chosen

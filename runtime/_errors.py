@@ -1,0 +1,46 @@
+"""Exception classes shared by the three packages.
+
+Each one subclasses the stdlib exception a caller would already catch for that kind of
+problem, so ``except ValueError`` keeps working around code that moves to precompile.
+"""
+
+from __future__ import annotations
+
+
+class PrecompileError(Exception):
+    """Base class of every error this library raises on purpose."""
+
+
+class InvalidOptionError(PrecompileError, ValueError):
+    """An argument (hints, sizes, format, path...) is not what the API accepts."""
+
+
+class InputMismatchError(PrecompileError, ValueError):
+    """A call's inputs break the graph's contract (count, rank, dtype, device, static dims)."""
+
+
+class NoVariantError(PrecompileError, ValueError):
+    """No compiled variant's guards admit the call's sizes; nothing is compiled instead."""
+
+
+class CorruptArtifactError(PrecompileError, ValueError):
+    """An artifact is truncated, altered, foreign, or fails its checksum."""
+
+
+class IncompatibleArtifactError(PrecompileError, RuntimeError):
+    """An artifact was built by another torch build (or for another device) than this one."""
+
+
+class UnsupportedGraphError(PrecompileError, NotImplementedError):
+    """The graph uses something this library cannot compile into checked variants yet."""
+
+
+__all__ = [
+    "CorruptArtifactError",
+    "IncompatibleArtifactError",
+    "InputMismatchError",
+    "InvalidOptionError",
+    "NoVariantError",
+    "PrecompileError",
+    "UnsupportedGraphError",
+]

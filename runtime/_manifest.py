@@ -1,0 +1,260 @@
+"""The manifest: what an artifact promises about its graph, symbols and variants.
+
+It is plain JSON in both formats (readable in the unpacked one) and is validated field by
+field on load, so a damaged or foreign manifest is reported as such instead of failing
+later in a confusing place.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any, Literal
+
+from ._errors import CorruptArtifactError
+from ._expressions import SYMBOL_NAME, check_expression
+
+FORMAT_NAME = "precompile-artifact"
+FORMAT_VERSION = 1
+VariantKind = Literal["hint", "static"]
+
+
+@dataclass(frozen=True)
+class Environment:
+    """The build and device an artifact was compiled for."""
+
+    torch: str
+    torch_git: str
+    cuda: str | None
+    triton: str | None
+    python: str
+    platform: str
+    device_type: str
+    device_name: str
+    capability: str
+
+
+@dataclass(frozen=True)
+class SymbolSource:
+    """Where a symbol's value is read: ``args[input_index]`` itself or its size at ``dim``."""
+
+    input_index: int
+    dim: int | None
+
+
+@dataclass(frozen=True)
+class Symbol:
+    """A dynamic dimension of the graph, under the name the graph gave it."""
+
+    name: str
+    sources: tuple[SymbolSource, ...]
+    min: int = 0
+    max: int | None = None
+
+
+@dataclass(frozen=True)
+class TensorInput:
+    dtype: str
+    device: str
+    shape: tuple[int | str, ...]
+
+
+@dataclass(frozen=True)
+class IntInput:
+    value: int | str
+
+
+InputSpec = TensorInput | IntInput
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One compiled graph: a hint point (dynamic) or exact sizes (static), and its guards."""
+
+    index: int
+    kind: VariantKind
+    point: Mapping[str, int]
+    guards: tuple[str, ...]
+    payload: str
+    code: str
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "point", MappingProxyType(dict(self.point)))
+
+
+@dataclass(frozen=True)
+class Manifest:
+    environment: Environment
+    symbols: tuple[Symbol, ...]
+    inputs: tuple[InputSpec, ...]
+    variants: tuple[Variant, ...]
+    extra: Mapping[str, Any] = field(default_factory=dict)
+
+    @property
+    def symbol_names(self) -> tuple[str, ...]:
+        return tuple(symbol.name for symbol in self.symbols)
+
+    @property
+    def payload_digests(self) -> tuple[str, ...]:
+        """Each payload once, in first-use order."""
+        return tuple(dict.fromkeys(variant.payload for variant in self.variants))
+
+    def to_json(self) -> dict[str, Any]:
+        env = self.environment
+        return {
+            "format": FORMAT_NAME,
+            "format_version": FORMAT_VERSION,
+            "environment": dict(vars(env)),
+            "symbols": [
+                {
+                    "name": s.name,
+                    "sources": [[src.input_index, src.dim] for src in s.sources],
+                    "min": s.min,
+                    "max": s.max,
+                }
+                for s in self.symbols
+            ],
+            "inputs": [
+                {"kind": "tensor", "dtype": i.dtype, "device": i.device, "shape": list(i.shape)}
+                if isinstance(i, TensorInput)
+                else {"kind": "int", "value": i.value}
+                for i in self.inputs
+            ],
+            "variants": [
+                {
+                    "kind": v.kind,
+                    "point": dict(v.point),
+                    "guards": list(v.guards),
+                    "payload": v.payload,
+                    "code": v.code,
+                }
+                for v in self.variants
+            ],
+            "extra": dict(self.extra),
+        }
+
+    def dumps(self) -> bytes:
+        return json.dumps(self.to_json(), indent=2, sort_keys=False).encode()
+
+
+def _expect(value: Any, kind: type | tuple[type, ...], where: str) -> Any:
+    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+        names = kind.__name__ if isinstance(kind, type) else "/".join(k.__name__ for k in kind)
+        raise CorruptArtifactError(f"manifest field {where} should be {names}, got {value!r}")
+    return value
+
+
+def _digest(value: Any, where: str) -> str:
+    text = _expect(value, str, where)
+    if len(text) != 64 or any(c not in "0123456789abcdef" for c in text):
+        raise CorruptArtifactError(f"manifest field {where} is not a sha256 hex digest")
+    return str(text)
+
+
+def _size_entry(value: Any, names: Sequence[str], where: str) -> int | str:
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    text = _expect(value, str, where)
+    check_expression(text, names)
+    return str(text)
+
+
+def parse_manifest(raw: bytes) -> Manifest:
+    """Validate and decode manifest bytes; any defect is a CorruptArtifactError."""
+    try:
+        data = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CorruptArtifactError(f"manifest is not valid JSON: {exc}") from None
+    _expect(data, dict, "<root>")
+    if data.get("format") != FORMAT_NAME:
+        raise CorruptArtifactError(f"not a precompile artifact (format={data.get('format')!r})")
+    version = _expect(data.get("format_version"), int, "format_version")
+    if version != FORMAT_VERSION:
+        raise CorruptArtifactError(
+            f"artifact format version {version} is not supported (this precompile reads "
+            f"version {FORMAT_VERSION})"
+        )
+    env_raw = _expect(data.get("environment"), dict, "environment")
+    try:
+        environment = Environment(**env_raw)
+    except TypeError as exc:
+        raise CorruptArtifactError(f"manifest field environment is malformed: {exc}") from None
+
+    inputs_raw = _expect(data.get("inputs"), list, "inputs")
+    symbols: list[Symbol] = []
+    for n, entry in enumerate(_expect(data.get("symbols"), list, "symbols")):
+        _expect(entry, dict, f"symbols[{n}]")
+        name = _expect(entry.get("name"), str, f"symbols[{n}].name")
+        if not SYMBOL_NAME.match(name):
+            raise CorruptArtifactError(f"symbol name {name!r} is not an identifier")
+        sources = []
+        for m, pair in enumerate(_expect(entry.get("sources"), list, f"symbols[{n}].sources")):
+            where = f"symbols[{n}].sources[{m}]"
+            if not (isinstance(pair, list) and len(pair) == 2):
+                raise CorruptArtifactError(f"manifest field {where} should be [index, dim]")
+            index = _expect(pair[0], int, where)
+            dim = None if pair[1] is None else _expect(pair[1], int, where)
+            if not 0 <= index < len(inputs_raw):
+                raise CorruptArtifactError(f"manifest field {where} names a missing input")
+            sources.append(SymbolSource(index, dim))
+        if not sources:
+            raise CorruptArtifactError(f"symbol {name} has no source in the inputs")
+        low = _expect(entry.get("min", 0), int, f"symbols[{n}].min")
+        high = entry.get("max")
+        high = None if high is None else _expect(high, int, f"symbols[{n}].max")
+        symbols.append(Symbol(name, tuple(sources), low, high))
+    names = [s.name for s in symbols]
+
+    inputs: list[InputSpec] = []
+    for n, entry in enumerate(inputs_raw):
+        _expect(entry, dict, f"inputs[{n}]")
+        if entry.get("kind") == "tensor":
+            shape = tuple(
+                _size_entry(v, names, f"inputs[{n}].shape[{d}]")
+                for d, v in enumerate(_expect(entry.get("shape"), list, f"inputs[{n}].shape"))
+            )
+            inputs.append(
+                TensorInput(
+                    _expect(entry.get("dtype"), str, f"inputs[{n}].dtype"),
+                    _expect(entry.get("device"), str, f"inputs[{n}].device"),
+                    shape,
+                )
+            )
+        elif entry.get("kind") == "int":
+            inputs.append(IntInput(_size_entry(entry.get("value"), names, f"inputs[{n}].value")))
+        else:
+            raise CorruptArtifactError(f"manifest field inputs[{n}].kind is unknown")
+
+    variants: list[Variant] = []
+    for n, entry in enumerate(_expect(data.get("variants"), list, "variants")):
+        _expect(entry, dict, f"variants[{n}]")
+        kind = entry.get("kind")
+        if kind not in ("hint", "static"):
+            raise CorruptArtifactError(f"manifest field variants[{n}].kind is unknown")
+        point = _expect(entry.get("point"), dict, f"variants[{n}].point")
+        if sorted(point) != sorted(names):
+            raise CorruptArtifactError(f"variants[{n}].point does not name every symbol")
+        for key, value in point.items():
+            _expect(value, int, f"variants[{n}].point[{key}]")
+        guards = tuple(
+            str(_expect(g, str, f"variants[{n}].guards"))
+            for g in _expect(entry.get("guards"), list, f"variants[{n}].guards")
+        )
+        for guard in guards:
+            check_expression(guard, names)
+        variants.append(
+            Variant(
+                index=n,
+                kind=kind,
+                point={name: point[name] for name in names},
+                guards=guards,
+                payload=_digest(entry.get("payload"), f"variants[{n}].payload"),
+                code=_digest(entry.get("code"), f"variants[{n}].code"),
+            )
+        )
+    if not variants:
+        raise CorruptArtifactError("manifest lists no variants")
+    extra = _expect(data.get("extra", {}), dict, "extra")
+    return Manifest(environment, tuple(symbols), tuple(inputs), tuple(variants), extra)

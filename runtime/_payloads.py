@@ -1,0 +1,85 @@
+"""Where a variant's payload bytes come from: memory, a binary file, or an unpacked dir.
+
+Every store hands out bytes only after checking them against their sha256 digest, so
+nothing is unpickled or loaded from bytes that are not exactly what was saved.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import tempfile
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from typing import IO, Protocol
+
+from ._errors import CorruptArtifactError
+
+
+def sha256_hex(data: bytes | memoryview) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+class PayloadStore(Protocol):
+    def read(self, digest: str) -> bytes:
+        """The verified payload bytes for ``digest``."""
+
+    def edited_source(self, digest: str) -> str | None:
+        """Generated code the user edited in place of the payload's own, if any."""
+
+
+class MemoryPayloads:
+    """Payloads held in memory, as a fresh compile produces them."""
+
+    def __init__(self, payloads: Mapping[str, bytes]) -> None:
+        self._payloads = dict(payloads)
+
+    def read(self, digest: str) -> bytes:
+        data = self._payloads[digest]
+        if sha256_hex(data) != digest:
+            raise CorruptArtifactError(f"payload {digest[:12]} changed in memory")
+        return data
+
+    def edited_source(self, digest: str) -> str | None:
+        return None
+
+
+class LazyPayloads:
+    """Payloads verified and decoded on first use by ``fetch`` (for files on disk)."""
+
+    def __init__(
+        self,
+        fetch: Callable[[str], bytes],
+        edited: Callable[[str], str | None] | None = None,
+    ) -> None:
+        self._fetch = fetch
+        self._edited = edited
+
+    def read(self, digest: str) -> bytes:
+        data = self._fetch(digest)
+        if sha256_hex(data) != digest:
+            raise CorruptArtifactError(
+                f"payload {digest[:12]} does not match its sha256; the artifact is corrupt"
+            )
+        return data
+
+    def edited_source(self, digest: str) -> str | None:
+        return self._edited(digest) if self._edited else None
+
+
+@contextmanager
+def atomic_file(path: str) -> Iterator[IO[bytes]]:
+    """Write ``path`` through a temp file in the same directory and ``os.replace``."""
+    directory = os.path.dirname(os.path.abspath(path)) or "."
+    os.makedirs(directory, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".precompile-", suffix=".tmp", dir=directory)
+    try:
+        with os.fdopen(fd, "wb") as handle:
+            yield handle
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
