@@ -55,7 +55,16 @@ class InputContract:
         lines.append("            return None")
         assigned: set[str] = set()
         deferred: list[str] = []
-        namespace: dict[str, Any] = {"__builtins__": {"len": len, "type": type, "int": int}}
+        namespace: dict[str, Any] = {
+            "__builtins__": {
+                "len": len,
+                "type": type,
+                "int": int,
+                "AttributeError": AttributeError,
+                "TypeError": TypeError,
+                "IndexError": IndexError,
+            }
+        }
 
         def bind(target: str, value_expr: str) -> None:
             if target in assigned:

@@ -117,4 +117,6 @@ def read_unpacked(path: str) -> tuple[Manifest, PayloadStore]:
         return store.read(digest)
 
     store = LazyPayloads(fetch, edited)
+    for digest in manifest.payload_digests:
+        store.read(digest)  # checksum every payload now: a corrupt dir fails at load
     return manifest, store

@@ -1,0 +1,182 @@
+"""Shared models and session-scoped compiled artifacts.
+
+Compiling is the slow part (gcc on CPU), so each graph is compiled once per session
+and every test reads the same artifacts.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+import torch
+
+import precompile
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+class MLP(torch.nn.Module):
+    def __init__(self, width: int = 32, hidden: int = 64) -> None:
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(width)
+        self.up = torch.nn.Linear(width, hidden)
+        self.down = torch.nn.Linear(hidden, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.nn.functional.silu(self.up(self.norm(x))))
+
+
+class AttentionBlock(torch.nn.Module):
+    """Causal self-attention over x: [batch, seq, width]; batch and seq are dynamic."""
+
+    def __init__(self, width: int = 32, heads: int = 2) -> None:
+        super().__init__()
+        self.heads = heads
+        self.qkv = torch.nn.Linear(width, 3 * width)
+        self.out = torch.nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, seq, width = x.shape
+        q, k, v = self.qkv(x).chunk(3, dim=-1)
+        shape = (batch, seq, self.heads, width // self.heads)
+        q, k, v = (t.reshape(shape).transpose(1, 2) for t in (q, k, v))
+        scores = (q @ k.transpose(-1, -2)) / (width // self.heads) ** 0.5
+        mask = torch.ones(seq, seq, dtype=torch.bool, device=x.device).tril()
+        scores = scores.masked_fill(~mask, float("-inf"))
+        attended = (scores.softmax(-1) @ v).transpose(1, 2).reshape(batch, seq, width)
+        return x + self.out(attended)
+
+
+@dataclass
+class Captured:
+    """A Dynamo graph plus how to build its flat inputs from the model's user inputs."""
+
+    gm: torch.fx.GraphModule
+    example_inputs: list[Any]
+    model: torch.nn.Module
+    user_positions: dict[int, int]  # placeholder index -> user input position
+
+    def flat(self, *user_inputs: torch.Tensor) -> list[Any]:
+        args: list[Any] = []
+        for index, example in enumerate(self.example_inputs):
+            if index in self.user_positions:
+                args.append(user_inputs[self.user_positions[index]])
+            elif isinstance(example, torch.SymInt):
+                args.append(None)
+            else:
+                args.append(example)
+        placeholders = [n for n in self.gm.graph.nodes if n.op == "placeholder"]
+        for index, example in enumerate(self.example_inputs):
+            if not isinstance(example, torch.SymInt):
+                continue
+            args[index] = self._int_value(example, placeholders, args)
+        return args
+
+    @staticmethod
+    def _int_value(example: torch.SymInt, placeholders: list[Any], args: list[Any]) -> int:
+        target = example.node.expr
+        for node, arg in zip(placeholders, args):
+            value = node.meta.get("example_value")
+            if isinstance(value, torch.Tensor) and isinstance(arg, torch.Tensor):
+                for dim, size in enumerate(value.shape):
+                    if isinstance(size, torch.SymInt) and size.node.expr == target:
+                        return int(arg.shape[dim])
+        raise AssertionError(f"no tensor dim carries {target}")
+
+
+def capture(model: torch.nn.Module, *user_inputs: torch.Tensor) -> Captured:
+    """Trace ``model`` with Dynamo (all dims dynamic) and keep the graph it hands a backend."""
+    box: dict[str, Any] = {}
+
+    def backend(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
+        box["gm"], box["inputs"] = gm, list(example_inputs)
+        return gm.forward
+
+    torch._dynamo.reset()
+    # dynamic=True would also turn float attributes (LayerNorm eps) into graph inputs.
+    with torch.no_grad(), torch._dynamo.config.patch(specialize_float=True):
+        torch.compile(model, backend=backend, dynamic=True, fullgraph=True)(*user_inputs)
+    positions = {}
+    for index, example in enumerate(box["inputs"]):
+        for position, user in enumerate(user_inputs):
+            if example is user:
+                positions[index] = position
+    return Captured(box["gm"], box["inputs"], model, positions)
+
+
+@dataclass
+class Compiled:
+    captured: Captured
+    artifact: precompile.CompiledArtifact
+
+
+MLP_HINTS = [1, 16, 256]
+MLP_SIZES = [3]
+
+
+@pytest.fixture(scope="session")
+def mlp() -> Compiled:
+    torch.manual_seed(0)
+    model = MLP().eval()
+    captured = capture(model, torch.randn(5, 32))
+    with torch.no_grad():
+        artifact = precompile.standalone_compile(
+            captured.gm, captured.example_inputs, hints=MLP_HINTS, sizes=MLP_SIZES
+        )
+    return Compiled(captured, artifact)
+
+
+ATTN_HINTS = {"batch": [1, 2, 8], "seq": [1, 16, 64]}
+
+
+@pytest.fixture(scope="session")
+def attention() -> Compiled:
+    torch.manual_seed(0)
+    model = AttentionBlock().eval()
+    captured = capture(model, torch.randn(3, 5, 32))
+    placeholder = next(i for i, p in captured.user_positions.items() if p == 0)
+    hints = {(placeholder, 0): ATTN_HINTS["batch"], (placeholder, 1): ATTN_HINTS["seq"]}
+    with torch.no_grad():
+        artifact = precompile.standalone_compile(
+            captured.gm, captured.example_inputs, hints=hints
+        )
+    return Compiled(captured, artifact)
+
+
+def run_python(code: str, *, env: dict[str, str] | None = None, timeout: int = 600) -> str:
+    """Run ``code`` in a fresh interpreter (a clean process, as a server would start)."""
+    full_env = {**os.environ, **(env or {})}
+    result = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        capture_output=True,
+        text=True,
+        env=full_env,
+        cwd=ROOT,
+        timeout=timeout,
+    )
+    if result.returncode != 0:
+        raise AssertionError(
+            f"subprocess failed ({result.returncode}):\n{result.stdout}\n{result.stderr}"
+        )
+    return result.stdout
+
+
+def assert_close(actual: Sequence[torch.Tensor] | torch.Tensor, expected: torch.Tensor) -> None:
+    value = actual[0] if isinstance(actual, (list, tuple)) else actual
+    torch.testing.assert_close(value, expected, rtol=1e-4, atol=1e-4)

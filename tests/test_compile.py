@@ -1,0 +1,143 @@
+"""Compiled variants against eager: correctness sweeps, guards, dedupe, caller safety."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import precompile
+from conftest import ATTN_HINTS, MLP_HINTS, MLP_SIZES, Compiled, assert_close
+
+MLP_SWEEP = [1, 2, 3, 5, 7, 13, 16, 17, 31, 100, 256, 257, 1000, 4099]
+
+
+def test_mlp_matches_eager_over_sweep(mlp: Compiled) -> None:
+    model = mlp.captured.model
+    for n in MLP_SWEEP:
+        x = torch.randn(n, 32)
+        with torch.no_grad():
+            out = mlp.artifact(*mlp.captured.flat(x))
+            assert_close(out, model(x))
+
+
+def test_mlp_variant_layout(mlp: Compiled) -> None:
+    art = mlp.artifact
+    assert len(art.symbols) == 1
+    symbol = art.symbols[0]
+    kinds = [(v.kind, v.point[symbol.name]) for v in art.variants]
+    assert kinds == [("hint", h) for h in MLP_HINTS] + [("static", s) for s in MLP_SIZES]
+    # every placeholder that carries the symbol is listed as a source
+    assert any(src.dim == 0 for src in symbol.sources)
+
+
+def test_dispatch_choices_on_mlp(mlp: Compiled) -> None:
+    art, flat = mlp.artifact, mlp.captured.flat
+    by_point = {(v.kind, next(iter(v.point.values()))): v.index for v in art.variants}
+    expected = {
+        1: by_point[("hint", 1)],  # only the hint-1 variant admits size 1
+        3: by_point[("static", 3)],  # exact size wins over every hint
+        5: by_point[("hint", 16)],
+        20: by_point[("hint", 16)],
+        100: by_point[("hint", 256)],
+        5000: by_point[("hint", 256)],  # above the largest hint: nearest one
+    }
+    for n, index in expected.items():
+        assert art.variant_for(*flat(torch.randn(n, 32))) == index, n
+
+
+def test_hint_one_variant_guards_exclude_other_sizes(mlp: Compiled) -> None:
+    """Hint 1 specializes the batch to 1; its guards must keep it away from size 2."""
+    art, flat = mlp.artifact, mlp.captured.flat
+    hint_one = next(v for v in art.variants if v.kind == "hint" and 1 in v.point.values())
+    assert hint_one.guards, "the hint-1 variant should carry a guard"
+    explanation = art.explain(*flat(torch.randn(2, 32)))
+    # by log2 distance alone hint 1 is nearest to 2 ...
+    nearest = min(
+        (c for c in explanation.candidates if c.kind == "hint"), key=lambda c: c.distance
+    )
+    assert nearest.variant == hint_one.index
+    # ... but its guards fail, so another variant serves size 2
+    assert nearest.failed_guards
+    assert explanation.chosen != hint_one.index
+    assert explanation.decided_by in ("nearest-hint", "only-variant")
+
+
+def test_attention_two_dynamic_dims_match_eager(attention: Compiled) -> None:
+    model = attention.captured.model
+    for batch in [1, 2, 3, 8, 11]:
+        for seq in [1, 7, 16, 33, 64, 130]:
+            x = torch.randn(batch, seq, 32)
+            with torch.no_grad():
+                out = attention.artifact(*attention.captured.flat(x))
+                assert_close(out, model(x))
+
+
+def test_attention_is_cartesian_product_of_hints(attention: Compiled) -> None:
+    art = attention.artifact
+    assert len(art.symbols) == 2
+    points = sorted(tuple(v.point.values()) for v in art.variants)
+    expected = sorted((b, s) for b in ATTN_HINTS["batch"] for s in ATTN_HINTS["seq"])
+    assert points == expected
+
+
+def test_attention_dispatch_is_nearest_in_log2_space(attention: Compiled) -> None:
+    art, flat = attention.artifact, attention.captured.flat
+    for batch, seq in [(2, 16), (3, 20), (7, 60), (8, 200), (2, 40)]:
+        explanation = art.explain(*flat(torch.randn(batch, seq, 32)))
+        admissible = [c for c in explanation.candidates if c.admissible]
+        best = min(admissible, key=lambda c: (c.distance, c.variant))
+        assert explanation.chosen == best.variant
+
+
+def test_identical_code_is_stored_once(mlp: Compiled, attention: Compiled) -> None:
+    for art in (mlp.artifact, attention.artifact):
+        codes = {v.code for v in art.variants}
+        assert len(art.manifest.payload_digests) == len(codes)
+        for variant in art.variants:
+            same_code = [v for v in art.variants if v.code == variant.code]
+            assert {v.payload for v in same_code} == {variant.payload}
+
+
+def test_compile_leaves_caller_graph_unchanged() -> None:
+    from conftest import MLP, capture
+
+    torch.manual_seed(1)
+    captured = capture(MLP().eval(), torch.randn(4, 32))
+    code_before = captured.gm.code
+    metas_before = [copy.copy(n.meta.get("example_value")) for n in captured.gm.graph.nodes]
+    env = captured.example_inputs[-1].fake_mode.shape_env if hasattr(
+        captured.example_inputs[-1], "fake_mode") else None
+    with torch.no_grad():
+        precompile.standalone_compile(
+            captured.gm, captured.example_inputs, hints=[8], max_variants=1
+        )
+    assert captured.gm.code == code_before
+    metas_after = [n.meta.get("example_value") for n in captured.gm.graph.nodes]
+    assert [type(m) for m in metas_after] == [type(m) for m in metas_before]
+    del env
+
+
+def test_too_many_variants_fail_before_compiling(mlp: Compiled, monkeypatch: pytest.MonkeyPatch) -> None:
+    from precompile import _torch_adapter
+
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise AssertionError("compiled although the request was invalid")
+
+    monkeypatch.setattr(_torch_adapter, "compile_variant", refuse)
+    gm, inputs = mlp.captured.gm, mlp.captured.example_inputs
+    with pytest.raises(precompile.InvalidOptionError, match="max_variants=4"):
+        precompile.standalone_compile(gm, inputs, hints=[1, 2, 3, 4, 5], max_variants=4)
+    with pytest.raises(ValueError, match="symbol 'batch'"):
+        precompile.standalone_compile(gm, inputs, hints={"batch": [4]})
+    with pytest.raises(precompile.InvalidOptionError, match="not a dynamic dim"):
+        precompile.standalone_compile(gm, inputs, hints={(0, 0): [4]})
+    with pytest.raises(precompile.InvalidOptionError, match="dynamic_shapes"):
+        precompile.standalone_compile(gm, inputs, dynamic_shapes="from_nowhere")
+    with pytest.raises(precompile.InvalidOptionError, match="options"):
+        precompile.standalone_compile(gm, inputs, options=["max_autotune"])  # type: ignore[arg-type]
+    with pytest.raises(precompile.InvalidOptionError, match="hints entry"):
+        precompile.standalone_compile(gm, inputs, hints=[-4])
+    with pytest.raises(precompile.InvalidOptionError, match="placeholders"):
+        precompile.standalone_compile(gm, inputs[:-1])

@@ -1,0 +1,79 @@
+"""hints= and sizes= expansion and validation (no compiling)."""
+
+from __future__ import annotations
+
+import pytest
+
+from precompile import InvalidOptionError
+from precompile._variant_plan import VariantRequest, plan_variants
+
+NAMES = ["s0", "s1"]
+DIMS = {(2, 0): "s0", (2, 1): "s1"}
+DEFAULT = [5, 7]
+
+
+def plan(**kwargs: object) -> list[VariantRequest]:
+    kwargs.setdefault("hints", None)
+    kwargs.setdefault("sizes", None)
+    return plan_variants(NAMES, DIMS, DEFAULT, **kwargs)  # type: ignore[arg-type]
+
+
+def test_default_is_one_variant_at_the_caller_hints() -> None:
+    assert plan() == [VariantRequest("hint", (5, 7))]
+
+
+def test_list_hints_are_one_dimensional() -> None:
+    assert [r.point for r in plan(hints=[16, 256])] == [(16, 16), (256, 256)]
+
+
+def test_dict_hints_are_a_cartesian_product_by_name_or_dim() -> None:
+    by_name = plan(hints={"s0": [1, 8], "s1": [16, 64, 256]})
+    by_dim = plan(hints={(2, 0): [1, 8], (2, 1): [16, 64, 256]})
+    assert by_name == by_dim
+    assert len(by_name) == 6
+    assert (8, 256) in [r.point for r in by_name]
+
+
+def test_unmentioned_symbol_keeps_its_caller_hint() -> None:
+    assert [r.point for r in plan(hints={"s1": [2, 4]})] == [(5, 2), (5, 4)]
+
+
+def test_sizes_are_static_variants_after_hints() -> None:
+    requests = plan(sizes=[3, {"s0": 1, "s1": 2}])
+    assert requests == [
+        VariantRequest("hint", (5, 7)),
+        VariantRequest("static", (3, 3)),
+        VariantRequest("static", (1, 2)),
+    ]
+
+
+def test_duplicates_are_dropped() -> None:
+    assert len(plan(hints=[4, 4, 8])) == 2
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"hints": [1, 2, 3], "max_variants": 2}, "3 variants, more than max_variants=2"),
+        ({"hints": {"s0": list(range(6)), "s1": list(range(6))}}, "36 variants"),
+        ({"hints": {"batch": [1]}}, "symbol 'batch'"),
+        ({"hints": {(0, 0): [1]}}, r"\(input_index, dim\) \(0, 0\)"),
+        ({"hints": {"s0": [1], (2, 0): [2]}}, "gives symbol s0 twice"),
+        ({"hints": []}, "non-empty"),
+        ({"hints": "16"}, "non-empty list"),
+        ({"hints": [True]}, "must be an int"),
+        ({"hints": {"s0": []}}, r"hints\['s0'\] must be a non-empty list"),
+        ({"sizes": [{"s0": 3}]}, r"missing \['s1'\]"),
+        ({"sizes": 3}, "sizes must be a list"),
+        ({"max_variants": 0}, "max_variants must be a positive int"),
+    ],
+)
+def test_bad_requests_are_clear_value_errors(kwargs: dict[str, object], message: str) -> None:
+    with pytest.raises(InvalidOptionError, match=message) as info:
+        plan(**kwargs)
+    assert isinstance(info.value, ValueError)
+
+
+def test_hints_need_dynamic_dims() -> None:
+    with pytest.raises(InvalidOptionError, match="no dynamic dimensions"):
+        plan_variants([], {}, [], hints=[4], sizes=None)
