@@ -1,0 +1,91 @@
+"""Used inside a torch.compile backend: outputs, recompiles, and the caller's guards."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import sympy
+import torch
+
+import precompile
+from conftest import MLP
+
+
+def _compile_with(kind: str, calls: list[int]) -> Callable[..., Any]:
+    def backend(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
+        env = torch._guards.TracingContext.get().fake_mode.shape_env
+        before = {str(g.expr) for g in env.guards}
+        if kind == "upstream":
+            art: Callable[..., Any] = torch._inductor.standalone_compile(
+                gm, example_inputs, dynamic_shapes="from_tracing_context"
+            )
+        else:
+            art = precompile.standalone_compile(
+                gm, example_inputs, dynamic_shapes="from_tracing_context", hints=[4, 64]
+            )
+        added = {str(g.expr) for g in env.guards} - before
+        calls.append(len(added))
+        return art
+
+    return backend
+
+
+def test_backend_adds_no_more_guards_than_upstream_and_never_recompiles() -> None:
+    torch.manual_seed(0)
+    model = MLP().eval()
+    added: dict[str, list[int]] = {}
+    for kind in ("upstream", "ours"):
+        torch._dynamo.reset()
+        added[kind] = []
+        compiled = torch.compile(model, backend=_compile_with(kind, added[kind]), dynamic=True)
+        with torch.no_grad(), torch._dynamo.config.patch(specialize_float=True):
+            for n in [5, 2, 9, 64, 100, 333]:
+                x = torch.randn(n, 32)
+                torch.testing.assert_close(compiled(x), model(x), rtol=1e-4, atol=1e-4)
+        assert len(added[kind]) == 1, f"{kind}: the backend ran {len(added[kind])} times"
+    assert added["ours"][0] <= added["upstream"][0]
+
+
+def test_only_guards_common_to_all_hint_variants_reach_the_caller() -> None:
+    from precompile._standalone import _propagate_common_guards
+    from precompile._torch_adapter import GraphDescription
+    from precompile._variant_plan import VariantRequest
+    from torch._dynamo.source import ConstantSource
+    from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv
+
+    env = ShapeEnv()
+    s0 = env.create_symbol(8, ConstantSource("s0"), dynamic_dim=DimDynamic.DYNAMIC)
+    graph = GraphDescription((), (s0,), {s0: 8}, {s0: (0, None)}, env)
+    common = sympy.Lt(s0 * 4096, 2**31)
+    requests = [
+        VariantRequest("hint", (4,)),
+        VariantRequest("hint", (64,)),
+        VariantRequest("static", (3,)),
+    ]
+    guards = [
+        (common, sympy.Ne(s0, 1)),  # hint-specific guard: must not leak
+        (common,),
+        (sympy.Eq(s0, 3),),
+    ]
+    before = len(env.guards)
+    _propagate_common_guards(graph, requests, guards)
+    added = [g.expr for g in env.guards[before:]]
+    assert added == [common]
+
+
+def test_common_guard_false_at_a_static_size_is_not_propagated() -> None:
+    from precompile._standalone import _propagate_common_guards
+    from precompile._torch_adapter import GraphDescription
+    from precompile._variant_plan import VariantRequest
+    from torch._dynamo.source import ConstantSource
+    from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv
+
+    env = ShapeEnv()
+    s0 = env.create_symbol(8, ConstantSource("s0"), dynamic_dim=DimDynamic.DYNAMIC)
+    graph = GraphDescription((), (s0,), {s0: 8}, {s0: (0, None)}, env)
+    requests = [VariantRequest("hint", (8,)), VariantRequest("static", (5000,))]
+    guards = [(sympy.Le(s0, 4096),), (sympy.Eq(s0, 5000),)]
+    before = len(env.guards)
+    _propagate_common_guards(graph, requests, guards)
+    assert len(env.guards) == before  # the static variant serves 5000: Dynamo must call us
