@@ -1,9 +1,9 @@
 """precompile: compile PyTorch graphs ahead of time into multi-variant, checked artifacts.
 
-    art = precompile.standalone_compile(gm, example_inputs, hints=[16, 256, 4096])
-    art.save(path="model.pt2c")
-    art = precompile.CompiledArtifact.load(path="model.pt2c")
-    out = art(*flat_inputs)
+art = precompile.standalone_compile(gm, example_inputs, hints=[16, 256, 4096])
+art.save(path="model.pt2c")
+art = precompile.CompiledArtifact.load(path="model.pt2c")
+out = art(*flat_inputs)
 """
 
 from runtime import (

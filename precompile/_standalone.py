@@ -89,7 +89,7 @@ def _propagate_common_guards(
     code outside its assumptions. Hint-specific guards stay with their variants.
     """
     env = graph.caller_shape_env
-    hint_guards = [set(g) for r, g in zip(requests, guards) if r.kind == "hint"]
+    hint_guards = [set(g) for r, g in zip(requests, guards, strict=True) if r.kind == "hint"]
     if env is None or not hint_guards:
         return
     common = set.intersection(*hint_guards)
@@ -97,7 +97,8 @@ def _propagate_common_guards(
     caller_point = dict(graph.hints)
     for expr in sorted(common, key=str):
         holds_static = all(
-            adapter.evaluate(expr, dict(zip(graph.symbols, point))) for point in statics
+            adapter.evaluate(expr, dict(zip(graph.symbols, point, strict=True)))
+            for point in statics
         )
         if holds_static and adapter.evaluate(expr, caller_point):
             adapter.add_caller_guard(env, expr)
@@ -134,8 +135,12 @@ def standalone_compile(
     graph = adapter.describe_graph(gm, list(example_inputs), dynamic_shapes)
     symbols = _symbols(graph)
     names = [s.name for s in symbols]
-    dims = {(src.input_index, src.dim): s.name for s in symbols for src in s.sources
-            if src.dim is not None}
+    dims = {
+        (src.input_index, src.dim): s.name
+        for s in symbols
+        for src in s.sources
+        if src.dim is not None
+    }
     default_point = [graph.hints[s] for s in graph.symbols]
     requests = plan_variants(
         names, dims, default_point, hints=hints, sizes=sizes, max_variants=max_variants
@@ -145,7 +150,7 @@ def standalone_compile(
     variants: list[Variant] = []
     all_guards: list[tuple[sympy.Expr, ...]] = []
     for number, request in enumerate(requests):
-        point = dict(zip(graph.symbols, request.point))
+        point = dict(zip(graph.symbols, request.point, strict=True))
         started = time.perf_counter()
         compiled = adapter.compile_variant(
             gm, graph, point, dynamic=request.kind == "hint", options=options or {}
@@ -162,15 +167,26 @@ def standalone_compile(
             by_code[code] = payload_digest
         texts = tuple(dict.fromkeys(adapter.print_expr(g) for g in guards))
         variants.append(
-            Variant(number, request.kind, dict(zip(names, request.point)), texts,
-                    payload_digest, code)
+            Variant(
+                number,
+                request.kind,
+                dict(zip(names, request.point, strict=True)),
+                texts,
+                payload_digest,
+                code,
+            )
         )
         log.info(
             "compiled variant %d/%d (%s %s) in %.1f s; %d guards%s",
-            number + 1, len(requests), request.kind,
-            ", ".join(f"{n}={v}" for n, v in zip(names, request.point)) or "static",
-            time.perf_counter() - started, len(texts),
-            "" if payloads.get(payload_digest) is compiled.payload else "; same code as an earlier variant",
+            number + 1,
+            len(requests),
+            request.kind,
+            ", ".join(f"{n}={v}" for n, v in zip(names, request.point, strict=True)) or "static",
+            time.perf_counter() - started,
+            len(texts),
+            ""
+            if payloads.get(payload_digest) is compiled.payload
+            else "; same code as an earlier variant",
         )
     _propagate_common_guards(graph, requests, all_guards)
     manifest = Manifest(

@@ -10,8 +10,9 @@ from __future__ import annotations
 import copy
 import logging
 import os
+import pickle
 import shutil
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -25,6 +26,7 @@ from runtime._errors import UnsupportedGraphError
 log = logging.getLogger("precompile.compile")
 
 DYNAMIC_SHAPES = ("from_graph", "from_tracing_context", "from_example_inputs")
+_ZERO = sympy.Integer(0)
 
 
 @dataclass(frozen=True)
@@ -37,8 +39,8 @@ class GraphInput:
     requires_grad: bool = False
     shape: tuple[sympy.Expr, ...] = ()
     stride: tuple[sympy.Expr, ...] = ()
-    storage_offset: sympy.Expr = sympy.Integer(0)
-    value: sympy.Expr = sympy.Integer(0)  # for "int"
+    storage_offset: sympy.Expr = _ZERO
+    value: sympy.Expr = _ZERO  # for "int"
 
 
 @dataclass(frozen=True)
@@ -89,7 +91,7 @@ def _placeholder_values(gm: torch.fx.GraphModule, example_inputs: Sequence[Any])
             f"{len(placeholders)} placeholders"
         )
     values = []
-    for node, example in zip(placeholders, example_inputs):
+    for node, example in zip(placeholders, example_inputs, strict=True):
         meta = node.meta.get("example_value", node.meta.get("val"))
         values.append(meta if meta is not None else example)
     return values
@@ -295,9 +297,17 @@ def compile_variant(
                 "a graph with no operations, or options such as freezing that upstream "
                 "cannot save)"
             )
-        payload = BundledAOTAutogradSerializableCallable.serialize_compile_artifacts(
-            BundledAOTAutogradSerializableCallable(compiled)
-        )
+        try:
+            payload = BundledAOTAutogradSerializableCallable.serialize_compile_artifacts(
+                BundledAOTAutogradSerializableCallable(compiled)
+            )
+        except (TypeError, AttributeError, pickle.PicklingError) as exc:
+            raise UnsupportedGraphError(
+                "inductor compiled the graph but could not serialize it "
+                f"({type(exc).__name__}: {exc}); graphs from torch.export's module() wrapper "
+                "are one known case: capture the graph with Dynamo (a torch.compile backend) "
+                "instead"
+            ) from exc
     shape_env = fake_mode.shape_env
     guards: list[sympy.Expr] = [g.expr for g in shape_env.guards]
     for symbol, replacement in shape_env.replacements.items():
@@ -337,20 +347,3 @@ def evaluate(expr: sympy.Expr, values: Mapping[sympy.Symbol, int]) -> bool:
 def add_caller_guard(shape_env: Any, expr: sympy.Expr) -> None:
     """Record ``expr`` (true at the caller's hints) as a guard of the caller's ShapeEnv."""
     shape_env.evaluate_expr(expr)
-
-
-def guard_count(shape_env: Any) -> int:
-    return len(shape_env.guards)
-
-
-def counters() -> Mapping[str, Mapping[str, int]]:
-    from torch._dynamo.utils import counters as dynamo_counters
-
-    return dynamo_counters
-
-
-def is_tracing() -> bool:
-    return torch._guards.TracingContext.try_get() is not None
-
-
-CompileFn = Callable[..., Any]

@@ -9,13 +9,13 @@ from __future__ import annotations
 import itertools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal, Union
+from typing import Any, Literal
 
 from runtime._errors import InvalidOptionError
 
-DimKey = Union[str, tuple[int, int]]
-Hints = Union[Sequence[int], Mapping[DimKey, Sequence[int]], None]
-Sizes = Union[Sequence[Union[int, Mapping[DimKey, int]]], None]
+DimKey = str | tuple[int, int]
+Hints = Sequence[int] | Mapping[DimKey, Sequence[int]] | None
+Sizes = Sequence[int | Mapping[DimKey, int]] | None
 DEFAULT_MAX_VARIANTS = 32
 
 
@@ -33,7 +33,9 @@ def _size(value: Any, what: str) -> int:
     return value
 
 
-def _symbol_for(key: Any, names: Sequence[str], dims: Mapping[tuple[int, int], str], what: str) -> str:
+def _symbol_for(
+    key: Any, names: Sequence[str], dims: Mapping[tuple[int, int], str], what: str
+) -> str:
     if isinstance(key, str):
         if key not in names:
             raise InvalidOptionError(
@@ -75,7 +77,7 @@ def _hint_points(
     if isinstance(hints, Mapping):
         per_symbol = _by_symbol(hints, names, dims, "hints")
         axes: list[list[int]] = []
-        for name, fallback in zip(names, default):
+        for name, fallback in zip(names, default, strict=True):
             values = per_symbol.get(name, [fallback])
             if isinstance(values, (str, bytes)) or not isinstance(values, Sequence) or not values:
                 raise InvalidOptionError(

@@ -104,7 +104,7 @@ class CompiledArtifact:
         key = self._read_key(args)
         if key is None:
             raise self._contract.mismatch(args)
-        return dict(zip(self._manifest.symbol_names, key))
+        return dict(zip(self._manifest.symbol_names, key, strict=True))
 
     def explain(self, *args: Any) -> Explanation:
         """Which variant these inputs would run, each variant's distance, failing guards."""

@@ -62,7 +62,7 @@ def write_binary(path: str, manifest: Manifest, payloads: PayloadStore) -> None:
             handle.write(blob)
 
 
-def _parse_index(data: bytes, where: str) -> tuple[Manifest, dict[str, dict[str, int]], int]:
+def _parse_index(data: bytes, where: str) -> tuple[Manifest, dict[str, dict[str, Any]], int]:
     if len(data) < _HEADER.size:
         raise CorruptArtifactError(f"{where} is too short to be a precompile artifact")
     magic, version, index_length, index_sha = _HEADER.unpack_from(data)
@@ -93,7 +93,7 @@ def _parse_index(data: bytes, where: str) -> tuple[Manifest, dict[str, dict[str,
 
 def _check_table(
     table: Any, digests: Iterable[str], data_length: int, where: str
-) -> dict[str, dict[str, int]]:
+) -> dict[str, dict[str, Any]]:
     if not isinstance(table, dict):
         raise CorruptArtifactError(f"{where} payload table is malformed")
     total = 0
@@ -132,9 +132,7 @@ def read_binary(path: str) -> tuple[Manifest, PayloadStore]:
         entry = table[digest]
         stored = payload_view[entry["offset"] : entry["offset"] + entry["size"]]
         try:
-            raw = zstandard.ZstdDecompressor().decompress(
-                stored, max_output_size=entry["raw_size"]
-            )
+            raw = zstandard.ZstdDecompressor().decompress(stored, max_output_size=entry["raw_size"])
         except zstandard.ZstdError as exc:
             raise CorruptArtifactError(f"{where} payload {digest[:12]}: {exc}") from None
         return bytes(raw)

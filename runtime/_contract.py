@@ -40,7 +40,9 @@ class InputContract:
         self.symbols = manifest.symbol_names
         self.inputs = manifest.inputs
         self._dtypes = {
-            i: _dtype(spec.dtype) for i, spec in enumerate(self.inputs) if isinstance(spec, TensorInput)
+            i: _dtype(spec.dtype)
+            for i, spec in enumerate(self.inputs)
+            if isinstance(spec, TensorInput)
         }
         self._devices = {
             i: _device(spec.device)
@@ -140,7 +142,7 @@ class InputContract:
             values.setdefault(name, (value, where))
             return None
 
-        for index, (spec, arg) in enumerate(zip(self.inputs, args)):
+        for index, (spec, arg) in enumerate(zip(self.inputs, args, strict=True)):
             if isinstance(spec, IntInput):
                 if type(arg) is not int:
                     return InputMismatchError(
@@ -149,7 +151,9 @@ class InputContract:
                     )
                 if isinstance(spec.value, int):
                     if arg != spec.value:
-                        return InputMismatchError(f"input {index} should be {spec.value}, got {arg}")
+                        return InputMismatchError(
+                            f"input {index} should be {spec.value}, got {arg}"
+                        )
                 elif spec.value in self.symbols:
                     error = record(spec.value, arg, f"input {index}")
                     if error:

@@ -25,7 +25,9 @@ def log2_coordinate(value: int) -> float:
 
 
 def log2_distance(sizes: Sequence[int], point: Sequence[int]) -> float:
-    return sum(abs(log2_coordinate(v) - log2_coordinate(h)) for v, h in zip(sizes, point))
+    return sum(
+        abs(log2_coordinate(v) - log2_coordinate(h)) for v, h in zip(sizes, point, strict=True)
+    )
 
 
 @dataclass(frozen=True)
@@ -65,7 +67,8 @@ class Explanation:
             point = ", ".join(f"{k}={v}" for k, v in c.point.items())
             status = "ok" if c.admissible else "guards fail: " + "; ".join(c.failed_guards)
             rows.append(
-                f" {mark} variant {c.variant} [{c.kind} {point}] distance {c.distance:.3f}  {status}"
+                f" {mark} variant {c.variant} [{c.kind} {point}] "
+                f"distance {c.distance:.3f}  {status}"
             )
         return "\n".join(rows)
 
@@ -88,7 +91,7 @@ class Dispatcher:
     def _failed_guards(self, index: int, sizes: Sequence[int]) -> tuple[str, ...]:
         failed = [
             f"{name} >= {low}" if value < low else f"{name} <= {high}"
-            for (name, low, high), value in zip(self._bounds, sizes)
+            for (name, low, high), value in zip(self._bounds, sizes, strict=True)
             if value < low or (high is not None and value > high)
         ]
         guards = self._guards[index]
@@ -99,7 +102,7 @@ class Dispatcher:
         except (ArithmeticError, ValueError, TypeError):
             return (*failed, "(guard evaluation raised)")
         texts = self._variants[index].guards
-        return (*failed, *(text for text, ok in zip(texts, results) if not ok))
+        return (*failed, *(text for text, ok in zip(texts, results, strict=True) if not ok))
 
     def explain(self, sizes: Sequence[int]) -> Explanation:
         candidates = tuple(
@@ -113,8 +116,9 @@ class Dispatcher:
             for v in self._variants
         )
         exact = [
-            c for c in candidates if c.kind == "static" and c.admissible
-            and self._points[c.variant] == tuple(sizes)
+            c
+            for c in candidates
+            if c.kind == "static" and c.admissible and self._points[c.variant] == tuple(sizes)
         ]
         admissible = [c for c in candidates if c.kind == "hint" and c.admissible]
         chosen: int | None
@@ -127,7 +131,7 @@ class Dispatcher:
             decided_by = "only-variant" if len(admissible) == 1 else "nearest-hint"
         else:
             chosen, decided_by = None, "no-variant"
-        named = MappingProxyType(dict(zip(self._names, sizes)))
+        named = MappingProxyType(dict(zip(self._names, sizes, strict=True)))
         return Explanation(named, chosen, decided_by, candidates)
 
     def choose(self, sizes: Sequence[int]) -> int:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import importlib.metadata
 import platform
 import sys
-from functools import lru_cache
+from functools import cache
 
 import torch
 
@@ -13,7 +13,7 @@ from ._errors import IncompatibleArtifactError
 from ._manifest import Environment
 
 
-@lru_cache(maxsize=None)
+@cache
 def triton_version() -> str | None:
     try:
         return importlib.metadata.version("triton")
@@ -28,7 +28,7 @@ def _cpu_capability() -> str:
         return "unknown"
 
 
-@lru_cache(maxsize=None)
+@cache
 def current_environment(device: str) -> Environment:
     """The environment a graph compiled for ``device`` (a torch device string) would record."""
     dev = torch.device(device)

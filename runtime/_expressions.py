@@ -61,18 +61,16 @@ def _check_node(node: ast.AST, symbols: frozenset[str], text: str) -> None:
         )
     if isinstance(node, ast.Constant) and not isinstance(node.value, (int, float, bool)):
         raise CorruptArtifactError(f"expression {text!r} has a non-numeric constant")
-    if isinstance(node, ast.Name) and node.id not in symbols and node.id not in _FUNCTIONS:
-        if node.id != "math":
-            raise CorruptArtifactError(
-                f"expression {text!r} names {node.id!r}, which is not a symbol of this artifact"
-            )
-    if isinstance(node, ast.Attribute):
-        if not (
-            isinstance(node.value, ast.Name)
-            and node.value.id == "math"
-            and node.attr in _MATH_FUNCTIONS
-        ):
-            raise CorruptArtifactError(f"expression {text!r} has a forbidden attribute access")
+    if isinstance(node, ast.Name) and node.id not in (*symbols, *_FUNCTIONS, "math"):
+        raise CorruptArtifactError(
+            f"expression {text!r} names {node.id!r}, which is not a symbol of this artifact"
+        )
+    if isinstance(node, ast.Attribute) and not (
+        isinstance(node.value, ast.Name)
+        and node.value.id == "math"
+        and node.attr in _MATH_FUNCTIONS
+    ):
+        raise CorruptArtifactError(f"expression {text!r} has a forbidden attribute access")
     if isinstance(node, ast.Call):
         func = node.func
         allowed = (isinstance(func, ast.Name) and func.id in _FUNCTIONS) or isinstance(

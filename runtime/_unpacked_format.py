@@ -30,9 +30,7 @@ CODE = "output_code.py"
 
 def write_unpacked(path: str, manifest: Manifest, payloads: PayloadStore) -> None:
     if os.path.isfile(path):
-        raise InvalidOptionError(
-            f"path {path!r} is a file; format='unpacked' writes a directory"
-        )
+        raise InvalidOptionError(f"path {path!r} is a file; format='unpacked' writes a directory")
     parent = os.path.dirname(os.path.abspath(path))
     os.makedirs(parent, exist_ok=True)
     staging = tempfile.mkdtemp(prefix=".precompile-", dir=parent)
@@ -110,7 +108,9 @@ def read_unpacked(path: str) -> tuple[Manifest, PayloadStore]:
         original = adapter.variant_source_code(fetch_verified(digest))
         if code == original:
             return None
-        log.info("using edited generated code %s (sha256 %s)", code_path, sha256_hex(code.encode())[:12])
+        log.info(
+            "using edited generated code %s (sha256 %s)", code_path, sha256_hex(code.encode())[:12]
+        )
         return code
 
     def fetch_verified(digest: str) -> bytes:

@@ -20,6 +20,9 @@ import torch
 import precompile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "examples"))
+
+from demo import MLP  # noqa: E402  (the demo's model doubles as the test MLP)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -29,17 +32,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
-
-
-class MLP(torch.nn.Module):
-    def __init__(self, width: int = 32, hidden: int = 64) -> None:
-        super().__init__()
-        self.norm = torch.nn.LayerNorm(width)
-        self.up = torch.nn.Linear(width, hidden)
-        self.down = torch.nn.Linear(hidden, width)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.down(torch.nn.functional.silu(self.up(self.norm(x))))
 
 
 class AttentionBlock(torch.nn.Module):
@@ -91,7 +83,7 @@ class Captured:
     @staticmethod
     def _int_value(example: torch.SymInt, placeholders: list[Any], args: list[Any]) -> int:
         target = example.node.expr
-        for node, arg in zip(placeholders, args):
+        for node, arg in zip(placeholders, args, strict=True):
             value = node.meta.get("example_value")
             if isinstance(value, torch.Tensor) and isinstance(arg, torch.Tensor):
                 for dim, size in enumerate(value.shape):
@@ -133,7 +125,7 @@ MLP_SIZES = [3]
 @pytest.fixture(scope="session")
 def mlp() -> Compiled:
     torch.manual_seed(0)
-    model = MLP().eval()
+    model = MLP(width=32, hidden=64).eval()
     captured = capture(model, torch.randn(5, 32))
     with torch.no_grad():
         artifact = precompile.standalone_compile(
@@ -153,9 +145,7 @@ def attention() -> Compiled:
     placeholder = next(i for i, p in captured.user_positions.items() if p == 0)
     hints = {(placeholder, 0): ATTN_HINTS["batch"], (placeholder, 1): ATTN_HINTS["seq"]}
     with torch.no_grad():
-        artifact = precompile.standalone_compile(
-            captured.gm, captured.example_inputs, hints=hints
-        )
+        artifact = precompile.standalone_compile(captured.gm, captured.example_inputs, hints=hints)
     return Compiled(captured, artifact)
 
 

@@ -7,9 +7,9 @@ from typing import Any
 
 import sympy
 import torch
+from conftest import MLP
 
 import precompile
-from conftest import MLP
 
 
 def _compile_with(kind: str, calls: list[int]) -> Callable[..., Any]:
@@ -33,7 +33,7 @@ def _compile_with(kind: str, calls: list[int]) -> Callable[..., Any]:
 
 def test_backend_adds_no_more_guards_than_upstream_and_never_recompiles() -> None:
     torch.manual_seed(0)
-    model = MLP().eval()
+    model = MLP(width=32, hidden=64).eval()
     added: dict[str, list[int]] = {}
     for kind in ("upstream", "ours"):
         torch._dynamo.reset()
@@ -48,11 +48,12 @@ def test_backend_adds_no_more_guards_than_upstream_and_never_recompiles() -> Non
 
 
 def test_only_guards_common_to_all_hint_variants_reach_the_caller() -> None:
+    from torch._dynamo.source import ConstantSource
+    from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv
+
     from precompile._standalone import _propagate_common_guards
     from precompile._torch_adapter import GraphDescription
     from precompile._variant_plan import VariantRequest
-    from torch._dynamo.source import ConstantSource
-    from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv
 
     env = ShapeEnv()
     s0 = env.create_symbol(8, ConstantSource("s0"), dynamic_dim=DimDynamic.DYNAMIC)
@@ -75,11 +76,12 @@ def test_only_guards_common_to_all_hint_variants_reach_the_caller() -> None:
 
 
 def test_common_guard_false_at_a_static_size_is_not_propagated() -> None:
+    from torch._dynamo.source import ConstantSource
+    from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv
+
     from precompile._standalone import _propagate_common_guards
     from precompile._torch_adapter import GraphDescription
     from precompile._variant_plan import VariantRequest
-    from torch._dynamo.source import ConstantSource
-    from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv
 
     env = ShapeEnv()
     s0 = env.create_symbol(8, ConstantSource("s0"), dynamic_dim=DimDynamic.DYNAMIC)

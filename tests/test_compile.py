@@ -6,9 +6,9 @@ import copy
 
 import pytest
 import torch
+from conftest import ATTN_HINTS, MLP_HINTS, MLP_SIZES, Compiled, assert_close
 
 import precompile
-from conftest import ATTN_HINTS, MLP_HINTS, MLP_SIZES, Compiled, assert_close
 
 MLP_SWEEP = [1, 2, 3, 5, 7, 13, 16, 17, 31, 100, 256, 257, 1000, 4099]
 
@@ -54,9 +54,7 @@ def test_hint_one_variant_guards_exclude_other_sizes(mlp: Compiled) -> None:
     assert hint_one.guards, "the hint-1 variant should carry a guard"
     explanation = art.explain(*flat(torch.randn(2, 32)))
     # by log2 distance alone hint 1 is nearest to 2 ...
-    nearest = min(
-        (c for c in explanation.candidates if c.kind == "hint"), key=lambda c: c.distance
-    )
+    nearest = min((c for c in explanation.candidates if c.kind == "hint"), key=lambda c: c.distance)
     assert nearest.variant == hint_one.index
     # ... but its guards fail, so another variant serves size 2
     assert nearest.failed_guards
@@ -104,11 +102,14 @@ def test_compile_leaves_caller_graph_unchanged() -> None:
     from conftest import MLP, capture
 
     torch.manual_seed(1)
-    captured = capture(MLP().eval(), torch.randn(4, 32))
+    captured = capture(MLP(width=32, hidden=64).eval(), torch.randn(4, 32))
     code_before = captured.gm.code
     metas_before = [copy.copy(n.meta.get("example_value")) for n in captured.gm.graph.nodes]
-    env = captured.example_inputs[-1].fake_mode.shape_env if hasattr(
-        captured.example_inputs[-1], "fake_mode") else None
+    env = (
+        captured.example_inputs[-1].fake_mode.shape_env
+        if hasattr(captured.example_inputs[-1], "fake_mode")
+        else None
+    )
     with torch.no_grad():
         precompile.standalone_compile(
             captured.gm, captured.example_inputs, hints=[8], max_variants=1
@@ -119,7 +120,9 @@ def test_compile_leaves_caller_graph_unchanged() -> None:
     del env
 
 
-def test_too_many_variants_fail_before_compiling(mlp: Compiled, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_too_many_variants_fail_before_compiling(
+    mlp: Compiled, monkeypatch: pytest.MonkeyPatch
+) -> None:
     from precompile import _torch_adapter
 
     def refuse(*args: object, **kwargs: object) -> None:

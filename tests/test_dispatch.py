@@ -7,10 +7,10 @@ import threading
 
 import pytest
 import torch
+from synthetic import make_artifact
 
 import precompile
 from runtime import log2_distance
-from synthetic import make_artifact
 
 
 def x(*shape: int) -> torch.Tensor:
@@ -34,18 +34,14 @@ def test_nearest_hint_in_log2_space() -> None:
 
 
 def test_exact_size_wins_over_nearer_hint() -> None:
-    art = make_artifact(
-        [("hint", {"s0": 64}, ()), ("static", {"s0": 60}, ("s0 == 60",))]
-    )
+    art = make_artifact([("hint", {"s0": 64}, ()), ("static", {"s0": 60}, ("s0 == 60",))])
     assert art(x(60, 4)) == 1
     assert art(x(61, 4)) == 0
     assert art.explain(x(60, 4)).decided_by == "exact-size"
 
 
 def test_guards_exclude_variants() -> None:
-    art = make_artifact(
-        [("hint", {"s0": 1}, ("s0 == 1",)), ("hint", {"s0": 1024}, ("s0 >= 2",))]
-    )
+    art = make_artifact([("hint", {"s0": 1}, ("s0 == 1",)), ("hint", {"s0": 1024}, ("s0 >= 2",))])
     assert art(x(1, 4)) == 0
     assert art(x(2, 4)) == 1  # hint 1 is nearer, but its guard fails
     explanation = art.explain(x(2, 4))
@@ -159,7 +155,7 @@ def test_input_mismatch_names_input_and_expectation(args: tuple[object, ...], me
 def test_symbol_used_twice_must_agree() -> None:
     art = make_artifact([("hint", {"s0": 8}, ())], shape=("s0", "s0"))
     assert art(x(5, 5)) == 0
-    with pytest.raises(precompile.InputMismatchError, match="symbol s0 is 5 .* but 6"):
+    with pytest.raises(precompile.InputMismatchError, match=r"symbol s0 is 5 .* but 6"):
         art(x(5, 6))
 
 

@@ -10,8 +10,14 @@ from runtime._expressions import compile_function
 
 def test_guard_expressions_evaluate() -> None:
     fn = compile_function(
-        ["s0 == 1", "(s0 % 16) == 0", "s1*(s0 // 4) <= 2147483647", "max(s0, s1) > 3",
-         "s0 > 2 and s1 < 5", "s0*s1*s1 < 100"],
+        [
+            "s0 == 1",
+            "(s0 % 16) == 0",
+            "s1*(s0 // 4) <= 2147483647",
+            "max(s0, s1) > 3",
+            "s0 > 2 and s1 < 5",
+            "s0*s1*s1 < 100",
+        ],
         ["s0", "s1"],
     )
     assert fn(16, 2) == (False, True, True, True, True, True)

@@ -1,0 +1,92 @@
+"""GPU variants: correctness against eager and fresh-process loads (``pytest -m gpu``)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from conftest import MLP, AttentionBlock, capture, run_python
+
+import precompile
+
+pytestmark = pytest.mark.gpu
+
+SWEEP = [1, 2, 3, 7, 16, 17, 100, 256, 1000, 4099]
+
+
+@pytest.fixture(scope="module")
+def cuda_mlp() -> tuple[object, precompile.CompiledArtifact]:
+    torch.manual_seed(0)
+    model = MLP(width=256, hidden=1024).cuda().eval()
+    captured = capture(model, torch.randn(5, 256, device="cuda"))
+    with torch.no_grad():
+        art = precompile.standalone_compile(
+            captured.gm, captured.example_inputs, hints=[1, 16, 256], sizes=[3]
+        )
+    return captured, art
+
+
+def test_cuda_mlp_matches_eager(cuda_mlp: tuple[object, precompile.CompiledArtifact]) -> None:
+    captured, art = cuda_mlp
+    for n in SWEEP:
+        x = torch.randn(n, 256, device="cuda")
+        with torch.no_grad():
+            out = art(*captured.flat(x))  # type: ignore[attr-defined]
+            torch.testing.assert_close(out[0], captured.model(x), rtol=2e-3, atol=2e-3)  # type: ignore[attr-defined]
+    assert art.manifest.environment.device_type == "cuda"
+
+
+def test_cuda_bf16_attention_two_dims() -> None:
+    torch.manual_seed(0)
+    model = AttentionBlock(width=64, heads=4).cuda().to(torch.bfloat16).eval()
+    captured = capture(model, torch.randn(3, 5, 64, device="cuda", dtype=torch.bfloat16))
+    placeholder = next(i for i, p in captured.user_positions.items() if p == 0)
+    hints = {(placeholder, 0): [1, 4], (placeholder, 1): [1, 32, 256]}
+    with torch.no_grad():
+        art = precompile.standalone_compile(captured.gm, captured.example_inputs, hints=hints)
+        for batch, seq in [(1, 1), (1, 40), (3, 7), (4, 32), (6, 300)]:
+            x = torch.randn(batch, seq, 64, device="cuda", dtype=torch.bfloat16)
+            torch.testing.assert_close(art(*captured.flat(x))[0], model(x), rtol=3e-2, atol=3e-2)
+
+
+def test_cuda_fresh_process_load(
+    cuda_mlp: tuple[object, precompile.CompiledArtifact], tmp_path: object
+) -> None:
+    captured, art = cuda_mlp
+    path = os.path.join(str(tmp_path), "mlp.pt2c")
+    art.save(path=path)
+    torch.manual_seed(5)
+    args, expected = [], []
+    for n in SWEEP:
+        x = torch.randn(n, 256, device="cuda")
+        args.append([a.detach() if isinstance(a, torch.Tensor) else a for a in captured.flat(x)])  # type: ignore[attr-defined]
+        with torch.no_grad():
+            expected.append(captured.model(x))  # type: ignore[attr-defined]
+    cases = os.path.join(str(tmp_path), "cases.pt")
+    torch.save({"args": args, "expected": expected}, cases)
+    out = run_python(
+        f"""
+        import time
+        t0 = time.perf_counter()
+        import torch, torch._inductor.graph as graph
+        def refuse(*a, **k):
+            raise AssertionError("an inductor graph compile ran during load or call")
+        graph.GraphLowering.__init__ = refuse
+        import precompile
+        t1 = time.perf_counter()
+        art = precompile.CompiledArtifact.load(path={path!r})
+        cases = torch.load({cases!r})
+        t2 = time.perf_counter()
+        first = art(*cases["args"][0])[0]
+        torch.cuda.synchronize()
+        t3 = time.perf_counter()
+        for flat, want in zip(cases["args"], cases["expected"]):
+            torch.testing.assert_close(art(*flat)[0], want, rtol=2e-3, atol=2e-3)
+        print(f"import {{t1 - t0:.2f}} s, load {{(t2 - t1) * 1e3:.1f}} ms, "
+              f"first output {{t3 - t2:.2f}} s")
+        print("ok", len(cases["args"]))
+        """
+    )
+    print(out)
+    assert f"ok {len(SWEEP)}" in out
