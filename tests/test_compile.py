@@ -144,3 +144,30 @@ def test_too_many_variants_fail_before_compiling(
         precompile.standalone_compile(gm, inputs, hints=[-4])
     with pytest.raises(precompile.InvalidOptionError, match="placeholders"):
         precompile.standalone_compile(gm, inputs[:-1])
+
+
+def test_from_example_inputs_compiles_static(mlp: Compiled) -> None:
+    """Like upstream: the graph is specialized to the real example inputs' sizes."""
+    captured = mlp.captured
+    x = torch.randn(6, 32)
+    real = [a.detach() if isinstance(a, torch.Tensor) else a for a in captured.flat(x)]
+    with torch.no_grad():
+        art = precompile.standalone_compile(captured.gm, real, dynamic_shapes="from_example_inputs")
+        assert art.symbols == ()
+        assert len(art.variants) == 1
+        assert_close(art(*real), captured.model(x))
+        with pytest.raises(
+            precompile.InputMismatchError, match=r"should be 6, got 7|static and must be 6"
+        ):
+            art(*captured.flat(torch.randn(7, 32)))
+        with pytest.raises(precompile.InvalidOptionError, match="no dynamic dimensions"):
+            precompile.standalone_compile(
+                captured.gm, real, dynamic_shapes="from_example_inputs", hints=[4]
+            )
+
+
+def test_from_tracing_context_needs_a_backend(mlp: Compiled) -> None:
+    with pytest.raises(precompile.InvalidOptionError, match="tracing context"):
+        precompile.standalone_compile(
+            mlp.captured.gm, mlp.captured.example_inputs, dynamic_shapes="from_tracing_context"
+        )
