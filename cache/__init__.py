@@ -1,3 +1,16 @@
-"""Content-addressed on-disk cache of precompile artifacts (see issue 2/5: not built yet)."""
+"""Content-addressed on-disk cache of precompile artifacts, safe across processes."""
 
-__all__: list[str] = []
+from ._entry import CacheEntry, CacheStats, MissExplanation, VerifyReport
+from ._root import LAYOUT, resolve_root
+from ._store import DEFAULT_SIZE_LIMIT, ArtifactCache
+
+__all__ = [
+    "DEFAULT_SIZE_LIMIT",
+    "LAYOUT",
+    "ArtifactCache",
+    "CacheEntry",
+    "CacheStats",
+    "MissExplanation",
+    "VerifyReport",
+    "resolve_root",
+]

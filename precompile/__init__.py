@@ -6,6 +6,7 @@ art = precompile.CompiledArtifact.load(path="model.pt2c")
 out = art(*flat_inputs)
 """
 
+from cache import ArtifactCache
 from runtime import (
     Candidate,
     CompiledArtifact,
@@ -18,17 +19,20 @@ from runtime import (
     PrecompileError,
     Symbol,
     SymbolSource,
+    UnsafeCacheError,
     UnsupportedGraphError,
     Variant,
 )
 
-from ._standalone import standalone_compile
+from ._backend import backend
+from ._standalone import default_cache, standalone_compile
 from ._variant_plan import DEFAULT_MAX_VARIANTS
 
 __version__ = "0.1.0"
 
 __all__ = [
     "DEFAULT_MAX_VARIANTS",
+    "ArtifactCache",
     "Candidate",
     "CompiledArtifact",
     "CorruptArtifactError",
@@ -41,6 +45,9 @@ __all__ = [
     "Symbol",
     "SymbolSource",
     "UnsupportedGraphError",
+    "UnsafeCacheError",
     "Variant",
+    "backend",
+    "default_cache",
     "standalone_compile",
 ]

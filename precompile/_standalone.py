@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+import os
+import pickle
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -10,6 +12,7 @@ from typing import Any
 import sympy
 import torch
 
+from cache import ArtifactCache, resolve_root
 from runtime import CompiledArtifact
 from runtime import _torch_adapter as runtime_adapter
 from runtime._environment import current_environment
@@ -26,9 +29,11 @@ from runtime._manifest import (
 from runtime._payloads import MemoryPayloads, sha256_hex
 
 from . import _torch_adapter as adapter
+from ._cache_key import cache_factors, cache_key
 from ._variant_plan import DEFAULT_MAX_VARIANTS, Hints, Sizes, VariantRequest, plan_variants
 
 log = logging.getLogger("precompile.compile")
+CacheOption = ArtifactCache | str | os.PathLike[str] | bool | None
 
 
 def _symbols(graph: adapter.GraphDescription) -> tuple[Symbol, ...]:
@@ -77,31 +82,112 @@ def _device_of(graph: adapter.GraphDescription) -> str:
     return "cuda" if "cuda" in devices else "cpu"
 
 
-def _propagate_common_guards(
+def _common_guards(
     graph: adapter.GraphDescription,
     requests: Sequence[VariantRequest],
     guards: Sequence[tuple[sympy.Expr, ...]],
-) -> None:
-    """Give the caller's ShapeEnv the guards every variant needs, as upstream would.
+) -> list[sympy.Expr]:
+    """Guards every variant needs: common to all hint variants, true at every exact size.
 
-    A guard common to all hint variants that also holds at every exact size excludes
-    only sizes no variant could serve; Dynamo then recompiles there instead of calling
-    code outside its assumptions. Hint-specific guards stay with their variants.
+    Such a guard excludes only sizes no variant could serve, so the caller's ShapeEnv may
+    have it (Dynamo then recompiles there instead of calling code outside its
+    assumptions). Hint-specific guards stay with their variants.
     """
-    env = graph.caller_shape_env
     hint_guards = [set(g) for r, g in zip(requests, guards, strict=True) if r.kind == "hint"]
-    if env is None or not hint_guards:
+    if not hint_guards:
+        return []
+    statics = [
+        dict(zip(graph.symbols, r.point, strict=True)) for r in requests if r.kind == "static"
+    ]
+    common = sorted(set.intersection(*hint_guards), key=str)
+    return [g for g in common if all(adapter.evaluate(g, point) for point in statics)]
+
+
+def _propagate_common_guards(graph: adapter.GraphDescription, common: Sequence[sympy.Expr]) -> None:
+    """Add the common guards that hold at the caller's own hints to its ShapeEnv."""
+    env = graph.caller_shape_env
+    if env is None:
         return
-    common = set.intersection(*hint_guards)
-    statics = [r.point for r in requests if r.kind == "static"]
     caller_point = dict(graph.hints)
-    for expr in sorted(common, key=str):
-        holds_static = all(
-            adapter.evaluate(expr, dict(zip(graph.symbols, point, strict=True)))
-            for point in statics
-        )
-        if holds_static and adapter.evaluate(expr, caller_point):
+    for expr in common:
+        if expr.free_symbols <= set(caller_point) and adapter.evaluate(expr, caller_point):
             adapter.add_caller_guard(env, expr)
+
+
+def _compile_all(
+    gm: torch.fx.GraphModule,
+    graph: adapter.GraphDescription,
+    symbols: tuple[Symbol, ...],
+    requests: Sequence[VariantRequest],
+    options: Mapping[str, Any],
+) -> tuple[CompiledArtifact, list[sympy.Expr]]:
+    names = [s.name for s in symbols]
+    payloads: dict[str, bytes] = {}
+    by_code: dict[str, str] = {}
+    variants: list[Variant] = []
+    all_guards: list[tuple[sympy.Expr, ...]] = []
+    for number, request in enumerate(requests):
+        point = dict(zip(graph.symbols, request.point, strict=True))
+        started = time.perf_counter()
+        compiled = adapter.compile_variant(
+            gm, graph, point, dynamic=request.kind == "hint", options=options
+        )
+        guards = compiled.guards
+        if request.kind == "static":
+            guards = (*(sympy.Eq(s, v) for s, v in point.items()), *guards)
+        all_guards.append(guards)
+        code = runtime_adapter.variant_code_digest(compiled.payload)
+        shared = code in by_code
+        if not shared:
+            by_code[code] = sha256_hex(compiled.payload)
+            payloads[by_code[code]] = compiled.payload
+        texts = tuple(dict.fromkeys(adapter.print_expr(g) for g in guards))
+        point_by_name = dict(zip(names, request.point, strict=True))
+        variants.append(Variant(number, request.kind, point_by_name, texts, by_code[code], code))
+        log.info(
+            "compiled variant %d/%d (%s %s) in %.1f s; %d guards%s",
+            number + 1,
+            len(requests),
+            request.kind,
+            ", ".join(f"{n}={v}" for n, v in point_by_name.items()) or "-",
+            time.perf_counter() - started,
+            len(texts),
+            "; same code as an earlier variant" if shared else "",
+        )
+    manifest = Manifest(
+        environment=current_environment(_device_of(graph)),
+        symbols=symbols,
+        inputs=_input_specs(graph),
+        variants=tuple(variants),
+    )
+    artifact = CompiledArtifact(manifest, MemoryPayloads(payloads))
+    return artifact, _common_guards(graph, requests, all_guards)
+
+
+_default_cache: ArtifactCache | None = None
+
+
+def default_cache() -> ArtifactCache:
+    """The process-wide cache at ``$PRECOMPILE_CACHE_DIR`` or the user cache dir."""
+    global _default_cache
+    root = resolve_root(None)
+    if _default_cache is None or _default_cache.root != root:
+        _default_cache = ArtifactCache(root)
+    return _default_cache
+
+
+def _resolve_cache(cache: CacheOption) -> ArtifactCache | None:
+    if cache is False:
+        return None
+    if cache is None or cache is True:
+        return default_cache()
+    if isinstance(cache, ArtifactCache):
+        return cache
+    if isinstance(cache, (str, os.PathLike)):
+        return ArtifactCache(cache)
+    raise InvalidOptionError(
+        f"cache must be None (the default cache), False, a path or an ArtifactCache, got {cache!r}"
+    )
 
 
 def standalone_compile(
@@ -113,6 +199,7 @@ def standalone_compile(
     hints: Hints = None,
     sizes: Sizes = None,
     max_variants: int = DEFAULT_MAX_VARIANTS,
+    cache: CacheOption = None,
 ) -> CompiledArtifact:
     """Compile ``gm`` into one variant per hint point plus one per exact size.
 
@@ -120,6 +207,7 @@ def standalone_compile(
     for ``torch._inductor.standalone_compile`` (``options`` are compile_fx keyword
     arguments, e.g. ``{"config_patches": {...}}``). With neither ``hints`` nor ``sizes``
     the result is a single variant, like upstream's, but with its guards checked.
+    ``cache``: None uses the default cache, False none, a path or ArtifactCache that one.
     """
     if not isinstance(gm, torch.fx.GraphModule):
         raise InvalidOptionError(f"gm must be a torch.fx.GraphModule, got {type(gm).__name__}")
@@ -145,54 +233,21 @@ def standalone_compile(
     requests = plan_variants(
         names, dims, default_point, hints=hints, sizes=sizes, max_variants=max_variants
     )
-    payloads: dict[str, bytes] = {}
-    by_code: dict[str, str] = {}
-    variants: list[Variant] = []
-    all_guards: list[tuple[sympy.Expr, ...]] = []
-    for number, request in enumerate(requests):
-        point = dict(zip(graph.symbols, request.point, strict=True))
-        started = time.perf_counter()
-        compiled = adapter.compile_variant(
-            gm, graph, point, dynamic=request.kind == "hint", options=options or {}
-        )
-        guards = compiled.guards
-        if request.kind == "static":
-            guards = (*(sympy.Eq(s, v) for s, v in point.items()), *guards)
-        all_guards.append(guards)
-        code = runtime_adapter.variant_code_digest(compiled.payload)
-        payload_digest = by_code.get(code)
-        if payload_digest is None:
-            payload_digest = sha256_hex(compiled.payload)
-            payloads[payload_digest] = compiled.payload
-            by_code[code] = payload_digest
-        texts = tuple(dict.fromkeys(adapter.print_expr(g) for g in guards))
-        variants.append(
-            Variant(
-                number,
-                request.kind,
-                dict(zip(names, request.point, strict=True)),
-                texts,
-                payload_digest,
-                code,
-            )
-        )
-        log.info(
-            "compiled variant %d/%d (%s %s) in %.1f s; %d guards%s",
-            number + 1,
-            len(requests),
-            request.kind,
-            ", ".join(f"{n}={v}" for n, v in zip(names, request.point, strict=True)) or "static",
-            time.perf_counter() - started,
-            len(texts),
-            ""
-            if payloads.get(payload_digest) is compiled.payload
-            else "; same code as an earlier variant",
-        )
-    _propagate_common_guards(graph, requests, all_guards)
-    manifest = Manifest(
-        environment=current_environment(_device_of(graph)),
-        symbols=symbols,
-        inputs=_input_specs(graph),
-        variants=tuple(variants),
-    )
-    return CompiledArtifact(manifest, MemoryPayloads(payloads))
+    store = _resolve_cache(cache)
+    if store is None:
+        artifact, common = _compile_all(gm, graph, symbols, requests, options or {})
+        _propagate_common_guards(graph, common)
+        return artifact
+    factors = cache_factors(gm, graph, requests, options or {}, dynamic_shapes, _device_of(graph))
+    key = cache_key(factors)
+
+    def create() -> tuple[CompiledArtifact, dict[str, bytes]]:
+        artifact, common = _compile_all(gm, graph, symbols, requests, options or {})
+        return artifact, {"caller_guards": pickle.dumps(common)}
+
+    artifact, aux, hit = store.get_or_create(key, factors, create)
+    # Trusted: the blob passed its sha256 and ownership checks, like the payloads beside it.
+    common = pickle.loads(aux["caller_guards"]) if "caller_guards" in aux else []
+    log.info("cache %s for %s", "hit" if hit else "miss (compiled and stored)", key[:12])
+    _propagate_common_guards(graph, common)
+    return artifact

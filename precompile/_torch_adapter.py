@@ -347,3 +347,47 @@ def evaluate(expr: sympy.Expr, values: Mapping[sympy.Symbol, int]) -> bool:
 def add_caller_guard(shape_env: Any, expr: sympy.Expr) -> None:
     """Record ``expr`` (true at the caller's hints) as a guard of the caller's ShapeEnv."""
     shape_env.evaluate_expr(expr)
+
+
+# -- what the cache key needs from torch ---------------------------------------------
+def _tensor_digest(tensor: torch.Tensor) -> str:
+    import ctypes
+    import hashlib
+
+    data = tensor.detach().to("cpu").contiguous()
+    raw = ctypes.string_at(data.data_ptr(), data.numel() * data.element_size())
+    meta = f"{data.dtype}:{tuple(data.shape)}:".encode()
+    return hashlib.sha256(meta + raw).hexdigest()
+
+
+def graph_digest(gm: torch.fx.GraphModule) -> str:
+    """sha256 over the graph's code, its submodules and the bytes of embedded constants."""
+    import hashlib
+
+    digest = hashlib.sha256(gm.code.encode())
+    for node in gm.graph.nodes:
+        if node.op == "get_attr":
+            value = gm
+            for part in str(node.target).split("."):
+                value = getattr(value, part)
+            text = _tensor_digest(value) if isinstance(value, torch.Tensor) else repr(value)
+            digest.update(f"\0{node.target}={text}".encode())
+        elif node.op == "call_module":
+            digest.update(f"\0{node.target}:{gm.get_submodule(str(node.target))!r}".encode())
+    return digest.hexdigest()
+
+
+def codegen_config_digest() -> str:
+    """sha256 of the inductor and functorch configs, as upstream's FX cache keys them."""
+    import hashlib
+    import json
+
+    import torch._functorch.config as functorch_config
+    from torch._inductor import config as inductor_config
+
+    snapshot = {
+        "inductor": inductor_config.save_config_portable(),
+        "functorch": functorch_config.save_config_portable(),
+    }
+    text = json.dumps(snapshot, sort_keys=True, default=repr)
+    return hashlib.sha256(text.encode()).hexdigest()

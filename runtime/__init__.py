@@ -9,6 +9,7 @@ from ._errors import (
     InvalidOptionError,
     NoVariantError,
     PrecompileError,
+    UnsafeCacheError,
     UnsupportedGraphError,
 )
 from ._manifest import Environment, Manifest, Symbol, SymbolSource, Variant
@@ -28,6 +29,7 @@ __all__ = [
     "PrecompileError",
     "Symbol",
     "SymbolSource",
+    "UnsafeCacheError",
     "UnsupportedGraphError",
     "Variant",
     "log2_distance",

@@ -90,6 +90,10 @@ class CompiledArtifact:
                 self._callables[variant.payload] = function
             return function
 
+    def payload_bytes(self, digest: str) -> bytes:
+        """The verified bytes of one payload (what a save or a cache writes)."""
+        return self._payloads.read(digest)
+
     def variant_callable(self, index: int) -> Callable[..., Any]:
         """The raw callable of variant ``index`` (no contract check, no dispatch)."""
         return self._variant_callable(self._manifest.variants[index])

@@ -35,6 +35,11 @@ class UnsupportedGraphError(PrecompileError, NotImplementedError):
     """The graph uses something this library cannot compile into checked variants yet."""
 
 
+class UnsafeCacheError(PrecompileError, PermissionError):
+    """A cache entry is owned by another user or writable by others; loading it would run
+    code that someone else could have written."""
+
+
 __all__ = [
     "CorruptArtifactError",
     "IncompatibleArtifactError",
@@ -42,5 +47,6 @@ __all__ = [
     "InvalidOptionError",
     "NoVariantError",
     "PrecompileError",
+    "UnsafeCacheError",
     "UnsupportedGraphError",
 ]

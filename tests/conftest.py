@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import tempfile
 import textwrap
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -16,6 +17,9 @@ from typing import Any
 
 import pytest
 import torch
+
+# Tests never touch the user's cache: one private cache per test session.
+os.environ["PRECOMPILE_CACHE_DIR"] = tempfile.mkdtemp(prefix="precompile-test-cache-")
 
 import precompile
 

@@ -51,7 +51,7 @@ def test_only_guards_common_to_all_hint_variants_reach_the_caller() -> None:
     from torch._dynamo.source import ConstantSource
     from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv
 
-    from precompile._standalone import _propagate_common_guards
+    from precompile._standalone import _common_guards, _propagate_common_guards
     from precompile._torch_adapter import GraphDescription
     from precompile._variant_plan import VariantRequest
 
@@ -70,7 +70,7 @@ def test_only_guards_common_to_all_hint_variants_reach_the_caller() -> None:
         (sympy.Eq(s0, 3),),
     ]
     before = len(env.guards)
-    _propagate_common_guards(graph, requests, guards)
+    _propagate_common_guards(graph, _common_guards(graph, requests, guards))
     added = [g.expr for g in env.guards[before:]]
     assert added == [common]
 
@@ -79,7 +79,7 @@ def test_common_guard_false_at_a_static_size_is_not_propagated() -> None:
     from torch._dynamo.source import ConstantSource
     from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv
 
-    from precompile._standalone import _propagate_common_guards
+    from precompile._standalone import _common_guards, _propagate_common_guards
     from precompile._torch_adapter import GraphDescription
     from precompile._variant_plan import VariantRequest
 
@@ -89,5 +89,5 @@ def test_common_guard_false_at_a_static_size_is_not_propagated() -> None:
     requests = [VariantRequest("hint", (8,)), VariantRequest("static", (5000,))]
     guards = [(sympy.Le(s0, 4096),), (sympy.Eq(s0, 5000),)]
     before = len(env.guards)
-    _propagate_common_guards(graph, requests, guards)
+    _propagate_common_guards(graph, _common_guards(graph, requests, guards))
     assert len(env.guards) == before  # the static variant serves 5000: Dynamo must call us

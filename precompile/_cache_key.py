@@ -1,0 +1,77 @@
+"""The cache key: everything that changes the compiled code, and nothing else.
+
+Each factor is kept by name in the cache entry, so a miss can say which factor
+differs from the nearest existing entry. Paths, pids and timestamps never enter it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from cache import LAYOUT
+from runtime._environment import current_environment
+from runtime._manifest import FORMAT_VERSION
+
+from . import _torch_adapter as adapter
+from ._variant_plan import VariantRequest
+
+LIBRARY_VERSION = "0.1.0"
+
+
+def _canonical(value: Any) -> str:
+    return json.dumps(value, sort_keys=True, default=repr, separators=(",", ":"))
+
+
+def _inputs_text(graph: adapter.GraphDescription) -> str:
+    rows: list[list[Any]] = []
+    for item in graph.inputs:
+        if item.kind == "int":
+            rows.append(["int", str(item.value)])
+        else:
+            rows.append(
+                [
+                    "tensor",
+                    str(item.dtype),
+                    str(item.device),
+                    bool(item.requires_grad),
+                    [str(s) for s in item.shape],
+                    [str(s) for s in item.stride],
+                    str(item.storage_offset),
+                ]
+            )
+    ranges = {str(s): list(graph.ranges[s]) for s in graph.symbols}
+    return _canonical({"inputs": rows, "ranges": ranges})
+
+
+def cache_factors(
+    gm: torch.fx.GraphModule,
+    graph: adapter.GraphDescription,
+    requests: Sequence[VariantRequest],
+    options: Mapping[str, Any],
+    dynamic_shapes: str,
+    device: str,
+) -> dict[str, str]:
+    environment = current_environment(device)
+    return {
+        "graph": adapter.graph_digest(gm),
+        "inputs": hashlib.sha256(_inputs_text(graph).encode()).hexdigest(),
+        "variants": _canonical([[r.kind, list(r.point)] for r in requests]),
+        "options": _canonical(dict(options)),
+        "codegen_config": adapter.codegen_config_digest(),
+        "dynamic_shapes": dynamic_shapes,
+        "torch": f"{environment.torch} ({environment.torch_git})",
+        "triton": str(environment.triton),
+        "python": environment.python,
+        "device": f"{environment.device_type}:{environment.device_name}:{environment.capability}",
+        "platform": environment.platform,
+        "format": f"artifact {FORMAT_VERSION}, cache {LAYOUT}, precompile {LIBRARY_VERSION}",
+    }
+
+
+def cache_key(factors: Mapping[str, str]) -> str:
+    return hashlib.sha256(_canonical(dict(factors)).encode()).hexdigest()
