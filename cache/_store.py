@@ -14,6 +14,7 @@ reported as a miss.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -125,10 +126,15 @@ class ArtifactCache:
             stored = handle.read()
         try:
             raw = zstandard.ZstdDecompressor().decompress(stored)
+            problem = None if sha256_hex(raw) == digest else "does not match its sha256"
         except zstandard.ZstdError as exc:
-            raise CorruptArtifactError(f"blob {digest[:12]}: {exc}") from None
-        if sha256_hex(raw) != digest:
-            raise CorruptArtifactError(f"blob {digest[:12]} does not match its sha256")
+            problem = str(exc)
+        if problem is not None:
+            # Blobs are content-addressed: a bad one must go, or a refill would keep it.
+            target = os.path.join(self._dirs["quarantine"], f"blob-{digest}.{time.time_ns()}")
+            with contextlib.suppress(FileNotFoundError):
+                os.replace(path, target)
+            raise CorruptArtifactError(f"blob {digest[:12]} {problem}")
         return bytes(raw)
 
     def get(self, key: str) -> tuple[CompiledArtifact, dict[str, bytes]] | None:

@@ -15,13 +15,17 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import pytest
-import torch
+_UNDER_PYTEST = "pytest" in sys.modules  # subprocess scripts import this file too
 
-# Tests never touch the user's cache: one private cache per test session.
-os.environ["PRECOMPILE_CACHE_DIR"] = tempfile.mkdtemp(prefix="precompile-test-cache-")
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
-import precompile
+if _UNDER_PYTEST:
+    # Tests never touch the user's cache: one private cache per test session (subprocess
+    # scripts inherit it, or get the one their test passes).
+    os.environ["PRECOMPILE_CACHE_DIR"] = tempfile.mkdtemp(prefix="precompile-test-cache-")
+
+import precompile  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "examples"))

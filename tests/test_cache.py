@@ -1,0 +1,366 @@
+"""ArtifactCache: layout, digests, quarantine, eviction, ownership, keys, processes, CLI."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from conftest import ROOT, Compiled, assert_close, run_python
+
+import precompile
+from cache import ArtifactCache
+from precompile import _torch_adapter
+from precompile._cache_key import cache_factors, cache_key
+from runtime._environment import current_environment
+from runtime._manifest import Manifest, Symbol, SymbolSource, TensorInput, Variant
+from runtime._payloads import MemoryPayloads, sha256_hex
+
+
+def fake_artifact(seed: int, size: int = 2000) -> precompile.CompiledArtifact:
+    payload = bytes((seed * 7 + i) % 251 for i in range(size))
+    digest = sha256_hex(payload)
+    manifest = Manifest(
+        environment=current_environment("cpu"),
+        symbols=(Symbol("s0", (SymbolSource(0, 0),)),),
+        inputs=(TensorInput("float32", "cpu", ("s0", 4)),),
+        variants=(Variant(0, "hint", {"s0": 8}, (), digest, digest),),
+    )
+    return precompile.CompiledArtifact(manifest, MemoryPayloads({digest: payload}))
+
+
+def key_of(n: int) -> str:
+    return sha256_hex(f"key-{n}".encode())
+
+
+def test_layout_is_private_tagged_and_versioned(tmp_path: object) -> None:
+    root = os.path.join(str(tmp_path), "c")
+    store = ArtifactCache(root)
+    assert os.path.isfile(os.path.join(root, "CACHEDIR.TAG"))
+    for sub in ("v1", "v1/entries", "v1/blobs"):
+        assert os.stat(os.path.join(root, sub)).st_mode & 0o777 == 0o700
+    assert store.root == root
+
+
+def test_root_from_environment(tmp_path: object, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PRECOMPILE_CACHE_DIR", os.path.join(str(tmp_path), "env"))
+    assert ArtifactCache().root == os.path.join(str(tmp_path), "env")
+
+
+def test_put_get_round_trip_and_stats(tmp_path: object) -> None:
+    store = ArtifactCache(str(tmp_path))
+    art = fake_artifact(1)
+    assert store.get(key_of(1)) is None
+    store.put(key_of(1), art, {"graph": "g"}, {"aux": b"extra"})
+    loaded, aux = store.get(key_of(1))  # type: ignore[misc]
+    assert loaded.variants == art.variants
+    assert loaded.payload_bytes(art.variants[0].payload) == art.payload_bytes(
+        art.variants[0].payload
+    )
+    assert aux == {"aux": b"extra"}
+    stats = store.stats()
+    assert (stats.hits, stats.misses, stats.entries) == (1, 1, 1)
+
+
+def test_shared_payloads_are_stored_once(tmp_path: object) -> None:
+    store = ArtifactCache(str(tmp_path))
+    store.put(key_of(1), fake_artifact(1), {})
+    store.put(key_of(2), fake_artifact(1), {})
+    blobs = [
+        f for _, _, files in os.walk(os.path.join(str(tmp_path), "v1", "blobs")) for f in files
+    ]
+    assert len(blobs) == 1
+
+
+def _blob_files(root: str) -> list[str]:
+    base = os.path.join(root, "v1", "blobs")
+    return [os.path.join(d, f) for d, _, files in os.walk(base) for f in files]
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate-blob", "truncate-entry", "garbage-entry"])
+def test_corrupt_entries_are_quarantined_misses(tmp_path: object, damage: str) -> None:
+    store = ArtifactCache(str(tmp_path))
+    store.put(key_of(1), fake_artifact(1), {})
+    entry = os.path.join(str(tmp_path), "v1", "entries", key_of(1) + ".json")
+    blob = _blob_files(str(tmp_path))[0]
+    target = entry if damage.endswith("entry") else blob
+    with open(target, "rb") as handle:
+        data = bytearray(handle.read())
+    if damage == "flip":
+        data[len(data) // 2] ^= 0x10
+    elif damage.startswith("truncate"):
+        data = data[: len(data) // 2]
+    else:
+        data = bytearray(b'{"key": "not this one"}')
+    with open(target, "wb") as handle:
+        handle.write(bytes(data))
+    assert store.get(key_of(1)) is None
+    assert not os.path.exists(entry)
+    assert os.listdir(os.path.join(str(tmp_path), "v1", "quarantine"))
+    assert store.stats().corrupt == 1
+    store.put(key_of(1), fake_artifact(1), {})  # a miss can be refilled
+    assert store.get(key_of(1)) is not None
+
+
+def test_entries_writable_by_others_are_refused_unless_trusted(tmp_path: object) -> None:
+    store = ArtifactCache(str(tmp_path))
+    store.put(key_of(1), fake_artifact(1), {})
+    entry = os.path.join(str(tmp_path), "v1", "entries", key_of(1) + ".json")
+    os.chmod(entry, 0o666)
+    with pytest.raises(precompile.UnsafeCacheError, match="writable by group/others") as info:
+        store.get(key_of(1))
+    assert isinstance(info.value, PermissionError)
+    assert ArtifactCache(str(tmp_path), trust_foreign=True).get(key_of(1)) is not None
+
+
+def test_eviction_keeps_cache_under_limit_lru_first(tmp_path: object) -> None:
+    store = ArtifactCache(str(tmp_path), size_limit=10**9)
+    for n in range(4):
+        store.put(key_of(n), fake_artifact(n, size=50_000), {})
+    store.get(key_of(0))  # touch: 0 is now the most recently used
+    os.utime(os.path.join(str(tmp_path), "v1", "entries", key_of(0) + ".json"))
+    per_entry = store.total_size() / 4
+    evicted = store.prune(int(per_entry * 2.5))
+    assert evicted == [key_of(1), key_of(2)]
+    assert store.total_size() <= per_entry * 2.5
+    assert {e.key for e in store.entries()} == {key_of(0), key_of(3)}
+    assert len(_blob_files(str(tmp_path))) == 2  # evicted entries' blobs are gone too
+    assert store.stats().evictions == 2
+    small = ArtifactCache(str(tmp_path), size_limit=int(per_entry * 1.5))
+    small.put(key_of(9), fake_artifact(9, size=50_000), {})
+    assert [e.key for e in small.entries()] == [key_of(9)]  # the new entry survives
+
+
+def _factors(mlp: Compiled, **change: object) -> dict[str, str]:
+    captured = mlp.captured
+    graph = _torch_adapter.describe_graph(captured.gm, captured.example_inputs, "from_graph")
+    from precompile._variant_plan import plan_variants
+
+    hints = change.get("hints", [1, 16])
+    requests = plan_variants(["s77"], {}, [5], hints=hints, sizes=None)  # type: ignore[arg-type]
+    options = change.get("options", {})
+    return cache_factors(captured.gm, graph, requests, options, "from_graph", "cpu")  # type: ignore[arg-type]
+
+
+def test_key_changes_with_what_changes_code(mlp: Compiled, monkeypatch: pytest.MonkeyPatch) -> None:
+    base = _factors(mlp)
+    assert cache_key(_factors(mlp)) == cache_key(base)
+    assert cache_key(_factors(mlp, hints=[1, 32])) != cache_key(base)
+    opts = {"config_patches": {"max_autotune": True}}
+    assert cache_key(_factors(mlp, options=opts)) != cache_key(base)
+    from precompile import _cache_key
+
+    env = current_environment("cpu")
+    monkeypatch.setattr(
+        _cache_key, "current_environment", lambda d: dataclasses.replace(env, torch="9.9.9")
+    )
+    changed = _factors(mlp)
+    assert cache_key(changed) != cache_key(base)
+    monkeypatch.undo()
+    from conftest import AttentionBlock, capture
+
+    other = capture(AttentionBlock().eval(), torch.randn(2, 3, 32))
+    graph = _torch_adapter.describe_graph(other.gm, other.example_inputs, "from_graph")
+    assert cache_factors(other.gm, graph, [], {}, "from_graph", "cpu")["graph"] != base["graph"]
+
+
+def test_key_ignores_path_pid_and_time(mlp: Compiled, tmp_path: object) -> None:
+    here = cache_key(_factors(mlp))
+    code = f"""
+        import os, sys, time
+        sys.path.insert(0, "tests")
+        os.environ["PRECOMPILE_CACHE_DIR"] = {str(tmp_path)!r}
+        time.sleep(1.1)
+        import torch
+        from conftest import MLP, capture
+        from precompile import _torch_adapter
+        from precompile._cache_key import cache_factors, cache_key
+        from precompile._variant_plan import plan_variants
+        torch.manual_seed(0)
+        captured = capture(MLP(width=32, hidden=64).eval(), torch.randn(5, 32))
+        graph = _torch_adapter.describe_graph(captured.gm, captured.example_inputs, "from_graph")
+        requests = plan_variants(["s77"], {{}}, [5], hints=[1, 16], sizes=None)
+        print(cache_key(cache_factors(captured.gm, graph, requests, {{}}, "from_graph", "cpu")))
+    """
+    assert run_python(code).strip().splitlines()[-1] == here
+
+
+def test_second_compile_is_a_hit_and_compiles_nothing(
+    mlp: Compiled, tmp_path: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    captured = mlp.captured
+    store = ArtifactCache(str(tmp_path))
+    with torch.no_grad():
+        first = precompile.standalone_compile(
+            captured.gm, captured.example_inputs, hints=[16], cache=store
+        )
+
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise AssertionError("compiled on a cache hit")
+
+    monkeypatch.setattr(_torch_adapter, "compile_variant", refuse)
+    with torch.no_grad():
+        second = precompile.standalone_compile(
+            captured.gm, captured.example_inputs, hints=[16], cache=str(tmp_path)
+        )
+        x = torch.randn(40, 32)
+        assert_close(second(*captured.flat(x)), captured.model(x))
+    assert second.variants == first.variants
+    assert ArtifactCache(str(tmp_path)).stats().hits == 1
+    with pytest.raises(AssertionError, match="compiled on a cache hit"):
+        precompile.standalone_compile(captured.gm, captured.example_inputs, hints=[16], cache=False)
+
+
+BACKEND_SCRIPT = """
+    import os, sys
+    sys.path.insert(0, "tests")
+    import torch, torch._inductor.graph as graph
+    lowerings = []
+    original = graph.GraphLowering.__init__
+    def counting(self, *a, **k):
+        lowerings.append(1)
+        original(self, *a, **k)
+    graph.GraphLowering.__init__ = counting
+    import precompile
+    from conftest import MLP
+    torch.manual_seed(0)
+    model = MLP(width=32, hidden=64).eval()
+    compiled = torch.compile(model, backend=precompile.backend(hints=[4, 64]), dynamic=True)
+    with torch.no_grad(), torch._dynamo.config.patch(specialize_float=True):
+        for n in [5, 3, 17, 100]:
+            x = torch.randn(n, 32)
+            torch.testing.assert_close(compiled(x), model(x), rtol=1e-4, atol=1e-4)
+    print("lowerings", len(lowerings))
+"""
+
+
+def test_backend_warm_starts_a_second_process_with_zero_compiles(tmp_path: object) -> None:
+    env = {"PRECOMPILE_CACHE_DIR": str(tmp_path)}
+    first = run_python(BACKEND_SCRIPT, env=env)
+    second = run_python(BACKEND_SCRIPT, env=env)
+    assert "lowerings 0" not in first
+    assert second.strip().splitlines()[-1] == "lowerings 0"
+
+
+SINGLE_FLIGHT_SCRIPT = """
+    import os, sys, time
+    sys.path.insert(0, "tests")
+    import torch
+    import precompile
+    from precompile import _torch_adapter
+    from conftest import MLP, capture
+    compiles = []
+    original = _torch_adapter.compile_variant
+    def counting(*a, **k):
+        compiles.append(1)
+        return original(*a, **k)
+    _torch_adapter.compile_variant = counting
+    torch.manual_seed(0)
+    model = MLP(width=32, hidden=64).eval()
+    captured = capture(model, torch.randn(6, 32))
+    while time.time() < float(sys.argv[1]):
+        time.sleep(0.01)
+    with torch.no_grad():
+        art = precompile.standalone_compile(captured.gm, captured.example_inputs, hints=[8, 128])
+        x = torch.randn(50, 32)
+        torch.testing.assert_close(art(*captured.flat(x))[0], model(x), rtol=1e-4, atol=1e-4)
+    print("compiles", len(compiles))
+"""
+
+
+def test_four_processes_cold_start_one_key_and_exactly_one_compiles(tmp_path: object) -> None:
+    import time
+
+    start_at = str(time.time() + 12)
+    env = {**os.environ, "PRECOMPILE_CACHE_DIR": str(tmp_path)}
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", textwrap.dedent(SINGLE_FLIGHT_SCRIPT), start_at],
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(4)
+    ]
+    outputs = [p.communicate(timeout=600) for p in procs]
+    for proc, (_, err) in zip(procs, outputs, strict=True):
+        assert proc.returncode == 0, err[-3000:]
+    counts = sorted(int(out.strip().splitlines()[-1].split()[1]) for out, _ in outputs)
+    assert counts == [0, 0, 0, 2]  # one process compiled both variants, three loaded them
+
+
+KILL_SCRIPT = """
+    import os, signal, sys
+    sys.path.insert(0, "tests")
+    from cache import ArtifactCache, _store
+    from test_cache import fake_artifact, key_of
+    store = ArtifactCache(sys.argv[1])
+    original = _store.ArtifactCache._write_blob
+    def write_then_die(self, raw):
+        digest = original(self, raw)
+        os.kill(os.getpid(), signal.SIGKILL)
+    _store.ArtifactCache._write_blob = write_then_die
+    store.put(key_of(7), fake_artifact(7), {})
+"""
+
+
+def test_process_killed_mid_save_leaves_no_entry_that_loads(tmp_path: object) -> None:
+    result = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(KILL_SCRIPT), str(tmp_path)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
+    assert result.returncode == -signal.SIGKILL
+    store = ArtifactCache(str(tmp_path))
+    assert store.get(key_of(7)) is None
+    assert store.entries() == []
+    assert len(_blob_files(str(tmp_path))) == 1  # an orphan, collected by prune later
+    store.put(key_of(7), fake_artifact(7), {})
+    assert store.get(key_of(7)) is not None
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "precompile", "cache", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
+
+
+def test_cli_commands(tmp_path: object) -> None:
+    root = str(tmp_path)
+    store = ArtifactCache(root)
+    store.put(key_of(1), fake_artifact(1), {"graph": "a", "device": "cpu"})
+    store.put(key_of(2), fake_artifact(2), {"graph": "b", "device": "cpu"})
+    listing = _cli("--root", root, "ls")
+    assert listing.returncode == 0 and key_of(1)[:12] in listing.stdout
+    entries = json.loads(_cli("--root", root, "ls", "--json").stdout)
+    assert {e["key"] for e in entries} == {key_of(1), key_of(2)}
+    info = json.loads(_cli("--root", root, "info", key_of(1)[:10], "--json").stdout)
+    assert info["factors"]["graph"] == "a"
+    assert "differs in: graph" in _cli("--root", root, "explain", key_of(1)[:10]).stdout
+    assert _cli("--root", root, "verify").returncode == 0
+    stats = json.loads(_cli("--root", root, "stats", "--json").stdout)
+    assert stats["entries"] == 2
+    assert json.loads(_cli("--root", root, "prune", "--max-size", "1", "--json").stdout)["evicted"]
+    assert _cli("--root", root, "clear").returncode != 0  # needs --yes
+    assert _cli("--root", root, "clear", "--yes").returncode == 0
+    assert json.loads(_cli("--root", root, "ls", "--json").stdout) == []
+
+
+def test_miss_explanation_names_the_differing_factor(tmp_path: object) -> None:
+    store = ArtifactCache(str(tmp_path))
+    store.put(key_of(1), fake_artifact(1), {"graph": "a", "torch": "2.13"})
+    explanation = store.explain_miss(key_of(2), {"graph": "a", "torch": "2.14"})
+    assert explanation.nearest == key_of(1)
+    assert explanation.differing == ("torch",)
