@@ -364,3 +364,30 @@ def test_miss_explanation_names_the_differing_factor(tmp_path: object) -> None:
     explanation = store.explain_miss(key_of(2), {"graph": "a", "torch": "2.14"})
     assert explanation.nearest == key_of(1)
     assert explanation.differing == ("torch",)
+
+
+HOLDER_SCRIPT = """
+    import os, signal, sys
+    from cache import ArtifactCache
+    store = ArtifactCache(sys.argv[1])
+    with store.lock(sys.argv[2]):
+        print("holding", flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def test_a_crashed_lock_holder_does_not_block_others(tmp_path: object) -> None:
+    import time
+
+    result = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(HOLDER_SCRIPT), str(tmp_path), key_of(3)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
+    assert "holding" in result.stdout and result.returncode == -signal.SIGKILL
+    store = ArtifactCache(str(tmp_path), lock_timeout=5)
+    started = time.monotonic()
+    _, _, hit = store.get_or_create(key_of(3), {}, lambda: (fake_artifact(3), {}))
+    assert not hit and time.monotonic() - started < 5
+    assert store.get(key_of(3)) is not None
