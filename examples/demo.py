@@ -60,7 +60,11 @@ def compile_and_save(directory: str) -> None:
     started = time.perf_counter()
     with torch.no_grad():
         art = precompile.standalone_compile(gm, example_inputs, hints=HINTS, sizes=EXACT_SIZES)
-    print(f"compiled {len(art.variants)} variants in {time.perf_counter() - started:.1f} s: {art}")
+    elapsed = time.perf_counter() - started
+    print(
+        f"{len(art.variants)} variants ready in {elapsed:.1f} s (compiled, or read from the "
+        f"cache at {precompile.default_cache().root}): {art}"
+    )
     for variant in art.variants:
         print(
             f"  variant {variant.index}: {variant.kind:6s} {dict(variant.point)}  "

@@ -242,6 +242,7 @@ def standalone_compile(
     key = cache_key(factors)
 
     def create() -> tuple[CompiledArtifact, dict[str, bytes]]:
+        log.info("cache miss: %s", store.explain_miss(key, factors))
         artifact, common = _compile_all(gm, graph, symbols, requests, options or {})
         return artifact, {"caller_guards": pickle.dumps(common)}
 
