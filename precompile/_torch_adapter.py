@@ -21,7 +21,7 @@ import sympy
 import torch
 
 from runtime import _torch_adapter as runtime_adapter
-from runtime._errors import UnsupportedGraphError
+from runtime._errors import InvalidOptionError, UnsupportedGraphError
 
 log = logging.getLogger("precompile.compile")
 
@@ -59,8 +59,6 @@ def _resolve_fake_mode(gm: torch.fx.GraphModule, dynamic_shapes: str) -> Any | N
     if dynamic_shapes == "from_tracing_context":
         context = torch._guards.TracingContext.try_get()
         if context is None or context.fake_mode is None:
-            from runtime._errors import InvalidOptionError
-
             raise InvalidOptionError(
                 "dynamic_shapes='from_tracing_context' needs an active tracing context "
                 "(call it from inside a torch.compile backend)"
@@ -84,8 +82,6 @@ def _resolve_fake_mode(gm: torch.fx.GraphModule, dynamic_shapes: str) -> Any | N
 def _placeholder_values(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> list[Any]:
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     if len(placeholders) != len(example_inputs):
-        from runtime._errors import InvalidOptionError
-
         raise InvalidOptionError(
             f"example_inputs has {len(example_inputs)} entries but the graph has "
             f"{len(placeholders)} placeholders"

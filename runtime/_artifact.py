@@ -104,24 +104,24 @@ class CompiledArtifact:
             self._variant_callable(variant)
         return self
 
-    def sizes_of(self, *args: Any) -> dict[str, int]:
+    def _sizes(self, args: tuple[Any, ...]) -> tuple[int, ...]:
         key = self._read_key(args)
         if key is None:
             raise self._contract.mismatch(args)
+        return key
+
+    def sizes_of(self, *args: Any) -> dict[str, int]:
+        key = self._sizes(args)
         return dict(zip(self._manifest.symbol_names, key, strict=True))
 
     def explain(self, *args: Any) -> Explanation:
         """Which variant these inputs would run, each variant's distance, failing guards."""
-        key = self._read_key(args)
-        if key is None:
-            raise self._contract.mismatch(args)
+        key = self._sizes(args)
         return self._dispatcher.explain(key)
 
     def variant_for(self, *args: Any) -> int:
         """Index of the variant a call with these inputs runs (raises like a call would)."""
-        key = self._read_key(args)
-        if key is None:
-            raise self._contract.mismatch(args)
+        key = self._sizes(args)
         return self._dispatcher.choose(key)
 
     # -- description -----------------------------------------------------------------

@@ -20,7 +20,7 @@ from typing import Any
 import zstandard
 
 from ._errors import CorruptArtifactError, IncompatibleArtifactError, InvalidOptionError
-from ._manifest import Manifest, parse_manifest
+from ._manifest import Manifest, manifest_from_json
 from ._payloads import LazyPayloads, PayloadStore, atomic_file, sha256_hex
 
 MAGIC = b"\x93PRECOMPILE\n"
@@ -82,7 +82,7 @@ def _parse_index(data: bytes, where: str) -> tuple[Manifest, dict[str, dict[str,
         raise CorruptArtifactError(f"{where} index fails its sha256 check")
     try:
         index = json.loads(index_bytes)
-        manifest = parse_manifest(json.dumps(index["manifest"]).encode())
+        manifest = manifest_from_json(index["manifest"])
         table = index["payloads"]
     except (KeyError, TypeError, ValueError) as exc:
         if isinstance(exc, CorruptArtifactError):

@@ -7,6 +7,7 @@ one rejects the inputs, to say exactly which input is wrong and what was expecte
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -208,6 +209,4 @@ class InputContract:
 
 def _locals(condition: str) -> list[str]:
     """Names of the generated locals (``a3``, ``d3_1``) used in a deferred condition."""
-    import re
-
     return sorted(set(re.findall(r"\b(?:a\d+|d\d+_\d+)\b", condition)))

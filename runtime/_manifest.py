@@ -167,6 +167,11 @@ def parse_manifest(raw: bytes) -> Manifest:
         data = json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise CorruptArtifactError(f"manifest is not valid JSON: {exc}") from None
+    return manifest_from_json(data)
+
+
+def manifest_from_json(data: Any) -> Manifest:
+    """Validate an already-decoded manifest document (as ``Manifest.to_json`` wrote it)."""
     _expect(data, dict, "<root>")
     if data.get("format") != FORMAT_NAME:
         raise CorruptArtifactError(f"not a precompile artifact (format={data.get('format')!r})")

@@ -19,7 +19,7 @@ import tempfile
 
 from . import _torch_adapter as adapter
 from ._errors import CorruptArtifactError, InvalidOptionError
-from ._manifest import Manifest, parse_manifest
+from ._manifest import Manifest, manifest_from_json
 from ._payloads import LazyPayloads, PayloadStore, sha256_hex
 
 log = logging.getLogger("precompile.runtime")
@@ -86,8 +86,12 @@ def read_unpacked(path: str) -> tuple[Manifest, PayloadStore]:
             raw_manifest = handle.read()
     except FileNotFoundError:
         raise CorruptArtifactError(f"{where} has no {MANIFEST}") from None
-    manifest = parse_manifest(raw_manifest)
-    files = json.loads(raw_manifest).get("payload_files")
+    try:
+        document = json.loads(raw_manifest)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CorruptArtifactError(f"{where} manifest is not valid JSON: {exc}") from None
+    manifest = manifest_from_json(document)
+    files = document.get("payload_files")
     if not isinstance(files, dict):
         raise CorruptArtifactError(f"{where} manifest lacks its payload_files table")
     for digest in manifest.payload_digests:
@@ -105,16 +109,13 @@ def read_unpacked(path: str) -> tuple[Manifest, PayloadStore]:
                 code = handle.read()
         except FileNotFoundError:
             return None
-        original = adapter.variant_source_code(fetch_verified(digest))
+        original = adapter.variant_source_code(store.read(digest))
         if code == original:
             return None
         log.info(
             "using edited generated code %s (sha256 %s)", code_path, sha256_hex(code.encode())[:12]
         )
         return code
-
-    def fetch_verified(digest: str) -> bytes:
-        return store.read(digest)
 
     store = LazyPayloads(fetch, edited)
     for digest in manifest.payload_digests:
