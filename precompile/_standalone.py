@@ -143,7 +143,12 @@ def _compile_all(
             payloads[by_code[code]] = compiled.payload
         texts = tuple(dict.fromkeys(adapter.print_expr(g) for g in guards))
         point_by_name = dict(zip(names, request.point, strict=True))
-        variants.append(Variant(number, request.kind, point_by_name, texts, by_code[code], code))
+        for kernel, binary in compiled.kernels:
+            payloads[kernel.binary] = binary
+        kernels = tuple(kernel for kernel, _ in compiled.kernels)
+        variants.append(
+            Variant(number, request.kind, point_by_name, texts, by_code[code], code, kernels)
+        )
         log.info(
             "compiled variant %d/%d (%s %s) in %.1f s; %d guards%s",
             number + 1,

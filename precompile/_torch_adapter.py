@@ -11,6 +11,7 @@ import copy
 import logging
 import os
 import pickle
+import platform
 import shutil
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import ExitStack, contextmanager
@@ -22,6 +23,9 @@ import torch
 
 from runtime import _torch_adapter as runtime_adapter
 from runtime._errors import InvalidOptionError, UnsupportedGraphError
+from runtime._manifest import NativeKernel
+from runtime._native_kernels import cpu_features_for_flags, find_cpp_kernels, kernel_key
+from runtime._payloads import sha256_hex
 
 log = logging.getLogger("precompile.compile")
 
@@ -206,6 +210,7 @@ def _first_env(values: Sequence[Any]) -> Any:
 class CompiledVariant:
     payload: bytes
     guards: tuple[sympy.Expr, ...]  # in the caller's symbols
+    kernels: tuple[tuple[NativeKernel, bytes], ...] = ()  # built C++ kernels and their .so
 
 
 def _fresh_inputs(
@@ -304,6 +309,7 @@ def compile_variant(
                 "are one known case: capture the graph with Dynamo (a torch.compile backend) "
                 "instead"
             ) from exc
+        kernels = _built_cpp_kernels(payload)
     shape_env = fake_mode.shape_env
     guards: list[sympy.Expr] = [g.expr for g in shape_env.guards]
     for symbol, replacement in shape_env.replacements.items():
@@ -325,7 +331,46 @@ def compile_variant(
         if expr is sympy.true:
             continue
         translated.append(expr)
-    return CompiledVariant(payload, tuple(dict.fromkeys(translated)))
+    return CompiledVariant(payload, tuple(dict.fromkeys(translated)), kernels)
+
+
+def _built_cpp_kernels(payload: bytes) -> tuple[tuple[NativeKernel, bytes], ...]:
+    """Each C++ kernel the payload's wrappers build, with the ``.so`` this compile built.
+
+    Runs inside the compile's inductor dir, where every kernel is already built, so
+    asking inductor for it again returns the loaded module without compiling.
+    """
+    from torch._inductor.async_compile import AsyncCompile
+    from torch._inductor.cpu_vec_isa import pick_vec_isa
+
+    sources = runtime_adapter.wrapper_sources(payload)
+    calls = [kernel for source in sources for kernel in find_cpp_kernels(source)]
+    if not calls:
+        return ()
+    isa = pick_vec_isa()
+    flags = isa.build_arch_flags() if isa else ""
+    async_compile = AsyncCompile()
+    built = []
+    for argtypes, source in calls:
+        function = async_compile.cpp_pybinding(argtypes, source)
+        if hasattr(function, "result"):
+            function = function.result()
+        path = getattr(getattr(function, "__self__", None), "__file__", None)
+        if not isinstance(path, str) or not os.path.isfile(path):
+            raise UnsupportedGraphError(
+                f"inductor built a C++ kernel this torch does not expose as a file ({path!r})"
+            )
+        with open(path, "rb") as handle:
+            data = handle.read()
+        kernel = NativeKernel(
+            key=kernel_key(argtypes, source),
+            binary=sha256_hex(data),
+            isa=str(isa),
+            cpu_features=cpu_features_for_flags(flags),
+            machine=platform.machine(),
+        )
+        built.append((kernel, data))
+    return tuple(built)
 
 
 # -- expressions and the caller's ShapeEnv -------------------------------------------

@@ -12,7 +12,10 @@ from ._errors import (
     UnsafeCacheError,
     UnsupportedGraphError,
 )
-from ._manifest import Environment, Manifest, Symbol, SymbolSource, Variant
+from ._manifest import Environment, Manifest, NativeKernel, Symbol, SymbolSource, Variant
+from ._torch_adapter import import_runtime_modules as _import_runtime_modules
+
+_import_runtime_modules()
 
 __all__ = [
     "ArtifactFormat",
@@ -25,6 +28,7 @@ __all__ = [
     "InputMismatchError",
     "InvalidOptionError",
     "Manifest",
+    "NativeKernel",
     "NoVariantError",
     "PrecompileError",
     "Symbol",

@@ -8,6 +8,7 @@ import threading
 from collections.abc import Callable, Mapping
 from typing import Any, Literal
 
+from . import _native_kernels as native_kernels
 from . import _torch_adapter as adapter
 from ._binary_format import read_binary, write_binary
 from ._contract import InputContract
@@ -86,7 +87,10 @@ class CompiledArtifact:
                 edited = self._payloads.edited_source(variant.payload)
                 if edited is not None:
                     payload = adapter.with_source_code(payload, edited)
-                function = adapter.load_variant(payload)
+                native_kernels.register(variant.kernels, self._payloads.read)
+                function = adapter.load_variant(
+                    payload, rewrite=native_kernels.redirect_cpp_kernels
+                )
                 self._callables[variant.payload] = function
             return function
 
@@ -143,7 +147,8 @@ class CompiledArtifact:
         return (
             f"<precompile.CompiledArtifact symbols=({names}) variants={len(kinds)} "
             f"(hint={kinds.count('hint')}, static={kinds.count('static')}) "
-            f"payloads={len(self._manifest.payload_digests)} "
+            f"payloads={len(self._manifest.graph_digests)} "
+            f"kernels={len(self._manifest.kernel_digests)} "
             f"device={self._manifest.environment.device_type}>"
         )
 

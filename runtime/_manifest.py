@@ -17,7 +17,8 @@ from ._errors import CorruptArtifactError
 from ._expressions import SYMBOL_NAME, check_expression
 
 FORMAT_NAME = "precompile-artifact"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+READABLE_VERSIONS = (1, 2)  # version 1 carried no built kernels
 VariantKind = Literal["hint", "static"]
 
 
@@ -70,6 +71,17 @@ InputSpec = TensorInput | IntInput
 
 
 @dataclass(frozen=True)
+class NativeKernel:
+    """A built C++ kernel a variant's wrapper imports, shipped so no compiler runs at load."""
+
+    key: str  # sha256 of the (argtypes, source) the wrapper passes to cpp_pybinding
+    binary: str  # sha256 of the built .so (a payload of the artifact)
+    isa: str  # inductor's vector ISA the source was generated for ("avx512", "avx2", ...)
+    cpu_features: tuple[str, ...]  # /proc/cpuinfo flags the binary needs
+    machine: str  # platform.machine() of the build
+
+
+@dataclass(frozen=True)
 class Variant:
     """One compiled graph: a hint point (dynamic) or exact sizes (static), and its guards."""
 
@@ -79,6 +91,7 @@ class Variant:
     guards: tuple[str, ...]
     payload: str
     code: str
+    kernels: tuple[NativeKernel, ...] = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "point", MappingProxyType(dict(self.point)))
@@ -97,9 +110,19 @@ class Manifest:
         return tuple(symbol.name for symbol in self.symbols)
 
     @property
-    def payload_digests(self) -> tuple[str, ...]:
-        """Each payload once, in first-use order."""
+    def graph_digests(self) -> tuple[str, ...]:
+        """Each variant payload (a compiled graph) once, in first-use order."""
         return tuple(dict.fromkeys(variant.payload for variant in self.variants))
+
+    @property
+    def kernel_digests(self) -> tuple[str, ...]:
+        """Each built kernel binary once, in first-use order."""
+        return tuple(dict.fromkeys(k.binary for v in self.variants for k in v.kernels))
+
+    @property
+    def payload_digests(self) -> tuple[str, ...]:
+        """Every payload an artifact stores: graphs, then kernel binaries."""
+        return tuple(dict.fromkeys((*self.graph_digests, *self.kernel_digests)))
 
     def to_json(self) -> dict[str, Any]:
         env = self.environment
@@ -129,6 +152,16 @@ class Manifest:
                     "guards": list(v.guards),
                     "payload": v.payload,
                     "code": v.code,
+                    "kernels": [
+                        {
+                            "key": k.key,
+                            "binary": k.binary,
+                            "isa": k.isa,
+                            "cpu_features": list(k.cpu_features),
+                            "machine": k.machine,
+                        }
+                        for k in v.kernels
+                    ],
                 }
                 for v in self.variants
             ],
@@ -161,6 +194,24 @@ def _size_entry(value: Any, names: Sequence[str], where: str) -> int | str:
     return str(text)
 
 
+def _kernels(value: Any, where: str) -> tuple[NativeKernel, ...]:
+    kernels = []
+    for n, entry in enumerate(_expect(value, list, where)):
+        at = f"{where}[{n}]"
+        _expect(entry, dict, at)
+        features = _expect(entry.get("cpu_features"), list, f"{at}.cpu_features")
+        kernels.append(
+            NativeKernel(
+                key=_digest(entry.get("key"), f"{at}.key"),
+                binary=_digest(entry.get("binary"), f"{at}.binary"),
+                isa=str(_expect(entry.get("isa"), str, f"{at}.isa")),
+                cpu_features=tuple(str(_expect(f, str, f"{at}.cpu_features")) for f in features),
+                machine=str(_expect(entry.get("machine"), str, f"{at}.machine")),
+            )
+        )
+    return tuple(kernels)
+
+
 def parse_manifest(raw: bytes) -> Manifest:
     """Validate and decode manifest bytes; any defect is a CorruptArtifactError."""
     try:
@@ -176,10 +227,10 @@ def manifest_from_json(data: Any) -> Manifest:
     if data.get("format") != FORMAT_NAME:
         raise CorruptArtifactError(f"not a precompile artifact (format={data.get('format')!r})")
     version = _expect(data.get("format_version"), int, "format_version")
-    if version != FORMAT_VERSION:
+    if version not in READABLE_VERSIONS:
         raise CorruptArtifactError(
             f"artifact format version {version} is not supported (this precompile reads "
-            f"version {FORMAT_VERSION})"
+            f"versions {', '.join(map(str, READABLE_VERSIONS))})"
         )
     env_raw = _expect(data.get("environment"), dict, "environment")
     try:
@@ -257,6 +308,7 @@ def manifest_from_json(data: Any) -> Manifest:
                 guards=guards,
                 payload=_digest(entry.get("payload"), f"variants[{n}].payload"),
                 code=_digest(entry.get("code"), f"variants[{n}].code"),
+                kernels=_kernels(entry.get("kernels", []), f"variants[{n}].kernels"),
             )
         )
     if not variants:

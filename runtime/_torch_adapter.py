@@ -3,28 +3,40 @@
 A variant's payload is upstream's bundled AOTAutograd entry (the ``aot=True`` format of
 ``torch._inductor.standalone_compile``): self-contained, with no FX-graph-cache key to
 look up, so variants cannot collide with each other or with the user's inductor cache.
+
+Loading writes the generated wrapper modules (and, on GPU, the bundled Triton binaries)
+where inductor's ``cache_dir()`` points. Instead of swapping ``TORCHINDUCTOR_CACHE_DIR``
+in ``os.environ`` as upstream does (process-wide, racy), ``cache_dir()`` is wrapped once
+to consult a context variable: only the loading thread sees our private directory; every
+other caller, and this thread outside a load, gets inductor's own answer unchanged.
 """
 
 from __future__ import annotations
 
 import atexit
 import hashlib
+import importlib
 import logging
 import os
 import pickle
 import shutil
+import sys
 import tempfile
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from contextvars import ContextVar
 from typing import Any
 
 log = logging.getLogger("precompile.runtime")
 
-# Inductor reads its cache location from os.environ each time; every swap of it, ours and
-# any of our loads, happens under this lock so that our threads never see another's dir.
+# Compiling swaps TORCHINDUCTOR_CACHE_DIR (compile workers read it from the environment);
+# every such swap happens under this lock so that our threads never see another's dir.
 INDUCTOR_LOCK = threading.RLock()
+# Loads are serialized: upstream's deserialization mutates process-wide tables.
+LOAD_LOCK = threading.RLock()
 _build_dir: str | None = None
+_redirect: ContextVar[str | None] = ContextVar("precompile_inductor_dir", default=None)
 
 
 def build_dir() -> str:
@@ -51,6 +63,61 @@ def inductor_cache_dir(directory: str) -> Iterator[None]:
         yield
 
 
+# What loading a payload and importing its generated wrapper import. They are Python
+# modules of torch's compiler stack (Dynamo comes with any of them: ~1.4 s on a 2-core
+# CPU), paid once per process; importing them with the runtime puts that cost at import
+# time, so that load() and the first call have the short, predictable latency a server
+# needs for its first request.
+_RUNTIME_MODULES = (
+    "torch._dynamo.aot_compile_types",
+    "torch._functorch._aot_autograd.aot_autograd_result",
+    "torch._inductor.async_compile",
+    "torch._inductor.codecache",
+    "torch._inductor.codegen.memory_planning",
+    "torch._inductor.hooks",
+    "torch._inductor.output_code",
+    "torch._inductor.select_algorithm",
+    "torch._inductor.utils",
+)
+
+
+def import_runtime_modules() -> None:
+    """Import the torch modules that loading and running a variant need."""
+    for name in _RUNTIME_MODULES:
+        importlib.import_module(name)
+
+
+def _install_cache_dir_redirect() -> None:
+    """Wrap inductor's ``cache_dir()`` (once) so that ``_redirect`` overrides it per thread."""
+    from torch._inductor.runtime import cache_dir_utils
+
+    original = cache_dir_utils.cache_dir
+    if getattr(original, "__precompile_redirect__", False):
+        return
+
+    def cache_dir() -> str:
+        directory = _redirect.get()
+        return directory if directory is not None else original()
+
+    cache_dir.__precompile_redirect__ = True  # type: ignore[attr-defined]
+    cache_dir_utils.cache_dir = cache_dir
+    for name, module in list(sys.modules.items()):
+        if name.startswith("torch.") and getattr(module, "cache_dir", None) is original:
+            module.cache_dir = cache_dir  # type: ignore[attr-defined]
+
+
+@contextmanager
+def private_inductor_dir(directory: str) -> Iterator[None]:
+    """Inductor's cache dir is ``directory`` in this thread (context) only, for the duration."""
+    with LOAD_LOCK:
+        _install_cache_dir_redirect()
+    token = _redirect.set(directory)
+    try:
+        yield
+    finally:
+        _redirect.reset(token)
+
+
 def _unpickle_bundle(payload: bytes) -> tuple[Any, Any, Any]:
     bundle = pickle.loads(payload)
     if not (isinstance(bundle, tuple) and len(bundle) == 3):
@@ -63,6 +130,26 @@ def forward_graph(bundle_entry: Any) -> Any:
     return bundle_entry.compiled_fw.result
 
 
+def compiled_graphs(bundle_entry: Any) -> list[Any]:
+    """The forward graph and, when there is one, the backward graph of a bundled entry."""
+    graphs = [forward_graph(bundle_entry)]
+    backward = getattr(getattr(bundle_entry, "compiled_bw", None), "result", None)
+    if backward is not None and hasattr(backward, "source_code"):
+        graphs.append(backward)
+    return graphs
+
+
+def wrapper_sources(payload: bytes) -> list[str]:
+    """The generated wrapper module of every graph in a payload."""
+    entry, _, _ = _unpickle_bundle(payload)
+    return [str(graph.source_code) for graph in compiled_graphs(entry)]
+
+
+def _rekey(graph: Any) -> None:
+    # A new key gives a changed module its own file and module-cache slot.
+    graph.cache_key = "p" + hashlib.sha256(graph.source_code.encode()).hexdigest()[:51]
+
+
 def variant_source_code(payload: bytes) -> str:
     entry, _, _ = _unpickle_bundle(payload)
     return str(forward_graph(entry).source_code)
@@ -73,19 +160,47 @@ def with_source_code(payload: bytes, source_code: str) -> bytes:
     entry, kernels, constant_args = _unpickle_bundle(payload)
     graph = forward_graph(entry)
     graph.source_code = source_code
-    # A new key gives the edited module its own file and module-cache slot.
-    graph.cache_key = "p" + hashlib.sha256(source_code.encode()).hexdigest()[:51]
+    _rekey(graph)
     return pickle.dumps((entry, kernels, constant_args))
 
 
-def load_variant(payload: bytes) -> Callable[..., Any]:
-    """Turn verified payload bytes into a callable taking the graph's flat inputs."""
+def load_variant(
+    payload: bytes, *, rewrite: Callable[[str], str] | None = None
+) -> Callable[..., Any]:
+    """Turn verified payload bytes into a callable taking the graph's flat inputs.
+
+    ``rewrite`` maps each generated wrapper's source before it is imported.
+    """
     from torch._dynamo.aot_compile_types import BundledAOTAutogradSerializableCallable
 
-    with inductor_cache_dir(build_dir()):
+    if rewrite is not None:
+        entry, kernels, constant_args = _unpickle_bundle(payload)
+        for graph in compiled_graphs(entry):
+            source = rewrite(graph.source_code)
+            if source != graph.source_code:
+                graph.source_code = source
+                _rekey(graph)
+        payload = pickle.dumps((entry, kernels, constant_args))
+    with private_inductor_dir(build_dir()), LOAD_LOCK:
         loaded = BundledAOTAutogradSerializableCallable.deserialize_compile_artifacts(payload)
     compiled: Callable[..., Any] = loaded.compiled_fn
     return compiled
+
+
+def import_cpp_kernel(path: str, key: str) -> Callable[..., Any]:
+    """Import a built cpp_pybinding ``.so`` the way inductor does, and return its entry."""
+    from torch._inductor.codecache import CppPythonBindingsCodeCache as Bindings
+
+    module = Bindings._load_library(path, key)
+    function: Callable[..., Any] = getattr(module, Bindings.entry_function)
+    return function
+
+
+def vec_isa_name() -> str:
+    """The vector ISA inductor builds C++ kernels for on this machine (may run gcc once)."""
+    from torch._inductor.cpu_vec_isa import pick_vec_isa
+
+    return str(pick_vec_isa())
 
 
 def variant_code_digest(payload: bytes) -> str:

@@ -3,6 +3,7 @@
     path/manifest.json                      manifest plus a checksum per payload file
     path/variants/<digest>/payload.bin      the variant (upstream's bundled entry, pickled)
     path/variants/<digest>/output_code.py   its generated forward code
+    path/kernels/<digest>.so                a built C++ kernel the variants import
 
 ``payload.bin`` is checked against its sha256 before it is unpickled. ``output_code.py``
 is the one file meant for hands: an edited copy replaces the payload's code on the next
@@ -36,7 +37,7 @@ def write_unpacked(path: str, manifest: Manifest, payloads: PayloadStore) -> Non
     staging = tempfile.mkdtemp(prefix=".precompile-", dir=parent)
     try:
         files: dict[str, dict[str, object]] = {}
-        for digest in manifest.payload_digests:
+        for digest in manifest.graph_digests:
             raw = payloads.read(digest)
             folder = os.path.join(staging, "variants", digest)
             os.makedirs(folder)
@@ -46,6 +47,12 @@ def write_unpacked(path: str, manifest: Manifest, payloads: PayloadStore) -> Non
             with open(os.path.join(folder, CODE), "w", encoding="utf-8") as handle:
                 handle.write(code)
             files[digest] = {"file": f"variants/{digest}/{PAYLOAD}", "size": len(raw)}
+        for digest in manifest.kernel_digests:
+            raw = payloads.read(digest)
+            os.makedirs(os.path.join(staging, "kernels"), exist_ok=True)
+            with open(os.path.join(staging, _kernel_file(digest)), "wb") as handle:
+                handle.write(raw)
+            files[digest] = {"file": _kernel_file(digest), "size": len(raw)}
         document = manifest.to_json()
         document["payload_files"] = files
         with open(os.path.join(staging, MANIFEST), "w", encoding="utf-8") as handle:
@@ -55,6 +62,10 @@ def write_unpacked(path: str, manifest: Manifest, payloads: PayloadStore) -> Non
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
+
+
+def _kernel_file(digest: str) -> str:
+    return f"kernels/{digest}.so"
 
 
 def _swap_into_place(staging: str, path: str) -> None:
@@ -94,15 +105,19 @@ def read_unpacked(path: str) -> tuple[Manifest, PayloadStore]:
     files = document.get("payload_files")
     if not isinstance(files, dict):
         raise CorruptArtifactError(f"{where} manifest lacks its payload_files table")
-    for digest in manifest.payload_digests:
-        if not os.path.isfile(os.path.join(path, "variants", digest, PAYLOAD)):
-            raise CorruptArtifactError(f"{where} is missing variants/{digest}/{PAYLOAD}")
+    relative = {d: f"variants/{d}/{PAYLOAD}" for d in manifest.graph_digests}
+    relative.update({d: _kernel_file(d) for d in manifest.kernel_digests})
+    for name in relative.values():
+        if not os.path.isfile(os.path.join(path, name)):
+            raise CorruptArtifactError(f"{where} is missing {name}")
 
     def fetch(digest: str) -> bytes:
-        with open(os.path.join(path, "variants", digest, PAYLOAD), "rb") as handle:
+        with open(os.path.join(path, relative[digest]), "rb") as handle:
             return handle.read()
 
     def edited(digest: str) -> str | None:
+        if digest not in manifest.graph_digests:
+            return None
         code_path = os.path.join(path, "variants", digest, CODE)
         try:
             with open(code_path, encoding="utf-8") as handle:

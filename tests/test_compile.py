@@ -92,7 +92,7 @@ def test_attention_dispatch_is_nearest_in_log2_space(attention: Compiled) -> Non
 def test_identical_code_is_stored_once(mlp: Compiled, attention: Compiled) -> None:
     for art in (mlp.artifact, attention.artifact):
         codes = {v.code for v in art.variants}
-        assert len(art.manifest.payload_digests) == len(codes)
+        assert len(art.manifest.graph_digests) == len(codes)
         for variant in art.variants:
             same_code = [v for v in art.variants if v.code == variant.code]
             assert {v.payload for v in same_code} == {variant.payload}

@@ -91,10 +91,15 @@ def test_unpacked_has_readable_manifest_and_code(mlp: Compiled, saved: dict[str,
     assert [v["point"] for v in manifest["variants"]] == [
         dict(v.point) for v in mlp.artifact.variants
     ]
-    for digest in mlp.artifact.manifest.payload_digests:
+    for digest in mlp.artifact.manifest.graph_digests:
         code = os.path.join(saved["unpacked"], "variants", digest, "output_code.py")
         with open(code) as handle:
             assert "def call(" in handle.read()
+    kernels = mlp.artifact.manifest.kernel_digests
+    assert kernels, "a CPU artifact ships its built C++ kernels"
+    for digest in kernels:
+        with open(os.path.join(saved["unpacked"], "kernels", f"{digest}.so"), "rb") as handle:
+            assert handle.read(4) == b"\x7fELF"
 
 
 def test_editing_unpacked_code_takes_effect(
