@@ -44,6 +44,7 @@ def prepare(root: str) -> dict[str, str]:
         "blobs": os.path.join(base, "blobs"),
         "locks": os.path.join(base, "locks"),
         "quarantine": os.path.join(base, "quarantine"),
+        "tags": os.path.join(base, "tags"),
     }
     for path in dirs.values():
         private_dir(path)

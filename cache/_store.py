@@ -18,6 +18,7 @@ import contextlib
 import json
 import logging
 import os
+import re
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -53,6 +54,9 @@ def _size_limit_from_env() -> int:
     if value <= 0:
         raise InvalidOptionError(f"PRECOMPILE_CACHE_SIZE_LIMIT must be > 0, got {value}")
     return value
+
+
+_TAG_NAME = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,99}")
 
 
 class ArtifactCache:
@@ -153,7 +157,9 @@ class ArtifactCache:
             return None
         os.utime(self._entry_path(key))  # approximate LRU: last use is the entry's mtime
         self._count("hits")
-        return CompiledArtifact(manifest, MemoryPayloads(payloads)), aux
+        artifact = CompiledArtifact(manifest, MemoryPayloads(payloads))
+        artifact.cache_key = key
+        return artifact, aux
 
     # -- writing -----------------------------------------------------------------------
     def _write_blob(self, raw: bytes) -> str:
@@ -175,6 +181,7 @@ class ArtifactCache:
         aux: Mapping[str, bytes] | None = None,
     ) -> None:
         manifest = artifact.manifest
+        artifact.cache_key = key
         for digest in manifest.payload_digests:
             self._write_blob(artifact.payload_bytes(digest))
         aux_digests = {name: self._write_blob(data) for name, data in (aux or {}).items()}
@@ -210,6 +217,44 @@ class ArtifactCache:
             self.put(key, artifact, factors, aux)
             return artifact, dict(aux), False
 
+    # -- tags ------------------------------------------------------------------------
+    def _tag_path(self, name: str) -> str:
+        if not isinstance(name, str) or not _TAG_NAME.fullmatch(name):
+            raise InvalidOptionError(
+                f"tag name must be 1-100 characters of letters, digits, '.', '_' or '-' "
+                f"(not starting with '.'), got {name!r}"
+            )
+        return os.path.join(self._dirs["tags"], name)
+
+    def tag(self, name: str, key: str) -> None:
+        """Name an entry, so that a server can load it without tracing its model again."""
+        self._entry_path(key)  # validates the key
+        path = self._tag_path(name)
+        with atomic_file(path) as handle:
+            handle.write(key.encode())
+        log.info("tagged %s as %r", key[:12], name)
+
+    def tags(self) -> dict[str, str]:
+        """Every tag and the key it names (tags of evicted entries included)."""
+        found = {}
+        for name in sorted(os.listdir(self._dirs["tags"])):
+            if _TAG_NAME.fullmatch(name):
+                with contextlib.suppress(OSError), open(self._tag_path(name), "rb") as handle:
+                    found[name] = handle.read().decode("ascii", "replace").strip()
+        return found
+
+    def load_tag(self, name: str) -> CompiledArtifact | None:
+        """The artifact tagged ``name``, or None if the tag or its entry is gone."""
+        key = self.tags().get(name) if os.path.exists(self._tag_path(name)) else None
+        if key is None:
+            return None
+        try:
+            found = self.get(key)
+        except InvalidOptionError:
+            log.warning("tag %r names %r, which is not a cache key; ignoring it", name, key)
+            return None
+        return None if found is None else found[0]
+
     def _get_quiet(self, key: str) -> tuple[CompiledArtifact, dict[str, bytes]] | None:
         if not os.path.exists(self._entry_path(key)):
             return None
@@ -237,8 +282,9 @@ class ArtifactCache:
                 with open(path, "rb") as handle:
                     document = json.loads(handle.read())
                 manifest = document["manifest"]
-                digests = tuple(dict.fromkeys(v["payload"] for v in manifest["variants"]))
-                blobs = (*digests, *document.get("aux", {}).values())
+                graphs = [v["payload"] for v in manifest["variants"]]
+                kernels = [k["binary"] for v in manifest["variants"] for k in v.get("kernels", [])]
+                blobs = tuple(dict.fromkeys((*graphs, *kernels, *document.get("aux", {}).values())))
             except (OSError, ValueError, KeyError, TypeError):
                 continue
             size = info.st_size + sum(self._blob_size(d) for d in blobs)

@@ -104,6 +104,13 @@ def _cache_command(args: argparse.Namespace) -> int:
             return 0
         explanation = ArtifactCache.explain_against(entry.key, entry.factors, others)
         _emit(dataclasses.asdict(explanation), args.json, str(explanation))
+    elif args.action == "tags":
+        tags = store.tags()
+        present = {e.key for e in store.entries()}
+        lines = [
+            f"{n:30s} {k[:16]}{'' if k in present else '  (entry gone)'}" for n, k in tags.items()
+        ]
+        _emit(tags, args.json, "\n".join(lines) or "no tags")
     return 0
 
 
@@ -119,6 +126,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         ("ls", "list entries"),
         ("verify", "check every digest"),
         ("stats", "hit/miss/eviction counts and size"),
+        ("tags", "named entries (what servers load by name)"),
     ]:
         actions.add_parser(name, help=text).add_argument("--json", action="store_true")
     info = actions.add_parser("info", help="one entry and its key factors")

@@ -55,6 +55,10 @@ class CompiledArtifact:
         self._memo_size = max(1, memo_size)
         self._lock = threading.RLock()
         self._read_key = self._contract.read_key
+        # The key an ArtifactCache stored or found it under (set by the cache), for tagging.
+        self.cache_key: str | None = None
+        self._warming: threading.Thread | None = None
+        self._warm_error: BaseException | None = None
 
     # -- calling ---------------------------------------------------------------------
     def __call__(self, *args: Any) -> Any:
@@ -102,11 +106,45 @@ class CompiledArtifact:
         """The raw callable of variant ``index`` (no contract check, no dispatch)."""
         return self._variant_callable(self._manifest.variants[index])
 
-    def warmup(self) -> CompiledArtifact:
-        """Load every variant now, so no call pays a first-use cost."""
-        for variant in self._manifest.variants:
-            self._variant_callable(variant)
+    def warmup(self, *, background: bool = False) -> CompiledArtifact:
+        """Load every variant now, so no call pays a first-use cost.
+
+        With ``background=True`` a daemon thread loads them while this thread goes on
+        (a server can take requests meanwhile; a call that needs a variant still being
+        loaded waits for it). ``wait_warm()`` joins that thread and re-raises its error.
+        """
+        if not background:
+            for variant in self._manifest.variants:
+                self._variant_callable(variant)
+            return self
+        with self._lock:
+            if self._warming is None:
+                self._warming = threading.Thread(
+                    target=self._warm_in_background, name="precompile-warmup", daemon=True
+                )
+                self._warming.start()
         return self
+
+    def _warm_in_background(self) -> None:
+        try:
+            self.warmup()
+        except BaseException as exc:  # surfaced by wait_warm()
+            log.warning("background warm-up failed: %s", exc)
+            self._warm_error = exc
+
+    def wait_warm(self, timeout: float | None = None) -> bool:
+        """Wait for a background warm-up; True when every variant is loaded."""
+        thread = self._warming
+        if thread is not None:
+            thread.join(timeout)
+            if self._warm_error is not None:
+                raise self._warm_error
+        return len(self.loaded_variants) == len(self._manifest.variants)
+
+    @property
+    def loaded_variants(self) -> tuple[int, ...]:
+        """Indices of the variants whose compiled code is loaded in this process."""
+        return tuple(v.index for v in self._manifest.variants if v.payload in self._callables)
 
     def _sizes(self, args: tuple[Any, ...]) -> tuple[int, ...]:
         key = self._read_key(args)
@@ -167,8 +205,9 @@ class CompiledArtifact:
         *,
         path: str | os.PathLike[str],
         format: ArtifactFormat = "binary",
-        warmup: bool = False,
+        warmup: bool | Literal["background"] = False,
     ) -> CompiledArtifact:
+        """Read and verify an artifact; variants load on first use unless ``warmup``."""
         _check_format(format)
         source = os.fspath(path)
         if format == "binary":
@@ -177,6 +216,8 @@ class CompiledArtifact:
             manifest, payloads = read_unpacked(source)
         check_compatible(manifest.environment, f"artifact {source!r}")
         artifact = CompiledArtifact(manifest, payloads)
+        if warmup not in (True, False, "background"):
+            raise InvalidOptionError(f"warmup must be True, False or 'background', got {warmup!r}")
         if warmup:
-            artifact.warmup()
+            artifact.warmup(background=warmup == "background")
         return artifact

@@ -6,7 +6,9 @@ and every test reads the same artifacts.
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -24,6 +26,7 @@ if _UNDER_PYTEST:
     # Tests never touch the user's cache: one private cache per test session (subprocess
     # scripts inherit it, or get the one their test passes).
     os.environ["PRECOMPILE_CACHE_DIR"] = tempfile.mkdtemp(prefix="precompile-test-cache-")
+    atexit.register(shutil.rmtree, os.environ["PRECOMPILE_CACHE_DIR"], ignore_errors=True)
 
 import precompile  # noqa: E402
 
@@ -140,6 +143,15 @@ def mlp() -> Compiled:
             captured.gm, captured.example_inputs, hints=MLP_HINTS, sizes=MLP_SIZES
         )
     return Compiled(captured, artifact)
+
+
+@pytest.fixture(scope="session")
+def saved(mlp: Compiled, tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("saved")
+    paths = {"binary": str(root / "mlp.pt2c"), "unpacked": str(root / "mlp_dir")}
+    for fmt, path in paths.items():
+        mlp.artifact.save(path=path, format=fmt)  # type: ignore[arg-type]
+    return paths
 
 
 ATTN_HINTS = {"batch": [1, 2, 8], "seq": [1, 16, 64]}

@@ -391,3 +391,39 @@ def test_a_crashed_lock_holder_does_not_block_others(tmp_path: object) -> None:
     _, _, hit = store.get_or_create(key_of(3), {}, lambda: (fake_artifact(3), {}))
     assert not hit and time.monotonic() - started < 5
     assert store.get(key_of(3)) is not None
+
+
+def test_kernel_blobs_are_kept_while_their_entry_lives(mlp: Compiled, tmp_path: object) -> None:
+    # Eviction drops unreferenced blobs at once: the kernels of a kept entry must count
+    # as referenced, or the entry would lose its .so files and fail its next load.
+    store = ArtifactCache(str(tmp_path))
+    assert mlp.artifact.manifest.kernel_digests
+    store.put(key_of(1), mlp.artifact, {"graph": "mlp"})
+    store.put(key_of(2), fake_artifact(2), {"graph": "other"})
+    os.utime(store._entry_path(key_of(1)), (1e9, 1e9))
+    os.utime(store._entry_path(key_of(2)), (1e9 + 1, 1e9 + 1))  # 1 is least recent
+    size_of_1 = next(e.size for e in store.entries() if e.key == key_of(1))
+    assert store.prune(size_limit=store.total_size() - 1, keep=key_of(1)) == [key_of(2)]
+    assert next(e.size for e in store.entries() if e.key == key_of(1)) == size_of_1
+    loaded, _ = store.get(key_of(1))  # type: ignore[misc]
+    for digest in mlp.artifact.manifest.kernel_digests:
+        assert loaded.payload_bytes(digest) == mlp.artifact.payload_bytes(digest)
+
+
+def test_tags_name_entries_for_servers(tmp_path: object) -> None:
+    store = ArtifactCache(str(tmp_path))
+    assert store.load_tag("model") is None
+    store.put(key_of(1), fake_artifact(1), {"graph": "g"})
+    store.tag("model", key_of(1))
+    assert store.tags() == {"model": key_of(1)}
+    loaded = store.load_tag("model")
+    assert loaded is not None and loaded.cache_key == key_of(1)
+    store.tag("model", key_of(2))  # retagging replaces; a tag of a missing entry misses
+    assert store.load_tag("model") is None
+    for bad in ["", "../escape", ".hidden", "a/b", "x" * 101]:
+        with pytest.raises(precompile.InvalidOptionError, match="tag name"):
+            store.tag(bad, key_of(1))
+    with pytest.raises(precompile.InvalidOptionError, match="sha256"):
+        store.tag("model", "not-a-key")
+    out = _cli("--root", str(tmp_path), "tags", "--json").stdout
+    assert json.loads(out) == {"model": key_of(2)}

@@ -17,15 +17,6 @@ from runtime._payloads import MemoryPayloads
 SWEEP = [1, 2, 3, 7, 16, 100, 256, 1000]
 
 
-@pytest.fixture(scope="module")
-def saved(mlp: Compiled, tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
-    root = tmp_path_factory.mktemp("saved")
-    paths = {"binary": str(root / "mlp.pt2c"), "unpacked": str(root / "mlp_dir")}
-    for fmt, path in paths.items():
-        mlp.artifact.save(path=path, format=fmt)  # type: ignore[arg-type]
-    return paths
-
-
 def sweep_inputs(mlp: Compiled) -> tuple[list[list[object]], list[torch.Tensor]]:
     torch.manual_seed(3)
     args, expected = [], []
