@@ -8,6 +8,8 @@ out = art(*flat_inputs)
 
 from cache import ArtifactCache
 from runtime import (
+    Calibration,
+    CalibrationEntry,
     Candidate,
     CompiledArtifact,
     CorruptArtifactError,
@@ -33,6 +35,8 @@ __version__ = "0.1.0"
 __all__ = [
     "DEFAULT_MAX_VARIANTS",
     "ArtifactCache",
+    "Calibration",
+    "CalibrationEntry",
     "Candidate",
     "CompiledArtifact",
     "CorruptArtifactError",

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from ._standalone import CacheOption, standalone_compile
+from ._standalone import CacheOption, CalibrateOption, standalone_compile
 from ._variant_plan import DEFAULT_MAX_VARIANTS, Hints, Sizes
 
 
@@ -22,6 +22,7 @@ def backend(
     options: Mapping[str, Any] | None = None,
     cache: CacheOption = None,
     max_variants: int = DEFAULT_MAX_VARIANTS,
+    calibrate: CalibrateOption = None,
 ) -> Callable[[torch.fx.GraphModule, list[Any]], Callable[..., Any]]:
     """``torch.compile(model, backend=precompile.backend(hints=[16, 256, 4096]))``.
 
@@ -45,6 +46,7 @@ def backend(
             sizes=sizes if dynamic else None,
             max_variants=max_variants,
             cache=cache,
+            calibrate=calibrate if dynamic else None,
         )
 
     return compile_graph

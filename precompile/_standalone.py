@@ -169,6 +169,29 @@ def _compile_all(
     return artifact, _common_guards(graph, requests, all_guards)
 
 
+CalibrateOption = Sequence[Any] | Mapping[str, Any] | None
+_CALIBRATE_KEYS = {"sizes", "device", "warmup", "reps", "timer"}
+
+
+def _calibrate_arguments(calibrate: CalibrateOption) -> dict[str, Any] | None:
+    """``calibrate=`` as keyword arguments of ``CompiledArtifact.calibrate``."""
+    if calibrate is None:
+        return None
+    if isinstance(calibrate, Mapping):
+        unknown = set(calibrate) - _CALIBRATE_KEYS
+        if "sizes" not in calibrate or unknown:
+            raise InvalidOptionError(
+                f"calibrate as a dict needs 'sizes' and takes {sorted(_CALIBRATE_KEYS)}, "
+                f"got keys {sorted(calibrate)}"
+            )
+        return dict(calibrate)
+    if isinstance(calibrate, (str, bytes)) or not isinstance(calibrate, Sequence):
+        raise InvalidOptionError(
+            f"calibrate must be a list of sample sizes or a dict, got {calibrate!r}"
+        )
+    return {"sizes": list(calibrate)}
+
+
 _default_cache: ArtifactCache | None = None
 
 
@@ -205,6 +228,7 @@ def standalone_compile(
     sizes: Sizes = None,
     max_variants: int = DEFAULT_MAX_VARIANTS,
     cache: CacheOption = None,
+    calibrate: CalibrateOption = None,
 ) -> CompiledArtifact:
     """Compile ``gm`` into one variant per hint point plus one per exact size.
 
@@ -213,6 +237,8 @@ def standalone_compile(
     arguments, e.g. ``{"config_patches": {...}}``). With neither ``hints`` nor ``sizes``
     the result is a single variant, like upstream's, but with its guards checked.
     ``cache``: None uses the default cache, False none, a path or ArtifactCache that one.
+    ``calibrate``: sample sizes (or a dict of ``CompiledArtifact.calibrate`` arguments) to
+    time every variant at on this device after compiling; the table is cached with it.
     """
     if not isinstance(gm, torch.fx.GraphModule):
         raise InvalidOptionError(f"gm must be a torch.fx.GraphModule, got {type(gm).__name__}")
@@ -238,17 +264,29 @@ def standalone_compile(
     requests = plan_variants(
         names, dims, default_point, hints=hints, sizes=sizes, max_variants=max_variants
     )
+    calibration = _calibrate_arguments(calibrate)
     store = _resolve_cache(cache)
-    if store is None:
+
+    def build() -> tuple[CompiledArtifact, list[sympy.Expr]]:
         artifact, common = _compile_all(gm, graph, symbols, requests, options or {})
+        if calibration is not None:
+            templates = [None if adapter.is_fake(v) else v for v in example_inputs]
+            artifact.calibrate(**{"inputs": templates, **calibration})
+        return artifact, common
+
+    if store is None:
+        artifact, common = build()
         _propagate_common_guards(graph, common)
         return artifact
     factors = cache_factors(gm, graph, requests, options or {}, dynamic_shapes, _device_of(graph))
+    if calibration is not None:
+        # The timer is code, not data: a custom one does not enter the key.
+        factors["calibrate"] = repr(sorted((k, v) for k, v in calibration.items() if k != "timer"))
     key = cache_key(factors)
 
     def create() -> tuple[CompiledArtifact, dict[str, bytes]]:
         log.info("cache miss: %s", store.explain_miss(key, factors))
-        artifact, common = _compile_all(gm, graph, symbols, requests, options or {})
+        artifact, common = build()
         return artifact, {"caller_guards": pickle.dumps(common)}
 
     artifact, aux, hit = store.get_or_create(key, factors, create)

@@ -373,6 +373,13 @@ def _built_cpp_kernels(payload: bytes) -> tuple[tuple[NativeKernel, bytes], ...]
     return tuple(built)
 
 
+def is_fake(value: Any) -> bool:
+    """Whether ``value`` is a FakeTensor (shape only, cannot run a kernel)."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return isinstance(value, FakeTensor)
+
+
 # -- expressions and the caller's ShapeEnv -------------------------------------------
 def print_expr(expr: sympy.Expr) -> str:
     """Python syntax for an integer/boolean sympy expression (what artifacts store)."""

@@ -12,13 +12,24 @@ from ._errors import (
     UnsafeCacheError,
     UnsupportedGraphError,
 )
-from ._manifest import Environment, Manifest, NativeKernel, Symbol, SymbolSource, Variant
+from ._manifest import (
+    Calibration,
+    CalibrationEntry,
+    Environment,
+    Manifest,
+    NativeKernel,
+    Symbol,
+    SymbolSource,
+    Variant,
+)
 from ._torch_adapter import import_runtime_modules as _import_runtime_modules
 
 _import_runtime_modules()
 
 __all__ = [
     "ArtifactFormat",
+    "Calibration",
+    "CalibrationEntry",
     "Candidate",
     "CompiledArtifact",
     "CorruptArtifactError",

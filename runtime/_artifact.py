@@ -2,24 +2,48 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal
 
 from . import _native_kernels as native_kernels
 from . import _torch_adapter as adapter
 from ._binary_format import read_binary, write_binary
+from ._calibration import SizesSpec, Timer, default_timer, measure, normalize_sizes
 from ._contract import InputContract
 from ._dispatch import Dispatcher, Explanation
-from ._environment import check_compatible
+from ._environment import check_compatible, current_environment
 from ._errors import InvalidOptionError
-from ._manifest import Manifest, Symbol, Variant
+from ._manifest import Calibration, Manifest, Symbol, Variant
 from ._payloads import PayloadStore
 from ._unpacked_format import read_unpacked, write_unpacked
 
 log = logging.getLogger("precompile.runtime")
+
+
+def _usable_calibration(manifest: Manifest) -> Calibration | None:
+    """The artifact's dispatch table if it was measured on a device named like this one."""
+    table = manifest.calibration
+    if table is None:
+        return None
+    try:
+        here = current_environment(manifest.environment.device_type).device_name
+    except (RuntimeError, AssertionError) as exc:
+        here = f"unavailable ({exc})"
+    if here != table.device_name:
+        log.warning(
+            "ignoring the artifact's calibration table: it was measured on %r, this device "
+            "is %r; dispatch falls back to the nearest-hint heuristic",
+            table.device_name,
+            here,
+        )
+        return None
+    return table
+
+
 ArtifactFormat = Literal["binary", "unpacked"]
 _FORMATS = ("binary", "unpacked")
 DEFAULT_MEMO_SIZE = 4096
@@ -49,7 +73,7 @@ class CompiledArtifact:
         self._manifest = manifest
         self._payloads = payloads
         self._contract = InputContract(manifest)
-        self._dispatcher = Dispatcher(manifest)
+        self._dispatcher = Dispatcher(manifest, _usable_calibration(manifest))
         self._callables: dict[str, Callable[..., Any]] = dict(loaded or {})
         self._memo: dict[tuple[int, ...], Callable[..., Any]] = {}
         self._memo_size = max(1, memo_size)
@@ -105,6 +129,53 @@ class CompiledArtifact:
     def variant_callable(self, index: int) -> Callable[..., Any]:
         """The raw callable of variant ``index`` (no contract check, no dispatch)."""
         return self._variant_callable(self._manifest.variants[index])
+
+    def calibrate(
+        self,
+        sizes: SizesSpec,
+        *,
+        device: str | None = None,
+        inputs: Sequence[Any] | None = None,
+        timer: Timer | None = None,
+        warmup: int = 10,
+        reps: int = 50,
+    ) -> Calibration:
+        """Measure every admissible variant at each of ``sizes`` and dispatch by the result.
+
+        ``sizes``: ints (one symbol), or a tuple / ``{symbol: size}`` per sample. Inputs
+        are synthesized from the input specs; ``inputs`` (the graph's flat inputs at any
+        size) supplies the tensors whose shape does not change, such as weights. The table
+        is kept in the artifact (``save`` writes it) and used only on a device of the same
+        name; outside the sampled range the log2 heuristic still decides.
+        """
+        points = normalize_sizes(self._manifest, sizes)
+        target = device or self._manifest.environment.device_type
+        device_name = current_environment(target).device_name
+        chosen_timer, method = (
+            default_timer(target, warmup, reps) if timer is None else (timer, "custom timer")
+        )
+        table = measure(
+            self._manifest,
+            points,
+            lambda index: self._variant_callable(self._manifest.variants[index]),
+            self._dispatcher.admits,
+            timer=chosen_timer,
+            device_name=device_name,
+            method=method,
+            templates=inputs,
+        )
+        with self._lock:
+            self._manifest = dataclasses.replace(self._manifest, calibration=table)
+            self._dispatcher = Dispatcher(self._manifest, table)
+            self._memo = {}
+        for entry in table.entries:
+            log.info(
+                "calibrated %s: variant %d fastest (%.1f%% ahead of the next)",
+                dict(zip(self._manifest.symbol_names, entry.point, strict=True)),
+                entry.best,
+                entry.margin * 100,
+            )
+        return table
 
     def warmup(self, *, background: bool = False) -> CompiledArtifact:
         """Load every variant now, so no call pays a first-use cost.

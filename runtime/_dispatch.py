@@ -1,6 +1,9 @@
-"""Choosing a variant for a call's sizes: exact sizes first, then the nearest hint point.
+"""Choosing a variant for a call's sizes: measured, exact, then the nearest hint point.
 
-Nearness is the L1 distance in log2 space, the measure upstream's size-hint multi-kernel
+A calibration table (measured on this device) decides where it covers the sizes, except
+that an exact-size variant is not overruled by measurements taken at other sizes. Then
+an exact-size variant wins, then the nearest admissible hint point. Nearness is the L1
+distance in log2 space, the measure upstream's size-hint multi-kernel
 uses (log2 of 0 taken as -1), restricted to the variants whose guards admit the sizes.
 Ties go to the variant listed first, so a choice never depends on dict or set order.
 """
@@ -15,9 +18,9 @@ from typing import Any, Literal
 
 from ._errors import NoVariantError
 from ._expressions import compile_function
-from ._manifest import Manifest
+from ._manifest import Calibration, CalibrationEntry, Manifest
 
-DecidedBy = Literal["exact-size", "nearest-hint", "only-variant", "no-variant"]
+DecidedBy = Literal["calibrated", "exact-size", "nearest-hint", "only-variant", "no-variant"]
 
 
 def log2_coordinate(value: int) -> float:
@@ -28,6 +31,23 @@ def log2_distance(sizes: Sequence[int], point: Sequence[int]) -> float:
     return sum(
         abs(log2_coordinate(v) - log2_coordinate(h)) for v, h in zip(sizes, point, strict=True)
     )
+
+
+def lookup(
+    calibration: Calibration, sizes: Sequence[int], admissible: Callable[[int], bool]
+) -> CalibrationEntry | None:
+    """The sample entry that decides for ``sizes``, or None where the table is silent."""
+    if not calibration.entries:
+        return None
+    for axis, value in enumerate(sizes):
+        coordinates = [e.point[axis] for e in calibration.entries]
+        if not min(coordinates) <= value <= max(coordinates):
+            return None
+    nearest = min(
+        enumerate(calibration.entries),
+        key=lambda item: (log2_distance(sizes, item[1].point), item[0]),
+    )[1]
+    return nearest if any(admissible(v) for v in nearest.ranking) else None
 
 
 @dataclass(frozen=True)
@@ -76,7 +96,8 @@ class Explanation:
 class Dispatcher:
     """Pure decision logic over a manifest; memoization lives with the caller."""
 
-    def __init__(self, manifest: Manifest) -> None:
+    def __init__(self, manifest: Manifest, calibration: Calibration | None = None) -> None:
+        self._calibration = calibration
         self._names = manifest.symbol_names
         self._variants = manifest.variants
         self._points = [tuple(v.point[n] for n in self._names) for v in self._variants]
@@ -87,6 +108,10 @@ class Dispatcher:
             for v in self._variants
         ]
         self._bounds = [(s.name, s.min, s.max) for s in manifest.symbols]
+
+    def admits(self, index: int, sizes: Sequence[int]) -> bool:
+        """Whether variant ``index``'s ranges and guards allow ``sizes``."""
+        return not self._failed_guards(index, sizes)
 
     def _failed_guards(self, index: int, sizes: Sequence[int]) -> tuple[str, ...]:
         failed = [
@@ -123,7 +148,10 @@ class Dispatcher:
         admissible = [c for c in candidates if c.kind == "hint" and c.admissible]
         chosen: int | None
         decided_by: DecidedBy
-        if exact:
+        measured = self._measured_choice(sizes, candidates, exact_exists=bool(exact))
+        if measured is not None:
+            chosen, decided_by = measured, "calibrated"
+        elif exact:
             chosen, decided_by = exact[0].variant, "exact-size"
         elif admissible:
             best = min(admissible, key=lambda c: (c.distance, c.variant))
@@ -133,6 +161,17 @@ class Dispatcher:
             chosen, decided_by = None, "no-variant"
         named = MappingProxyType(dict(zip(self._names, sizes, strict=True)))
         return Explanation(named, chosen, decided_by, candidates)
+
+    def _measured_choice(
+        self, sizes: Sequence[int], candidates: Sequence[Candidate], exact_exists: bool
+    ) -> int | None:
+        if self._calibration is None:
+            return None
+        ok = {c.variant for c in candidates if c.admissible}
+        entry = lookup(self._calibration, sizes, ok.__contains__)
+        if entry is None or (exact_exists and entry.point != tuple(sizes)):
+            return None
+        return next(v for v in entry.ranking if v in ok)
 
     def choose(self, sizes: Sequence[int]) -> int:
         explanation = self.explain(sizes)

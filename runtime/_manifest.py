@@ -98,12 +98,50 @@ class Variant:
 
 
 @dataclass(frozen=True)
+class CalibrationEntry:
+    """What running every admissible variant at one sample size measured."""
+
+    point: tuple[int, ...]  # the sample sizes, in symbol order
+    times: Mapping[int, float]  # variant index -> median seconds per call
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "times", MappingProxyType(dict(self.times)))
+
+    @property
+    def ranking(self) -> tuple[int, ...]:
+        """Variant indices, fastest first (ties: lower index first)."""
+        return tuple(sorted(self.times, key=lambda v: (self.times[v], v)))
+
+    @property
+    def best(self) -> int:
+        return self.ranking[0]
+
+    @property
+    def margin(self) -> float:
+        """How much slower the runner-up is than the best (0.05 = 5%); 0 if alone."""
+        ranking = self.ranking
+        if len(ranking) < 2:
+            return 0.0
+        return self.times[ranking[1]] / self.times[ranking[0]] - 1.0
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """A dispatch table measured on one device: used only on a device of that name."""
+
+    device_name: str
+    method: str
+    entries: tuple[CalibrationEntry, ...]
+
+
+@dataclass(frozen=True)
 class Manifest:
     environment: Environment
     symbols: tuple[Symbol, ...]
     inputs: tuple[InputSpec, ...]
     variants: tuple[Variant, ...]
     extra: Mapping[str, Any] = field(default_factory=dict)
+    calibration: Calibration | None = None
 
     @property
     def symbol_names(self) -> tuple[str, ...]:
@@ -166,6 +204,16 @@ class Manifest:
                 for v in self.variants
             ],
             "extra": dict(self.extra),
+            "calibration": None
+            if self.calibration is None
+            else {
+                "device_name": self.calibration.device_name,
+                "method": self.calibration.method,
+                "entries": [
+                    {"point": list(e.point), "times": {str(k): t for k, t in e.times.items()}}
+                    for e in self.calibration.entries
+                ],
+            },
         }
 
     def dumps(self) -> bytes:
@@ -314,4 +362,36 @@ def manifest_from_json(data: Any) -> Manifest:
     if not variants:
         raise CorruptArtifactError("manifest lists no variants")
     extra = _expect(data.get("extra", {}), dict, "extra")
-    return Manifest(environment, tuple(symbols), tuple(inputs), tuple(variants), extra)
+    calibration = _calibration(data.get("calibration"), len(names), len(variants))
+    return Manifest(environment, tuple(symbols), tuple(inputs), tuple(variants), extra, calibration)
+
+
+def _calibration(value: Any, symbols: int, variants: int) -> Calibration | None:
+    if value is None:
+        return None
+    _expect(value, dict, "calibration")
+    entries = []
+    for n, entry in enumerate(_expect(value.get("entries"), list, "calibration.entries")):
+        where = f"calibration.entries[{n}]"
+        _expect(entry, dict, where)
+        point = tuple(
+            _expect(v, int, f"{where}.point")
+            for v in _expect(entry.get("point"), list, f"{where}.point")
+        )
+        if len(point) != symbols:
+            raise CorruptArtifactError(f"manifest field {where}.point does not size every symbol")
+        times: dict[int, float] = {}
+        for key, seconds in _expect(entry.get("times"), dict, f"{where}.times").items():
+            if not (key.isdigit() and int(key) < variants):
+                raise CorruptArtifactError(
+                    f"manifest field {where}.times names no variant ({key!r})"
+                )
+            times[int(key)] = float(_expect(seconds, (int, float), f"{where}.times[{key}]"))
+        if not times:
+            raise CorruptArtifactError(f"manifest field {where}.times is empty")
+        entries.append(CalibrationEntry(point, times))
+    return Calibration(
+        device_name=str(_expect(value.get("device_name"), str, "calibration.device_name")),
+        method=str(_expect(value.get("method"), str, "calibration.method")),
+        entries=tuple(entries),
+    )

@@ -67,7 +67,12 @@ def test_cuda_fresh_process_load(
     torch.save({"args": args, "expected": expected}, cases)
     out = run_python(
         f"""
-        import time
+        import os, sys, time
+        spawned = []
+        def audit(event, args):
+            if event in ("subprocess.Popen", "os.posix_spawn", "os.exec", "os.system"):
+                spawned.append(repr(args)[:120])
+        sys.addaudithook(audit)
         t0 = time.perf_counter()
         import torch, torch._inductor.graph as graph
         def refuse(*a, **k):
@@ -86,7 +91,13 @@ def test_cuda_fresh_process_load(
         print(f"import {{t1 - t0:.2f}} s, load {{(t2 - t1) * 1e3:.1f}} ms, "
               f"first output {{t3 - t2:.2f}} s")
         print("ok", len(cases["args"]))
-        """
+        print("spawned", len(spawned), spawned)
+        """,
+        env={
+            "TORCHINDUCTOR_CACHE_DIR": os.path.join(str(tmp_path), "empty-inductor"),
+            "TRITON_CACHE_DIR": os.path.join(str(tmp_path), "empty-triton"),
+        },
     )
     print(out)
     assert f"ok {len(SWEEP)}" in out
+    assert "spawned 0 []" in out, out  # Triton binaries come bundled: no ptxas, no gcc

@@ -1,0 +1,365 @@
+"""Per-token-count speed on the GPU: eager, one upstream dynamic compile, ours, the oracle.
+
+    python benchmarks/shapes.py --block mlp --out benchmarks/results/shapes-mlp.json
+    python benchmarks/shapes.py --block attention --out ... --resume   # continue a file
+    python benchmarks/shapes.py --plot benchmarks/results/shapes-mlp.json
+
+Blocks (bf16): ``mlp`` is RMSNorm(4096) -> Linear(4096, 2*11008) -> SiLU*mul ->
+Linear(11008, 4096) + residual over M tokens; ``attention`` is RMSNorm -> QKV projection
+-> causal SDPA (32 heads of 128) -> output projection + residual over a sequence of M
+tokens. Rows: ``eager``; ``dynamic``: one ``torch.compile(dynamic=True)`` with
+max_autotune, first called at M=256; ``ours``: ``precompile.backend`` with hints 16, 256,
+4096 plus exact sizes 1, 2, 4, 8; ``calibrated``: ours with ``calibrate=`` the sweep;
+``oracle``: a static max_autotune compile per M. Every compiled row runs with the same
+inductor options and no CUDA graphs. Times: ``triton.testing.do_bench`` medians (L2
+flushed between runs), inputs rotated through a pool of at least 256 MB. Each result is
+written as soon as it is measured, so ``--resume`` continues an interrupted run
+(``--deadline-s`` stops cleanly before a machine's time limit).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.dirname(HERE))
+
+import torch  # noqa: E402
+
+POWERS = [2**k for k in range(14)]  # 1 .. 8192
+BETWEEN = [3, 100, 1000, 3000, 6000]
+SWEEP = sorted(POWERS + BETWEEN)
+HINTS = [16, 256, 4096]
+EXACT = [1, 2, 4, 8]
+DYNAMIC_FIRST_M = 256
+ROWS = ["eager", "dynamic", "ours", "calibrated", "oracle"]
+OPTIONS = {"max_autotune": True, "triton.cudagraphs": False}
+HIDDEN, FFN, HEADS = 4096, 11008, 32
+
+
+class RMSNorm(torch.nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.ones(width))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        variance = x.float().pow(2).mean(-1, keepdim=True)
+        return (x.float() * torch.rsqrt(variance + 1e-6)).to(x.dtype) * self.weight
+
+
+class MLPBlock(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = RMSNorm(HIDDEN)
+        self.gate_up = torch.nn.Linear(HIDDEN, 2 * FFN, bias=False)
+        self.down = torch.nn.Linear(FFN, HIDDEN, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up(self.norm(x)).chunk(2, dim=-1)
+        return x + self.down(torch.nn.functional.silu(gate) * up)
+
+
+class AttentionBlock(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = RMSNorm(HIDDEN)
+        self.qkv = torch.nn.Linear(HIDDEN, 3 * HIDDEN, bias=False)
+        self.out = torch.nn.Linear(HIDDEN, HIDDEN, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        tokens = x.shape[0]
+        q, k, v = self.qkv(self.norm(x)).view(tokens, 3, HEADS, HIDDEN // HEADS).unbind(1)
+        q, k, v = (t.transpose(0, 1) for t in (q, k, v))
+        y = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return x + self.out(y.transpose(0, 1).reshape(tokens, HIDDEN))
+
+
+BLOCKS: dict[str, Callable[[], torch.nn.Module]] = {"mlp": MLPBlock, "attention": AttentionBlock}
+
+
+def make_model(block: str) -> torch.nn.Module:
+    torch.manual_seed(0)
+    model = BLOCKS[block]().to("cuda", torch.bfloat16).eval()
+    with torch.no_grad():
+        for parameter in model.parameters():
+            if parameter.dim() == 2:
+                parameter.normal_(0, parameter.shape[1] ** -0.5)
+    return model
+
+
+def input_pool(m: int) -> list[torch.Tensor]:
+    """Distinct inputs whose total exceeds L2 many times, so no call reads a warm copy."""
+    each = m * HIDDEN * 2
+    count = max(2, min(32, math.ceil(256 * 2**20 / each)))
+    generator = torch.Generator(device="cuda").manual_seed(m)
+    return [
+        torch.randn(m, HIDDEN, device="cuda", dtype=torch.bfloat16, generator=generator)
+        for _ in range(count)
+    ]
+
+
+def bench(fn: Callable[[torch.Tensor], Any], m: int) -> float:
+    """Median ms of ``fn`` at M tokens (device timing, L2 flushed, inputs rotated)."""
+    import triton.testing
+
+    pool = input_pool(m)
+    position = [0]
+
+    def call() -> Any:
+        position[0] = (position[0] + 1) % len(pool)
+        return fn(pool[position[0]])
+
+    with torch.no_grad():
+        return float(triton.testing.do_bench(call, warmup=25, rep=100, return_mode="median"))
+
+
+def max_error(fn: Callable[[torch.Tensor], Any], model: torch.nn.Module, m: int) -> float:
+    x = input_pool(m)[0]
+    with torch.no_grad():
+        got, want = fn(x), model(x)
+    return float((got.float() - want.float()).abs().max() / want.float().abs().max())
+
+
+# -- rows ----------------------------------------------------------------------------
+def compiled_dynamic(model: torch.nn.Module) -> Callable[[torch.Tensor], Any]:
+    compiled = torch.compile(model, dynamic=True, options=OPTIONS)
+    first = torch.randn(DYNAMIC_FIRST_M, HIDDEN, device="cuda", dtype=torch.bfloat16)
+    torch._dynamo.mark_dynamic(first, 0)
+    with torch.no_grad():
+        compiled(first)
+    return compiled
+
+
+def compiled_ours(
+    model: torch.nn.Module, calibrate: list[int] | None = None
+) -> Callable[[torch.Tensor], Any]:
+    import precompile
+
+    kwargs: dict[str, Any] = {}
+    if calibrate is not None:
+        kwargs["calibrate"] = {"sizes": calibrate}
+    backend = precompile.backend(
+        hints=HINTS,
+        sizes=EXACT,
+        options={"config_patches": OPTIONS},
+        cache=False,
+        **kwargs,
+    )
+    compiled = torch.compile(model, backend=backend, dynamic=True)
+    first = torch.randn(DYNAMIC_FIRST_M, HIDDEN, device="cuda", dtype=torch.bfloat16)
+    torch._dynamo.mark_dynamic(first, 0)
+    with torch.no_grad():
+        compiled(first)
+    return compiled
+
+
+def compiled_static(model: torch.nn.Module, m: int) -> Callable[[torch.Tensor], Any]:
+    torch._dynamo.reset()
+    compiled = torch.compile(model, dynamic=False, options=OPTIONS)
+    with torch.no_grad():
+        compiled(torch.randn(m, HIDDEN, device="cuda", dtype=torch.bfloat16))
+    return compiled
+
+
+# -- driver --------------------------------------------------------------------------
+class Results:
+    """The result file: rows x M, rewritten atomically after every measurement."""
+
+    def __init__(self, path: str, block: str, resume: bool) -> None:
+        from _common import environment
+
+        self.path = path
+        self.document: dict[str, Any] = {}
+        if resume and os.path.exists(path):
+            with open(path, encoding="utf-8") as handle:
+                self.document = json.load(handle)
+        self.document.setdefault("block", block)
+        self.document.setdefault("environment", environment("cuda"))
+        self.document.setdefault("rows", {})
+        self.document.setdefault("compile_s", {})
+
+    def has(self, row: str, m: int) -> bool:
+        return str(m) in self.document["rows"].get(row, {})
+
+    def add(self, row: str, m: int, ms: float, error: float) -> None:
+        self.document["rows"].setdefault(row, {})[str(m)] = {"ms": ms, "rel_error": error}
+        self.save()
+        print(f"  {row:10s} M={m:<5d} {ms:.4f} ms  rel err {error:.2e}", flush=True)
+
+    def save(self) -> None:
+        os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
+        tmp = self.path + ".tmp"
+        with open(tmp, "w", encoding="utf-8") as handle:
+            json.dump(self.document, handle, indent=1)
+        os.replace(tmp, self.path)
+
+
+def run(block: str, rows: list[str], sweep: list[int], results: Results, deadline: float) -> None:
+    model = make_model(block)
+
+    def out_of_time() -> bool:
+        if time.monotonic() > deadline:
+            print("deadline reached: stopping (rerun with --resume to continue)", flush=True)
+            return True
+        return False
+
+    for row in rows:
+        todo = [m for m in sweep if not results.has(row, m)]
+        if not todo or out_of_time():
+            continue
+        print(f"[{block}] {row}", flush=True)
+        if row == "oracle":
+            for m in todo:
+                if out_of_time():
+                    return
+                began = time.perf_counter()
+                fn = compiled_static(model, m)
+                results.document["compile_s"].setdefault("oracle", {})[str(m)] = (
+                    time.perf_counter() - began
+                )
+                results.add(row, m, bench(fn, m), max_error(fn, model, m))
+            torch._dynamo.reset()
+            continue
+        began = time.perf_counter()
+        torch._dynamo.reset()
+        if row == "eager":
+            fn: Callable[[torch.Tensor], Any] = model
+        elif row == "dynamic":
+            fn = compiled_dynamic(model)
+        elif row == "ours":
+            fn = compiled_ours(model)
+        else:
+            fn = compiled_ours(model, calibrate=sweep)
+        results.document["compile_s"][row] = time.perf_counter() - began
+        for m in todo:
+            if out_of_time():
+                return
+            results.add(row, m, bench(fn, m), max_error(fn, model, m))
+
+
+# -- report --------------------------------------------------------------------------
+def summarize(document: dict[str, Any]) -> str:
+    from _common import table
+
+    rows = document["rows"]
+    oracle = rows.get("oracle", {})
+    sizes = sorted({int(m) for row in rows.values() for m in row})
+    present = [r for r in ROWS if r in rows]
+    lines = [
+        table(
+            ["M", *[f"{r} ms" for r in present]],
+            [[m, *(rows[r].get(str(m), {}).get("ms", "-") for r in present)] for m in sizes],
+        )
+    ]
+    ratio_rows = []
+    for row in present:
+        ratios = [rows[row][m]["ms"] / oracle[m]["ms"] for m in rows[row] if m in oracle]
+        versus_dynamic = [
+            rows[row][m]["ms"] / rows["dynamic"][m]["ms"]
+            for m in rows[row]
+            if m in rows.get("dynamic", {})
+        ]
+        if ratios:
+            geomean = math.exp(sum(map(math.log, ratios)) / len(ratios))
+            worst_m = max(
+                (m for m in rows[row] if m in oracle),
+                key=lambda m: rows[row][m]["ms"] / oracle[m]["ms"],
+            )
+            ratio_rows.append(
+                [
+                    row,
+                    len(ratios),
+                    geomean,
+                    max(ratios),
+                    worst_m,
+                    max(versus_dynamic) if versus_dynamic else "-",
+                ]
+            )
+    lines.append("")
+    lines.append(
+        table(
+            ["row", "sizes", "geomean / oracle", "worst / oracle", "worst at M", "worst / dynamic"],
+            ratio_rows,
+        )
+    )
+    return "\n".join(lines)
+
+
+def plot(path: str) -> None:
+    from _common import pyplot
+
+    with open(path, encoding="utf-8") as handle:
+        document = json.load(handle)
+    plt = pyplot()
+    rows, oracle = document["rows"], document["rows"].get("oracle", {})
+    if plt is None or not oracle:
+        return
+    figure, axis = plt.subplots(figsize=(8, 4))
+    for row in ROWS:
+        if row == "oracle" or row not in rows:
+            continue
+        sizes = sorted(int(m) for m in rows[row] if m in oracle)
+        axis.plot(
+            sizes,
+            [rows[row][str(m)]["ms"] / oracle[str(m)]["ms"] for m in sizes],
+            marker="o",
+            markersize=3,
+            label=row,
+        )
+    axis.axhline(1.0, color="black", linewidth=0.8, label="oracle (static compile per M)")
+    axis.axhline(1.05, color="gray", linewidth=0.6, linestyle="--")
+    axis.set_xscale("log", base=2)
+    axis.set_xlabel("tokens M")
+    axis.set_ylabel("time / oracle time")
+    env = document["environment"]
+    axis.set_title(f"{document['block']} block, bf16, {env['device']} (torch {env['torch']})")
+    axis.legend(fontsize=8)
+    figure.tight_layout()
+    target = path.replace(".json", ".png")
+    figure.savefig(target, dpi=110)
+    print(f"wrote {target}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--block", choices=sorted(BLOCKS), default="mlp")
+    parser.add_argument("--rows", default=",".join(ROWS))
+    parser.add_argument("--sizes", help="comma-separated M values (default: the full sweep)")
+    parser.add_argument("--out", help="result JSON (default: benchmarks/results/shapes-BLOCK.json)")
+    parser.add_argument("--resume", action="store_true")
+    parser.add_argument("--deadline-s", type=float, default=float("inf"))
+    parser.add_argument("--plot", metavar="JSON", help="only print the table and plot a file")
+    args = parser.parse_args()
+    if args.plot:
+        with open(args.plot, encoding="utf-8") as handle:
+            print(summarize(json.load(handle)))
+        plot(args.plot)
+        return
+    if not torch.cuda.is_available():
+        raise SystemExit("benchmarks/shapes.py measures GPU kernels: no CUDA device here")
+    from _common import RESULTS
+
+    out = args.out or os.path.join(RESULTS, f"shapes-{args.block}.json")
+    sweep = [int(m) for m in args.sizes.split(",")] if args.sizes else SWEEP
+    rows = [r.strip() for r in args.rows.split(",") if r.strip()]
+    unknown = set(rows) - set(ROWS)
+    if unknown:
+        raise SystemExit(f"unknown rows {sorted(unknown)}; choose from {ROWS}")
+    results = Results(out, args.block, args.resume)
+    run(args.block, rows, sweep, results, time.monotonic() + args.deadline_s)
+    print(summarize(results.document))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,166 @@
+"""Calibration: time every admissible variant at sample sizes on the real device.
+
+Nearest-hint in log2 space is a guess; the table this measures replaces it with what
+the device did (``Dispatcher`` reads it). Inputs are synthesized from the manifest's
+input specs (templates, such as the weights a backend was given, are reused where their
+shape fits) and rotated through several sets, so repeated calls do not read warm caches.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+
+from ._errors import InvalidOptionError
+from ._manifest import Calibration, CalibrationEntry, Manifest, TensorInput
+
+# A timer gets a zero-argument call (plus the variant index and the sample point it runs,
+# for timers that log or fake) and returns its median seconds per call.
+Timer = Callable[[Callable[[], Any], int, tuple[int, ...]], float]
+SizesSpec = Sequence[int] | Sequence[Sequence[int]] | Sequence[Mapping[str, int]]
+
+
+def normalize_sizes(manifest: Manifest, sizes: SizesSpec) -> list[tuple[int, ...]]:
+    """Sample points as tuples in symbol order, from ints (one symbol), tuples or dicts."""
+    names = manifest.symbol_names
+    if not names:
+        raise InvalidOptionError("calibrate needs a graph with dynamic sizes; this one has none")
+    if isinstance(sizes, (str, bytes)) or not isinstance(sizes, Sequence) or not sizes:
+        raise InvalidOptionError(f"calibrate sizes must be a non-empty list, got {sizes!r}")
+    points = []
+    for item in sizes:
+        if isinstance(item, int) and not isinstance(item, bool):
+            if len(names) != 1:
+                raise InvalidOptionError(
+                    f"calibrate size {item} is one int, but the graph has symbols {names}: "
+                    "give a dict or a tuple per sample"
+                )
+            point: tuple[Any, ...] = (item,)
+        elif isinstance(item, Mapping):
+            if sorted(item) != sorted(names):
+                raise InvalidOptionError(f"calibrate size {item!r} must name exactly {names}")
+            point = tuple(item[n] for n in names)
+        elif isinstance(item, Sequence) and len(item) == len(names):
+            point = tuple(item)
+        else:
+            raise InvalidOptionError(f"calibrate size {item!r} does not match symbols {names}")
+        if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in point):
+            raise InvalidOptionError(f"calibrate size {item!r} must be non-negative ints")
+        points.append(point)
+    return list(dict.fromkeys(points))
+
+
+def synthesize_inputs(
+    manifest: Manifest, point: Sequence[int], templates: Sequence[Any] | None
+) -> list[Any]:
+    """Inputs for the graph at ``point``: templates reused where they fit, else random."""
+    values = dict(zip(manifest.symbol_names, point, strict=True))
+    args: list[Any] = []
+    for index, spec in enumerate(manifest.inputs):
+        template = templates[index] if templates is not None else None
+        if not isinstance(spec, TensorInput):
+            value = spec.value
+            args.append(value if isinstance(value, int) else int(eval_size(value, values)))
+            continue
+        shape = [d if isinstance(d, int) else int(eval_size(d, values)) for d in spec.shape]
+        if isinstance(template, torch.Tensor) and list(template.shape) == shape:
+            args.append(template)
+            continue
+        dtype = getattr(torch, spec.dtype.removeprefix("torch."))
+        device = torch.device(spec.device)
+        if dtype.is_floating_point or dtype.is_complex:
+            args.append(torch.randn(shape, dtype=dtype, device=device))
+        else:
+            args.append(torch.zeros(shape, dtype=dtype, device=device))
+    return args
+
+
+def eval_size(expression: str, values: Mapping[str, int]) -> int:
+    from ._expressions import compile_function
+
+    names = sorted(values)
+    function = compile_function((expression,), names, name="size")
+    return int(function(*(values[n] for n in names))[0])
+
+
+def default_timer(device: str, warmup: int, reps: int) -> tuple[Timer, str]:
+    """Median seconds per call: CUDA events with L2 flushed between calls, or wall time."""
+    if device.startswith("cuda"):
+        flush = torch.empty(256 * 2**20, dtype=torch.int8, device=device)
+
+        def cuda_timer(call: Callable[[], Any], variant: int, point: tuple[int, ...]) -> float:
+            for _ in range(warmup):
+                call()
+            samples = []
+            for _ in range(reps):
+                flush.zero_()
+                start = torch.cuda.Event(enable_timing=True)
+                end = torch.cuda.Event(enable_timing=True)
+                start.record()
+                call()
+                end.record()
+                end.synchronize()
+                samples.append(start.elapsed_time(end) / 1e3)
+            return float(statistics.median(samples))
+
+        method = f"cuda events, median of {reps} after {warmup} warm-up, 256 MB L2 flush"
+        return cuda_timer, method
+
+    def wall_timer(call: Callable[[], Any], variant: int, point: tuple[int, ...]) -> float:
+        for _ in range(warmup):
+            call()
+        samples = []
+        for _ in range(reps):
+            began = time.perf_counter()
+            call()
+            samples.append(time.perf_counter() - began)
+        return float(statistics.median(samples))
+
+    return wall_timer, f"wall clock, median of {reps} after {warmup} warm-up"
+
+
+def _rotating(function: Callable[..., Any], pool: Sequence[Sequence[Any]]) -> Callable[[], Any]:
+    """A zero-argument call of ``function`` that takes the next input set each time."""
+    position = [0]
+
+    def call() -> Any:
+        position[0] = (position[0] + 1) % len(pool)
+        return function(*pool[position[0]])
+
+    return call
+
+
+def measure(
+    manifest: Manifest,
+    points: Sequence[tuple[int, ...]],
+    variant_callable: Callable[[int], Callable[..., Any]],
+    admissible: Callable[[int, Sequence[int]], bool],
+    *,
+    timer: Timer,
+    device_name: str,
+    method: str,
+    templates: Sequence[Any] | None = None,
+    rotate: int = 4,
+) -> Calibration:
+    """Time each admissible variant at each point; inputs rotate through ``rotate`` sets."""
+    entries = []
+    for point in points:
+        pool = [synthesize_inputs(manifest, point, templates) for _ in range(max(1, rotate))]
+        times: dict[int, float] = {}
+        for variant in manifest.variants:
+            if not admissible(variant.index, point):
+                continue
+            call = _rotating(variant_callable(variant.index), pool)
+            with torch.no_grad():
+                seconds = timer(call, variant.index, tuple(point))
+            if not (seconds > 0 and math.isfinite(seconds)):
+                raise InvalidOptionError(f"the timer returned {seconds!r} seconds; expected > 0")
+            times[variant.index] = seconds
+        if times:
+            entries.append(CalibrationEntry(tuple(point), times))
+    return Calibration(device_name=device_name, method=method, entries=tuple(entries))

@@ -1,0 +1,158 @@
+"""Measured dispatch: the table's logic with a fake timer, persistence, device checks."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import pytest
+import torch
+from conftest import MLP_HINTS, MLP_SIZES, Compiled, assert_close
+
+import precompile
+from runtime._manifest import Calibration, CalibrationEntry
+from runtime._payloads import MemoryPayloads
+
+# The mlp fixture's variants: 0 hint s=1, 1 hint s=16, 2 hint s=256, 3 static s=3.
+assert (MLP_HINTS, MLP_SIZES) == ([1, 16, 256], [3])
+
+
+def fake_timer(
+    fastest: Callable[[int], int], ran: list[tuple[int, tuple[int, ...]]] | None = None
+) -> Callable[[Callable[[], Any], int, tuple[int, ...]], float]:
+    """Says variant ``fastest(size)`` takes 1 ms and every other one 2 ms (and runs it)."""
+
+    def timer(call: Callable[[], Any], variant: int, point: tuple[int, ...]) -> float:
+        call()
+        if ran is not None:
+            ran.append((variant, point))
+        return 1e-3 if variant == fastest(point[0]) else 2e-3
+
+    return timer
+
+
+def fresh(mlp: Compiled) -> precompile.CompiledArtifact:
+    art = mlp.artifact
+    payloads = {d: art.payload_bytes(d) for d in art.manifest.payload_digests}
+    manifest = dataclasses.replace(art.manifest, calibration=None)
+    return precompile.CompiledArtifact(manifest, MemoryPayloads(payloads))
+
+
+def args_at(mlp: Compiled, n: int) -> list[Any]:
+    return mlp.captured.flat(torch.randn(n, 32))
+
+
+def test_measured_winner_decides_inside_the_sampled_range(mlp: Compiled) -> None:
+    art = fresh(mlp)
+    ran: list[tuple[int, tuple[int, ...]]] = []
+    table = art.calibrate([2, 16, 64, 256], timer=fake_timer(lambda n: 2, ran))
+    # Only admissible variants ran: hint 1 is guarded to s == 1, static 3 to s == 3.
+    assert sorted(ran) == sorted((v, (n,)) for n in [2, 16, 64, 256] for v in (1, 2))
+    assert [e.best for e in table.entries] == [2, 2, 2, 2]
+    assert all(e.margin == pytest.approx(1.0) for e in table.entries)
+    explained = art.explain(*args_at(mlp, 16))
+    assert (explained.chosen, explained.decided_by) == (2, "calibrated")  # heuristic: 1
+    assert art.explain(*args_at(mlp, 1)).decided_by != "calibrated"  # below the range
+    assert art.explain(*args_at(mlp, 1000)).decided_by == "nearest-hint"  # above it
+    # Size 3 has an exact variant and was not sampled: the measurements elsewhere do
+    # not overrule it.
+    assert art.explain(*args_at(mlp, 3)).decided_by == "exact-size"
+    x = torch.randn(16, 32)
+    with torch.no_grad():
+        assert_close(art(*mlp.captured.flat(x)), mlp.captured.model(x))
+
+
+def test_a_sample_at_an_exact_size_can_overrule_it(mlp: Compiled) -> None:
+    art = fresh(mlp)
+    table = art.calibrate([3, 16], timer=fake_timer(lambda n: 1))
+    assert set(table.entries[0].times) == {1, 2, 3}  # the static variant was measured
+    explained = art.explain(*args_at(mlp, 3))
+    assert (explained.chosen, explained.decided_by) == (1, "calibrated")
+
+
+def test_regions_split_at_the_geometric_midpoint(mlp: Compiled) -> None:
+    art = fresh(mlp)
+    art.calibrate([4, 16, 64, 256], timer=fake_timer(lambda n: 1 if n <= 16 else 2))
+    assert [art.variant_for(*args_at(mlp, n)) for n in (5, 31, 32, 33, 200)] == [1, 1, 1, 2, 2]
+
+
+def test_the_table_survives_save_and_load(
+    mlp: Compiled, tmp_path: object, caplog: pytest.LogCaptureFixture
+) -> None:
+    art = fresh(mlp)
+    table = art.calibrate([2, 16, 256], timer=fake_timer(lambda n: 2))
+    for fmt in ("binary", "unpacked"):
+        path = os.path.join(str(tmp_path), f"calibrated-{fmt}")
+        art.save(path=path, format=fmt)  # type: ignore[arg-type]
+        loaded = precompile.CompiledArtifact.load(path=path, format=fmt)  # type: ignore[arg-type]
+        assert loaded.manifest.calibration == table
+        assert loaded.explain(*args_at(mlp, 16)).decided_by == "calibrated"
+
+
+def test_a_table_from_another_device_is_ignored_with_a_warning(
+    mlp: Compiled, caplog: pytest.LogCaptureFixture
+) -> None:
+    art = fresh(mlp)
+    foreign = Calibration("Imaginary GPU 9000", "fake", (CalibrationEntry((16,), {2: 1e-3}),))
+    manifest = dataclasses.replace(art.manifest, calibration=foreign)
+    payloads = {d: art.payload_bytes(d) for d in manifest.payload_digests}
+    with caplog.at_level(logging.WARNING, logger="precompile"):
+        moved = precompile.CompiledArtifact(manifest, MemoryPayloads(payloads))
+    assert "Imaginary GPU 9000" in caplog.text
+    assert moved.explain(*args_at(mlp, 16)).decided_by == "nearest-hint"
+
+
+def test_the_default_wall_timer_measures_real_calls(mlp: Compiled) -> None:
+    art = fresh(mlp)
+    x = torch.randn(7, 32)
+    table = art.calibrate([2, 64], inputs=mlp.captured.flat(x), warmup=2, reps=5)
+    assert table.method.startswith("wall clock")
+    assert all(t > 0 for e in table.entries for t in e.times.values())
+    assert [sorted(e.times) for e in table.entries] == [[1, 2], [1, 2]]
+
+
+@pytest.mark.parametrize(
+    ("sizes", "message"),
+    [
+        ([], "non-empty"),
+        ("16", "non-empty list"),
+        ([-1], "non-negative"),
+        ([{"nope": 4}], "must name exactly"),
+        ([(1, 2)], "does not match"),
+    ],
+)
+def test_bad_sample_sizes_are_refused(mlp: Compiled, sizes: Any, message: str) -> None:
+    with pytest.raises(precompile.InvalidOptionError, match=message):
+        fresh(mlp).calibrate(sizes, timer=fake_timer(lambda n: 1))
+
+
+@pytest.mark.parametrize(
+    ("calibrate", "message"), [({"reps": 3}, "needs 'sizes'"), (16, "list of sample sizes")]
+)
+def test_bad_calibrate_option_is_refused(mlp: Compiled, calibrate: Any, message: str) -> None:
+    with pytest.raises(precompile.InvalidOptionError, match=message):
+        precompile.standalone_compile(
+            mlp.captured.gm, mlp.captured.example_inputs, hints=[16], calibrate=calibrate
+        )
+
+
+def test_standalone_compile_calibrates_and_caches_the_table(
+    mlp: Compiled, tmp_path: object
+) -> None:
+    cache = precompile.ArtifactCache(os.path.join(str(tmp_path), "cache"))
+    option: Mapping[str, Any] = {"sizes": [2, 64], "timer": fake_timer(lambda n: 2)}
+    with torch.no_grad():
+        first = precompile.standalone_compile(
+            mlp.captured.gm, mlp.captured.example_inputs, hints=[16, 256], cache=cache,
+            calibrate=option,
+        )  # fmt: skip
+        again = precompile.standalone_compile(
+            mlp.captured.gm, mlp.captured.example_inputs, hints=[16, 256], cache=cache,
+            calibrate=option,
+        )  # fmt: skip
+    assert first.manifest.calibration is not None
+    assert again.manifest.calibration == first.manifest.calibration
+    assert cache.stats().hits == 1
