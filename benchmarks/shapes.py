@@ -7,9 +7,11 @@
 Blocks (bf16): ``mlp`` is RMSNorm(4096) -> Linear(4096, 2*11008) -> SiLU*mul ->
 Linear(11008, 4096) + residual over M tokens; ``attention`` is RMSNorm -> QKV projection
 -> causal SDPA (32 heads of 128) -> output projection + residual over a sequence of M
-tokens. Rows: ``eager``; ``dynamic``: one ``torch.compile(dynamic=True)`` with
-max_autotune, first called at M=256; ``ours``: ``precompile.backend`` with hints 16, 256,
-4096 plus exact sizes 1, 2, 4, 8; ``calibrated``: ours with ``calibrate=`` the sweep;
+tokens. Rows: ``eager``; ``dynamic``: one ``torch.compile`` with max_autotune, first
+called at M=256 with the token dim marked dynamic (Dynamo still compiles M=1 apart, as
+a static graph: its 0/1 specialization; the same holds for ours); ``ours``:
+``precompile.backend`` with hints 16, 256, 4096 plus exact sizes 1, 2, 4, 8;
+``calibrated``: ours with ``calibrate=`` the sweep;
 ``oracle``: a static max_autotune compile per M. Every compiled row runs with the same
 inductor options and no CUDA graphs. Times: ``triton.testing.do_bench`` medians (L2
 flushed between runs), inputs rotated through a pool of at least 256 MB. Each result is
@@ -43,6 +45,7 @@ DYNAMIC_FIRST_M = 256
 ROWS = ["eager", "dynamic", "ours", "calibrated", "oracle"]
 OPTIONS = {"max_autotune": True, "triton.cudagraphs": False}
 HIDDEN, FFN, HEADS = 4096, 11008, 32
+DEVICE, DTYPE = "cuda", torch.bfloat16
 
 
 class RMSNorm(torch.nn.Module):
@@ -87,7 +90,7 @@ BLOCKS: dict[str, Callable[[], torch.nn.Module]] = {"mlp": MLPBlock, "attention"
 
 def make_model(block: str) -> torch.nn.Module:
     torch.manual_seed(0)
-    model = BLOCKS[block]().to("cuda", torch.bfloat16).eval()
+    model = BLOCKS[block]().to(DEVICE, DTYPE).eval()
     with torch.no_grad():
         for parameter in model.parameters():
             if parameter.dim() == 2:
@@ -99,17 +102,15 @@ def input_pool(m: int) -> list[torch.Tensor]:
     """Distinct inputs whose total exceeds L2 many times, so no call reads a warm copy."""
     each = m * HIDDEN * 2
     count = max(2, min(32, math.ceil(256 * 2**20 / each)))
-    generator = torch.Generator(device="cuda").manual_seed(m)
+    generator = torch.Generator(device=DEVICE).manual_seed(m)
     return [
-        torch.randn(m, HIDDEN, device="cuda", dtype=torch.bfloat16, generator=generator)
+        torch.randn(m, HIDDEN, device=DEVICE, dtype=DTYPE, generator=generator)
         for _ in range(count)
     ]
 
 
 def bench(fn: Callable[[torch.Tensor], Any], m: int) -> float:
     """Median ms of ``fn`` at M tokens (device timing, L2 flushed, inputs rotated)."""
-    import triton.testing
-
     pool = input_pool(m)
     position = [0]
 
@@ -118,6 +119,14 @@ def bench(fn: Callable[[torch.Tensor], Any], m: int) -> float:
         return fn(pool[position[0]])
 
     with torch.no_grad():
+        call()  # a first call may compile (Dynamo's M=1 graph): never timed
+        if DEVICE == "cpu":  # --smoke: checks the script, measures nothing of note
+            began = time.perf_counter()
+            for _ in range(5):
+                call()
+            return (time.perf_counter() - began) / 5 * 1e3
+        import triton.testing
+
         return float(triton.testing.do_bench(call, warmup=25, rep=100, return_mode="median"))
 
 
@@ -130,8 +139,8 @@ def max_error(fn: Callable[[torch.Tensor], Any], model: torch.nn.Module, m: int)
 
 # -- rows ----------------------------------------------------------------------------
 def compiled_dynamic(model: torch.nn.Module) -> Callable[[torch.Tensor], Any]:
-    compiled = torch.compile(model, dynamic=True, options=OPTIONS)
-    first = torch.randn(DYNAMIC_FIRST_M, HIDDEN, device="cuda", dtype=torch.bfloat16)
+    compiled = torch.compile(model, options=OPTIONS)
+    first = torch.randn(DYNAMIC_FIRST_M, HIDDEN, device=DEVICE, dtype=DTYPE)
     torch._dynamo.mark_dynamic(first, 0)
     with torch.no_grad():
         compiled(first)
@@ -153,8 +162,8 @@ def compiled_ours(
         cache=False,
         **kwargs,
     )
-    compiled = torch.compile(model, backend=backend, dynamic=True)
-    first = torch.randn(DYNAMIC_FIRST_M, HIDDEN, device="cuda", dtype=torch.bfloat16)
+    compiled = torch.compile(model, backend=backend)
+    first = torch.randn(DYNAMIC_FIRST_M, HIDDEN, device=DEVICE, dtype=DTYPE)
     torch._dynamo.mark_dynamic(first, 0)
     with torch.no_grad():
         compiled(first)
@@ -165,7 +174,7 @@ def compiled_static(model: torch.nn.Module, m: int) -> Callable[[torch.Tensor], 
     torch._dynamo.reset()
     compiled = torch.compile(model, dynamic=False, options=OPTIONS)
     with torch.no_grad():
-        compiled(torch.randn(m, HIDDEN, device="cuda", dtype=torch.bfloat16))
+        compiled(torch.randn(m, HIDDEN, device=DEVICE, dtype=DTYPE))
     return compiled
 
 
@@ -182,7 +191,7 @@ class Results:
             with open(path, encoding="utf-8") as handle:
                 self.document = json.load(handle)
         self.document.setdefault("block", block)
-        self.document.setdefault("environment", environment("cuda"))
+        self.document.setdefault("environment", environment(DEVICE))
         self.document.setdefault("rows", {})
         self.document.setdefault("compile_s", {})
 
@@ -339,13 +348,18 @@ def main() -> None:
     parser.add_argument("--resume", action="store_true")
     parser.add_argument("--deadline-s", type=float, default=float("inf"))
     parser.add_argument("--plot", metavar="JSON", help="only print the table and plot a file")
+    parser.add_argument("--smoke", action="store_true", help="tiny fp32 blocks on CPU")
     args = parser.parse_args()
+    if args.smoke:
+        global HIDDEN, FFN, HEADS, DEVICE, DTYPE, OPTIONS
+        HIDDEN, FFN, HEADS, DEVICE, DTYPE = 64, 96, 4, "cpu", torch.float32
+        OPTIONS = {}
     if args.plot:
         with open(args.plot, encoding="utf-8") as handle:
             print(summarize(json.load(handle)))
         plot(args.plot)
         return
-    if not torch.cuda.is_available():
+    if DEVICE == "cuda" and not torch.cuda.is_available():
         raise SystemExit("benchmarks/shapes.py measures GPU kernels: no CUDA device here")
     from _common import RESULTS
 
