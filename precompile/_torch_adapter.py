@@ -324,6 +324,13 @@ def compile_variant(
     translated = []
     for guard in guards:
         expr = sympy.sympify(guard).xreplace(reverse)
+        if not dynamic:
+            # A static variant has every size fixed, yet AOTAutograd still turns int
+            # inputs (a SymInt placeholder's value) into fresh symbols; each equals the
+            # int it was made from, which the variant's exact-size guards already pin.
+            leftover = expr.free_symbols - set(graph.symbols)
+            if leftover:
+                expr = sympy.simplify(expr.xreplace({s: _hint(shape_env, s) for s in leftover}))
         if expr.free_symbols - set(graph.symbols):
             raise UnsupportedGraphError(
                 f"variant guard {guard} involves symbols that are not graph inputs"

@@ -171,3 +171,35 @@ def test_from_tracing_context_needs_a_backend(mlp: Compiled) -> None:
         precompile.standalone_compile(
             mlp.captured.gm, mlp.captured.example_inputs, dynamic_shapes="from_tracing_context"
         )
+
+
+class _Reshaper(torch.nn.Module):
+    """Uses its SymInt placeholder in a view, which static variants used to trip on."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(8, 12))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (x @ self.w).view(x.shape[0], 3, 4).sum(1)
+
+
+def test_static_variants_of_a_graph_that_views_by_its_size_input() -> None:
+    from demo import capture as capture_marked
+
+    torch.manual_seed(0)
+    model = _Reshaper().eval()
+    gm, example_inputs = capture_marked(model, torch.randn(6, 8))
+    assert any(isinstance(v, torch.SymInt) for v in example_inputs)
+    with torch.no_grad():
+        art = precompile.standalone_compile(
+            gm, example_inputs, hints=[4], sizes=[1, 2], cache=False
+        )
+    assert [v.kind for v in art.variants] == ["hint", "static", "static"]
+    for n in (1, 2, 5):
+        x = torch.randn(n, 8)
+        args = [
+            n if isinstance(v, torch.SymInt) else (v if v is model.w else x) for v in example_inputs
+        ]
+        with torch.no_grad():
+            assert_close(art(*args), model(x))
