@@ -262,7 +262,14 @@ def run(block: str, rows: list[str], sweep: list[int], results: Results, deadlin
         for m in todo:
             if out_of_time():
                 return
-            results.add(row, m, bench(fn, m), max_error(fn, model, m))
+            try:
+                results.add(row, m, bench(fn, m), max_error(fn, model, m))
+            except Exception as exc:  # ours refuses sizes no variant admits: record why
+                if type(exc).__name__ != "NoVariantError":
+                    raise
+                results.document["rows"].setdefault(row, {})[str(m)] = {"error": str(exc)}
+                results.save()
+                print(f"  {row:10s} M={m:<5d} no variant: {str(exc).splitlines()[-2:]}")
 
 
 # -- report --------------------------------------------------------------------------
@@ -281,17 +288,18 @@ def summarize(document: dict[str, Any]) -> str:
     ]
     ratio_rows = []
     for row in present:
-        ratios = [rows[row][m]["ms"] / oracle[m]["ms"] for m in rows[row] if m in oracle]
+        timed = {m: v["ms"] for m, v in rows[row].items() if "ms" in v}
+        ratios = [timed[m] / oracle[m]["ms"] for m in timed if "ms" in oracle.get(m, {})]
         versus_dynamic = [
-            rows[row][m]["ms"] / rows["dynamic"][m]["ms"]
-            for m in rows[row]
-            if m in rows.get("dynamic", {})
+            timed[m] / rows["dynamic"][m]["ms"]
+            for m in timed
+            if "ms" in rows.get("dynamic", {}).get(m, {})
         ]
         if ratios:
             geomean = math.exp(sum(map(math.log, ratios)) / len(ratios))
             worst_m = max(
-                (m for m in rows[row] if m in oracle),
-                key=lambda m: rows[row][m]["ms"] / oracle[m]["ms"],
+                (m for m in timed if "ms" in oracle.get(m, {})),
+                key=lambda m: timed[m] / oracle[m]["ms"],
             )
             ratio_rows.append(
                 [
@@ -326,7 +334,9 @@ def plot(path: str) -> None:
     for row in ROWS:
         if row == "oracle" or row not in rows:
             continue
-        sizes = sorted(int(m) for m in rows[row] if m in oracle)
+        sizes = sorted(
+            int(m) for m, v in rows[row].items() if "ms" in v and "ms" in oracle.get(m, {})
+        )
         axis.plot(
             sizes,
             [rows[row][str(m)]["ms"] / oracle[str(m)]["ms"] for m in sizes],

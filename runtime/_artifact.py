@@ -146,7 +146,9 @@ class CompiledArtifact:
         are synthesized from the input specs; ``inputs`` (the graph's flat inputs at any
         size) supplies the tensors whose shape does not change, such as weights. The table
         is kept in the artifact (``save`` writes it) and used only on a device of the same
-        name; outside the sampled range the log2 heuristic still decides.
+        name; outside the sampled range the log2 heuristic still decides. On CUDA the
+        default timer is ``triton.testing.do_bench`` (``warmup`` and ``reps`` in ms there,
+        counts elsewhere).
         """
         points = normalize_sizes(self._manifest, sizes)
         target = device or self._manifest.environment.device_type
