@@ -5,6 +5,8 @@
 For each graph, times ``art(*args)`` (read the sizes, check the inputs, look the variant
 up in the memo, call it) against calling the chosen variant's callable directly with
 the same arguments, interleaved in one run, and reports the median difference per call.
+The last column runs the same runtime over a no-op variant: the overhead alone, free
+of the noise of the kernel's own run time (which swamps it for the larger graph).
 Graphs: a 1-input elementwise graph (the least work per call) and the demo MLP's graph
 (8 flat inputs: weights and activations), at a few sizes each.
 """
@@ -25,6 +27,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(HERE), "examples"))
 import torch  # noqa: E402
 
 import precompile  # noqa: E402
+from runtime._payloads import MemoryPayloads  # noqa: E402
 
 CALLS = 20000
 ROUNDS = 15
@@ -47,6 +50,10 @@ def capture(model: torch.nn.Module, x: torch.Tensor) -> tuple[Any, list[Any]]:
     with torch.no_grad():
         torch.compile(model, backend=backend, fullgraph=True)(x)
     return box["gm"], box["inputs"]
+
+
+def _noop(*args: Any) -> None:
+    return None
 
 
 def per_call_ns(fn: Callable[..., Any], args: list[Any]) -> float:
@@ -73,6 +80,18 @@ def measure(name: str, model: torch.nn.Module, width: int, sizes: list[int]) -> 
                 ours.append(per_call_ns(art, args))
                 theirs.append(per_call_ns(direct, args))
         added = [a - b for a, b in zip(ours, theirs, strict=True)]
+        # The same runtime over a variant that does nothing: its cost alone, without the
+        # noise of a real kernel's run time.
+        noop = _noop
+        hollow = precompile.CompiledArtifact(
+            art.manifest,
+            MemoryPayloads({}),
+            loaded={digest: noop for digest in art.manifest.graph_digests},
+        )
+        hollow(*args)
+        isolated = []
+        for _ in range(ROUNDS):
+            isolated.append(per_call_ns(hollow, args) - per_call_ns(noop, args))
         rows.append(
             [
                 name,
@@ -81,6 +100,7 @@ def measure(name: str, model: torch.nn.Module, width: int, sizes: list[int]) -> 
                 statistics.median(theirs) / 1e3,
                 statistics.median(ours) / 1e3,
                 statistics.median(added) / 1e3,
+                statistics.median(isolated) / 1e3,
             ]
         )
     return rows
@@ -91,9 +111,17 @@ def main() -> None:
     from demo import MLP
 
     torch.manual_seed(0)
-    rows = measure("x + 1", Tiny(), 8, [1, 64])
-    rows += measure("demo MLP", MLP().eval(), 256, [1, 64])
-    headers = ["graph", "flat inputs", "M", "variant direct us", "art(*args) us", "added us"]
+    rows = measure("x + 1", Tiny(), 8, [4, 64])
+    rows += measure("demo MLP", MLP().eval(), 256, [4, 64])
+    headers = [
+        "graph",
+        "flat inputs",
+        "M",
+        "variant direct us",
+        "art(*args) us",
+        "added us",
+        "added us (no-op variant)",
+    ]
     print(table(headers, rows))
     document = {
         **environment("cpu"),

@@ -34,6 +34,19 @@ def _device(name: str) -> torch.device:
         raise CorruptArtifactError(f"manifest names unknown device {name!r}") from None
 
 
+def _device_test(arg: str, index: int, device: torch.device) -> str:
+    """A cheap expression true when tensor ``arg`` is on ``device``.
+
+    ``tensor.device`` builds a new torch.device on every access; the boolean properties
+    and ``get_device()`` (an int) answer without that allocation.
+    """
+    if device.type == "cpu":
+        return f"{arg}.is_cpu"
+    if device.type == "cuda":
+        return f"{arg}.is_cuda and {arg}.get_device() == {device.index or 0}"
+    return f"{arg}.device == V{index}"
+
+
 class InputContract:
     """What a call's flat inputs must look like, and where each symbol is read from."""
 
@@ -93,8 +106,15 @@ class InputContract:
                 continue
             namespace[f"D{index}"] = self._dtypes[index]
             namespace[f"V{index}"] = self._devices[index]
-            lines.append(f"        if {arg}.dtype is not D{index} or {arg}.device != V{index}:")
+            on_device = _device_test(arg, index, self._devices[index])
+            lines.append(f"        if {arg}.dtype is not D{index} or not ({on_device}):")
             lines.append("            return None")
+            if all(isinstance(size, int) for size in spec.shape):
+                # One C-level tuple comparison checks rank and every size at once.
+                namespace[f"S{index}"] = tuple(spec.shape)
+                lines.append(f"        if {arg}.shape != S{index}:")
+                lines.append("            return None")
+                continue
             lines.append(f"        sh = {arg}.shape")
             lines.append(f"        if len(sh) != {len(spec.shape)}:")
             lines.append("            return None")
