@@ -72,29 +72,42 @@ print("files in user dir", sum(len(f) for _, _, f in os.walk({user_dir!r})))
     assert "variants [0, 1, 2, 3]" in out  # every variant ran, hint and static
 
 
+def in_fresh_process(patch: str, artifact: str, cases_path: str, body: str) -> str:
+    """Run ``body`` in a fresh interpreter after ``patch``, with the artifact loaded as
+    ``art``, the cases as ``c``, processes counted in ``spawned`` and our log messages
+    kept in ``records``."""
+    return run_python(
+        AUDIT
+        + patch
+        + f"""
+import logging, torch, precompile
+records = []
+class Keep(logging.Handler):
+    def emit(self, record): records.append(record.getMessage())
+logging.getLogger("precompile").addHandler(Keep())
+art = precompile.CompiledArtifact.load(path={artifact!r})
+c = torch.load({cases_path!r})
+"""
+        + body,
+        env={"TORCHINDUCTOR_CACHE_DIR": fresh_inductor_dir()},
+    )
+
+
 def test_unusable_kernels_fall_back_to_building_with_a_warning(
     mlp: Compiled, saved: dict[str, str], tmp_path: object
 ) -> None:
     # This CPU "lacks" every feature: the binaries are skipped, the source is built (same
     # ISA as the compile, so the rebuild is correct), a warning says why, results match.
-    out = run_python(
-        AUDIT
-        + f"""
-import logging, torch, precompile
-from runtime import _native_kernels
-_native_kernels.cpu_features = lambda: frozenset()
-records = []
-class Keep(logging.Handler):
-    def emit(self, record): records.append(record.getMessage())
-logging.getLogger("precompile").addHandler(Keep())
-art = precompile.CompiledArtifact.load(path={saved["binary"]!r})
-c = torch.load({cases(mlp, str(tmp_path), [5])!r})
+    out = in_fresh_process(
+        "from runtime import _native_kernels\n_native_kernels.cpu_features = lambda: frozenset()\n",
+        saved["binary"],
+        cases(mlp, str(tmp_path), [5]),
+        """
 for flat, want in zip(c["args"], c["expected"]):
     torch.testing.assert_close(art(*flat)[0], want, rtol=1e-4, atol=1e-4)
 print("spawned", len(spawned))
 print("warnings", sum("building C++ kernel" in r and "lacks" in r for r in records))
 """,
-        env={"TORCHINDUCTOR_CACHE_DIR": fresh_inductor_dir()},
     )
     assert "spawned 0" not in out  # the compiler did run: the audit hook sees it
     warnings = int(out.split("warnings ")[1].split()[0])
@@ -104,24 +117,17 @@ print("warnings", sum("building C++ kernel" in r and "lacks" in r for r in recor
 def test_binary_that_fails_to_load_falls_back_to_building(
     mlp: Compiled, saved: dict[str, str], tmp_path: object
 ) -> None:
-    out = run_python(
-        AUDIT
-        + f"""
-import logging, torch, precompile
-from runtime import _torch_adapter
-def broken(path, key):
-    raise OSError("simulated: wrong glibc")
-_torch_adapter.import_cpp_kernel = broken
-records = []
-class Keep(logging.Handler):
-    def emit(self, record): records.append(record.getMessage())
-logging.getLogger("precompile").addHandler(Keep())
-art = precompile.CompiledArtifact.load(path={saved["binary"]!r})
-c = torch.load({cases(mlp, str(tmp_path), [16])!r})
+    out = in_fresh_process(
+        "from runtime import _torch_adapter\n"
+        "def broken(path, key):\n"
+        "    raise OSError('simulated: wrong glibc')\n"
+        "_torch_adapter.import_cpp_kernel = broken\n",
+        saved["binary"],
+        cases(mlp, str(tmp_path), [16]),
+        """
 torch.testing.assert_close(art(*c["args"][0])[0], c["expected"][0], rtol=1e-4, atol=1e-4)
 print("warnings", sum("simulated: wrong glibc" in r for r in records))
 """,
-        env={"TORCHINDUCTOR_CACHE_DIR": fresh_inductor_dir()},
     )
     assert int(out.split("warnings ")[1].split()[0]) >= 1, out
 
@@ -129,22 +135,19 @@ print("warnings", sum("simulated: wrong glibc" in r for r in records))
 def test_rebuild_is_refused_where_inductor_would_generate_another_vector_width(
     mlp: Compiled, saved: dict[str, str], tmp_path: object
 ) -> None:
-    out = run_python(
-        AUDIT
-        + f"""
-import torch, precompile
-from runtime import _native_kernels, _torch_adapter
-_native_kernels.cpu_features = lambda: frozenset()
-_torch_adapter.vec_isa_name = lambda: "some-other-isa"
-art = precompile.CompiledArtifact.load(path={saved["binary"]!r})
-c = torch.load({cases(mlp, str(tmp_path), [5])!r})
+    out = in_fresh_process(
+        "from runtime import _native_kernels, _torch_adapter\n"
+        "_native_kernels.cpu_features = lambda: frozenset()\n"
+        "_torch_adapter.vec_isa_name = lambda: 'some-other-isa'\n",
+        saved["binary"],
+        cases(mlp, str(tmp_path), [5]),
+        """
 try:
     art(*c["args"][0])
 except precompile.IncompatibleArtifactError as exc:
     print("refused:", exc)
 print("spawned", len(spawned))
 """,
-        env={"TORCHINDUCTOR_CACHE_DIR": fresh_inductor_dir()},
     )
     assert "refused:" in out and "some-other-isa" in out and "recompile" in out
     assert "spawned 0" in out
