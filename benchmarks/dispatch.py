@@ -29,7 +29,7 @@ import torch  # noqa: E402
 import precompile  # noqa: E402
 from runtime._payloads import MemoryPayloads  # noqa: E402
 
-CALLS = 20000
+ROUND_S = 0.05  # each timed round runs about this long
 ROUNDS = 15
 
 
@@ -56,11 +56,15 @@ def _noop(*args: Any) -> None:
     return None
 
 
-def per_call_ns(fn: Callable[..., Any], args: list[Any]) -> float:
+def per_call_ns(fn: Callable[..., Any], args: list[Any], calls: int) -> float:
     began = time.perf_counter_ns()
-    for _ in range(CALLS):
+    for _ in range(calls):
         fn(*args)
-    return (time.perf_counter_ns() - began) / CALLS
+    return (time.perf_counter_ns() - began) / calls
+
+
+def calls_per_round(fn: Callable[..., Any], args: list[Any]) -> int:
+    return max(100, int(ROUND_S * 1e9 / per_call_ns(fn, args, 100)))
 
 
 def measure(name: str, model: torch.nn.Module, width: int, sizes: list[int]) -> list[list[Any]]:
@@ -75,10 +79,11 @@ def measure(name: str, model: torch.nn.Module, width: int, sizes: list[int]) -> 
         direct = art.variant_callable(art.variant_for(*args))
         with torch.no_grad():
             art(*args)  # memoize the choice, load the variant
+            calls = calls_per_round(direct, args)
             ours, theirs = [], []
             for _ in range(ROUNDS):  # interleaved rounds: drift hits both sides alike
-                ours.append(per_call_ns(art, args))
-                theirs.append(per_call_ns(direct, args))
+                ours.append(per_call_ns(art, args, calls))
+                theirs.append(per_call_ns(direct, args, calls))
         added = [a - b for a, b in zip(ours, theirs, strict=True)]
         # The same runtime over a variant that does nothing: its cost alone, without the
         # noise of a real kernel's run time.
@@ -90,8 +95,9 @@ def measure(name: str, model: torch.nn.Module, width: int, sizes: list[int]) -> 
         )
         hollow(*args)
         isolated = []
+        calls = calls_per_round(hollow, args)
         for _ in range(ROUNDS):
-            isolated.append(per_call_ns(hollow, args) - per_call_ns(noop, args))
+            isolated.append(per_call_ns(hollow, args, calls) - per_call_ns(noop, args, calls))
         rows.append(
             [
                 name,
@@ -125,7 +131,7 @@ def main() -> None:
     print(table(headers, rows))
     document = {
         **environment("cpu"),
-        "calls_per_round": CALLS,
+        "seconds_per_round": ROUND_S,
         "rounds": ROUNDS,
         "rows": [dict(zip(headers, row, strict=True)) for row in rows],
     }

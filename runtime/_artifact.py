@@ -78,7 +78,6 @@ class CompiledArtifact:
         self._memo: dict[tuple[int, ...], Callable[..., Any]] = {}
         self._memo_size = max(1, memo_size)
         self._lock = threading.RLock()
-        self._read_key = self._contract.read_key
         # The key an ArtifactCache stored or found it under (set by the cache), for tagging.
         self.cache_key: str | None = None
         self._warming: threading.Thread | None = None
@@ -86,7 +85,7 @@ class CompiledArtifact:
 
     # -- calling ---------------------------------------------------------------------
     def __call__(self, *args: Any) -> Any:
-        key = self._read_key(args)
+        key = self._contract.read_key(args)
         if key is None:
             raise self._contract.mismatch(args)
         function = self._memo.get(key)
@@ -220,7 +219,7 @@ class CompiledArtifact:
         return tuple(v.index for v in self._manifest.variants if v.payload in self._callables)
 
     def _sizes(self, args: tuple[Any, ...]) -> tuple[int, ...]:
-        key = self._read_key(args)
+        key = self._contract.read_key(args)
         if key is None:
             raise self._contract.mismatch(args)
         return key

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from . import _torch_adapter as adapter
 from ._errors import CorruptArtifactError, InputMismatchError
 from ._expressions import check_expression, compile_function
 from ._manifest import IntInput, Manifest, TensorInput
@@ -63,12 +64,39 @@ class InputContract:
             for i, spec in enumerate(self.inputs)
             if isinstance(spec, TensorInput)
         }
-        self.read_key: KeyReader = self._generate_reader()
+        self._tensor_indices = [
+            i for i, spec in enumerate(self.inputs) if isinstance(spec, TensorInput)
+        ]
+        self._checked: KeyReader = self._generate_reader(None)
+        self.read_key: KeyReader = self._first_read
 
     # -- fast path -------------------------------------------------------------------
-    def _generate_reader(self) -> KeyReader:
+    def _first_read(self, args: Sequence[Any]) -> tuple[int, ...] | None:
+        """Check in Python; the first inputs that pass become the template of a C++ guard
+        of every tensor's dtype, device, rank and static sizes, which later calls run
+        instead (falling back to the Python check whenever the guard says no)."""
+        key = self._checked(args)
+        if key is None or not self._tensor_indices:
+            return key
+        static = [
+            [size if isinstance(size, int) else None for size in spec.shape]
+            for spec in self.inputs
+            if isinstance(spec, TensorInput)
+        ]
+        guard = adapter.tensor_guard([args[i] for i in self._tensor_indices], static)
+        if guard is not None:
+            self.read_key = self._generate_reader(guard)
+        else:
+            self.read_key = self._checked
+        return key
+
+    def _generate_reader(self, guard: Callable[..., bool] | None) -> KeyReader:
         lines = ["def read_key(args):", "    try:", f"        if len(args) != {len(self.inputs)}:"]
         lines.append("            return None")
+        if guard is not None:
+            tensors = ", ".join(f"args[{i}]" for i in self._tensor_indices)
+            lines.append(f"        if not GUARD({tensors}):")
+            lines.append("            return CHECKED(args)")
         assigned: set[str] = set()
         deferred: list[str] = []
         namespace: dict[str, Any] = {
@@ -104,6 +132,16 @@ class InputContract:
                 else:
                     deferred.append(f"{arg} != ({spec.value})")
                 continue
+            if guard is not None:  # dtype, device, rank and static sizes: checked in C++
+                for dim, size in enumerate(spec.shape):
+                    if isinstance(size, str):
+                        expr = f"{arg}.shape[{dim}]"
+                        if size in self.symbols:
+                            bind(size, expr)
+                        else:
+                            lines.append(f"        d{index}_{dim} = {expr}")
+                            deferred.append(f"d{index}_{dim} != ({size})")
+                continue
             namespace[f"D{index}"] = self._dtypes[index]
             namespace[f"V{index}"] = self._devices[index]
             on_device = _device_test(arg, index, self._devices[index])
@@ -138,6 +176,8 @@ class InputContract:
         lines.append(f"        return ({key})")
         lines.append("    except (AttributeError, TypeError, IndexError):")
         lines.append("        return None")
+        if guard is not None:
+            namespace["GUARD"], namespace["CHECKED"] = guard, self._checked
         exec(compile("\n".join(lines) + "\n", "<precompile input contract>", "exec"), namespace)
         reader: KeyReader = namespace["read_key"]
         return reader

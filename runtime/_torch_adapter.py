@@ -23,7 +23,7 @@ import shutil
 import sys
 import tempfile
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from contextvars import ContextVar
 from typing import Any
@@ -194,6 +194,27 @@ def import_cpp_kernel(path: str, key: str) -> Callable[..., Any]:
     module = Bindings._load_library(path, key)
     function: Callable[..., Any] = getattr(module, Bindings.entry_function)
     return function
+
+
+def tensor_guard(
+    templates: Sequence[Any], static_sizes: Sequence[Sequence[int | None]]
+) -> Callable[..., bool] | None:
+    """Dynamo's C++ tensor check (dtype, device, dispatch keys, requires_grad, rank and
+    the static sizes of ``templates``), or None where this torch lacks it."""
+    try:
+        from torch._C._dynamo.guards import TensorGuards
+
+        guards = TensorGuards(
+            *templates,
+            dynamic_dims_sizes=[list(sizes) for sizes in static_sizes],
+            dynamic_dims_strides=[[None] * len(sizes) for sizes in static_sizes],
+        )
+        check: Callable[..., bool] = guards.check
+        if not check(*templates):
+            return None
+    except (ImportError, TypeError, RuntimeError):
+        return None
+    return check
 
 
 def vec_isa_name() -> str:

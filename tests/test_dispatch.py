@@ -145,8 +145,13 @@ def test_concurrent_calls_agree() -> None:
         (([[1.0] * 4] * 3,), "should be a float32 tensor on cpu, got list"),
     ],
 )
-def test_input_mismatch_names_input_and_expectation(args: tuple[object, ...], message: str) -> None:
+@pytest.mark.parametrize("after_a_good_call", [False, True])  # Python check, then C++ guard
+def test_input_mismatch_names_input_and_expectation(
+    args: tuple[object, ...], message: str, after_a_good_call: bool
+) -> None:
     art = make_artifact([("hint", {"s0": 8}, ())])
+    if after_a_good_call:
+        assert art(x(3, 4)) == 0
     with pytest.raises(precompile.InputMismatchError, match=message) as info:
         art(*args)
     assert isinstance(info.value, ValueError)
@@ -164,3 +169,15 @@ def test_compound_dim_is_checked() -> None:
     assert art(x(3, 6)) == 0
     with pytest.raises(precompile.InputMismatchError, match=r"must equal 2\*s0 = 6, got 7"):
         art(x(3, 7))
+
+
+def test_guarded_fast_path_is_installed_and_falls_back_when_it_says_no() -> None:
+    art = make_artifact([("hint", {"s0": 8}, ())], shape=("s0", "s0"))
+    assert art(x(5, 5)) == 0
+    reader = art._contract.read_key
+    assert "GUARD" in reader.__code__.co_names  # the C++ tensor check runs first now
+    assert art.sizes_of(x(7, 7)) == {"s0": 7}
+    with torch.inference_mode():  # other dispatch keys: the guard says no, Python says yes
+        assert art(x(6, 6)) == 0
+    grad = x(4, 4).requires_grad_()
+    assert art.sizes_of(grad) == {"s0": 4}
