@@ -129,7 +129,7 @@ def serve(directory: str) -> None:
             f"{explanation.decided_by:>13} {elapsed:>9.2f} {error:>10.2e}"
         )
     print(
-        "[server] first calls of a variant include loading it (on CPU, building its C++);"
+        "[server] first calls of a variant include loading it (kernels ship built: no compiler);"
         " repeats of a size run the memoized choice"
     )
 
