@@ -18,7 +18,6 @@ import contextlib
 import json
 import logging
 import os
-import re
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -32,13 +31,14 @@ from runtime._errors import CorruptArtifactError, InvalidOptionError, UnsafeCach
 from runtime._manifest import manifest_from_json
 from runtime._payloads import MemoryPayloads, atomic_file, sha256_hex
 
+from ._counters import Counters
 from ._entry import CacheEntry, CacheStats, MissExplanation, VerifyReport
 from ._root import LAYOUT, prepare, resolve_root
+from ._tags import Tags
 
 log = logging.getLogger("precompile.cache")
 DEFAULT_SIZE_LIMIT = 20 * 2**30
 _ORPHAN_GRACE_S = 3600.0
-_STAT_FIELDS = ("hits", "misses", "evictions", "corrupt")
 
 
 def _size_limit_from_env() -> int:
@@ -54,9 +54,6 @@ def _size_limit_from_env() -> int:
     if value <= 0:
         raise InvalidOptionError(f"PRECOMPILE_CACHE_SIZE_LIMIT must be > 0, got {value}")
     return value
-
-
-_TAG_NAME = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,99}")
 
 
 class ArtifactCache:
@@ -77,6 +74,8 @@ class ArtifactCache:
         self.trust_foreign = trust_foreign
         self.lock_timeout = lock_timeout
         self._dirs = prepare(self.root)
+        self._counters = Counters(os.path.join(self._dirs["base"], "stats.json"))
+        self._tags = Tags(self._dirs["tags"])
 
     def __repr__(self) -> str:
         return f"ArtifactCache({self.root!r}, size_limit={self.size_limit})"
@@ -218,34 +217,19 @@ class ArtifactCache:
             return artifact, dict(aux), False
 
     # -- tags ------------------------------------------------------------------------
-    def _tag_path(self, name: str) -> str:
-        if not isinstance(name, str) or not _TAG_NAME.fullmatch(name):
-            raise InvalidOptionError(
-                f"tag name must be 1-100 characters of letters, digits, '.', '_' or '-' "
-                f"(not starting with '.'), got {name!r}"
-            )
-        return os.path.join(self._dirs["tags"], name)
-
     def tag(self, name: str, key: str) -> None:
         """Name an entry, so that a server can load it without tracing its model again."""
         self._entry_path(key)  # validates the key
-        path = self._tag_path(name)
-        with atomic_file(path) as handle:
-            handle.write(key.encode())
+        self._tags.set(name, key)
         log.info("tagged %s as %r", key[:12], name)
 
     def tags(self) -> dict[str, str]:
         """Every tag and the key it names (tags of evicted entries included)."""
-        found = {}
-        for name in sorted(os.listdir(self._dirs["tags"])):
-            if _TAG_NAME.fullmatch(name):
-                with contextlib.suppress(OSError), open(self._tag_path(name), "rb") as handle:
-                    found[name] = handle.read().decode("ascii", "replace").strip()
-        return found
+        return self._tags.all()
 
     def load_tag(self, name: str) -> CompiledArtifact | None:
         """The artifact tagged ``name``, or None if the tag or its entry is gone."""
-        key = self.tags().get(name) if os.path.exists(self._tag_path(name)) else None
+        key = self._tags.get(name)
         if key is None:
             return None
         try:
@@ -398,26 +382,12 @@ class ArtifactCache:
         return MissExplanation(key, best[1], best[2])
 
     # -- stats -------------------------------------------------------------------------
-    def _stats_path(self) -> str:
-        return os.path.join(self._dirs["base"], "stats.json")
-
-    def _read_counts(self) -> dict[str, int]:
-        try:
-            with open(self._stats_path(), "rb") as handle:
-                data = json.loads(handle.read())
-            return {k: int(data.get(k, 0)) for k in _STAT_FIELDS}
-        except (OSError, ValueError, TypeError, AttributeError):
-            return dict.fromkeys(_STAT_FIELDS, 0)
-
     def _count(self, field: str, amount: int = 1) -> None:
         with self.lock("stats"):
-            counts = self._read_counts()
-            counts[field] += amount
-            with atomic_file(self._stats_path()) as handle:
-                handle.write(json.dumps(counts).encode())
+            self._counters.add(field, amount)
 
     def stats(self) -> CacheStats:
-        counts = self._read_counts()
+        counts = self._counters.read()
         entries = self.entries()
         return CacheStats(
             **counts,

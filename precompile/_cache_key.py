@@ -6,6 +6,7 @@ differs from the nearest existing entry. Paths, pids and timestamps never enter 
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import json
 from collections.abc import Mapping, Sequence
@@ -18,6 +19,7 @@ from runtime._environment import current_environment
 from runtime._manifest import FORMAT_VERSION
 
 from . import _torch_adapter as adapter
+from ._graph import GraphDescription
 from ._variant_plan import VariantRequest
 
 LIBRARY_VERSION = "0.1.0"
@@ -27,7 +29,29 @@ def _canonical(value: Any) -> str:
     return json.dumps(value, sort_keys=True, default=repr, separators=(",", ":"))
 
 
-def _inputs_text(graph: adapter.GraphDescription) -> str:
+def _tensor_digest(tensor: torch.Tensor) -> str:
+    data = tensor.detach().to("cpu").contiguous()
+    raw = ctypes.string_at(data.data_ptr(), data.numel() * data.element_size())
+    meta = f"{data.dtype}:{tuple(data.shape)}:".encode()
+    return hashlib.sha256(meta + raw).hexdigest()
+
+
+def graph_digest(gm: torch.fx.GraphModule) -> str:
+    """sha256 over the graph's code, its submodules and the bytes of embedded constants."""
+    digest = hashlib.sha256(gm.code.encode())
+    for node in gm.graph.nodes:
+        if node.op == "get_attr":
+            value = gm
+            for part in str(node.target).split("."):
+                value = getattr(value, part)
+            text = _tensor_digest(value) if isinstance(value, torch.Tensor) else repr(value)
+            digest.update(f"\0{node.target}={text}".encode())
+        elif node.op == "call_module":
+            digest.update(f"\0{node.target}:{gm.get_submodule(str(node.target))!r}".encode())
+    return digest.hexdigest()
+
+
+def _inputs_text(graph: GraphDescription) -> str:
     rows: list[list[Any]] = []
     for item in graph.inputs:
         if item.kind == "int":
@@ -50,7 +74,7 @@ def _inputs_text(graph: adapter.GraphDescription) -> str:
 
 def cache_factors(
     gm: torch.fx.GraphModule,
-    graph: adapter.GraphDescription,
+    graph: GraphDescription,
     requests: Sequence[VariantRequest],
     options: Mapping[str, Any],
     dynamic_shapes: str,
@@ -58,7 +82,7 @@ def cache_factors(
 ) -> dict[str, str]:
     environment = current_environment(device)
     return {
-        "graph": adapter.graph_digest(gm),
+        "graph": graph_digest(gm),
         "inputs": hashlib.sha256(_inputs_text(graph).encode()).hexdigest(),
         "variants": _canonical([[r.kind, list(r.point)] for r in requests]),
         "options": _canonical(dict(options)),

@@ -30,13 +30,14 @@ from runtime._payloads import MemoryPayloads, sha256_hex
 
 from . import _torch_adapter as adapter
 from ._cache_key import cache_factors, cache_key
+from ._graph import GraphDescription
 from ._variant_plan import DEFAULT_MAX_VARIANTS, Hints, Sizes, VariantRequest, plan_variants
 
 log = logging.getLogger("precompile.compile")
 CacheOption = ArtifactCache | str | os.PathLike[str] | bool | None
 
 
-def _symbols(graph: adapter.GraphDescription) -> tuple[Symbol, ...]:
+def _symbols(graph: GraphDescription) -> tuple[Symbol, ...]:
     found: dict[sympy.Symbol, list[SymbolSource]] = {s: [] for s in graph.symbols}
     for index, item in enumerate(graph.inputs):
         if item.kind == "int" and item.value in found:
@@ -60,7 +61,7 @@ def _size_text(expr: sympy.Expr) -> int | str:
     return int(expr) if expr.is_Integer else adapter.print_expr(expr)
 
 
-def _input_specs(graph: adapter.GraphDescription) -> tuple[InputSpec, ...]:
+def _input_specs(graph: GraphDescription) -> tuple[InputSpec, ...]:
     specs: list[InputSpec] = []
     for item in graph.inputs:
         if item.kind == "int":
@@ -77,13 +78,13 @@ def _input_specs(graph: adapter.GraphDescription) -> tuple[InputSpec, ...]:
     return tuple(specs)
 
 
-def _device_of(graph: adapter.GraphDescription) -> str:
+def _device_of(graph: GraphDescription) -> str:
     devices = {str(i.device.type) for i in graph.inputs if i.device is not None}
     return "cuda" if "cuda" in devices else "cpu"
 
 
 def _common_guards(
-    graph: adapter.GraphDescription,
+    graph: GraphDescription,
     requests: Sequence[VariantRequest],
     guards: Sequence[tuple[sympy.Expr, ...]],
 ) -> list[sympy.Expr]:
@@ -103,7 +104,7 @@ def _common_guards(
     return [g for g in common if all(adapter.evaluate(g, point) for point in statics)]
 
 
-def _propagate_common_guards(graph: adapter.GraphDescription, common: Sequence[sympy.Expr]) -> None:
+def _propagate_common_guards(graph: GraphDescription, common: Sequence[sympy.Expr]) -> None:
     """Add the common guards that hold at the caller's own hints to its ShapeEnv."""
     env = graph.caller_shape_env
     if env is None:
@@ -116,7 +117,7 @@ def _propagate_common_guards(graph: adapter.GraphDescription, common: Sequence[s
 
 def _compile_all(
     gm: torch.fx.GraphModule,
-    graph: adapter.GraphDescription,
+    graph: GraphDescription,
     symbols: tuple[Symbol, ...],
     requests: Sequence[VariantRequest],
     options: Mapping[str, Any],

@@ -27,33 +27,11 @@ from runtime._manifest import NativeKernel
 from runtime._native_kernels import cpu_features_for_flags, find_cpp_kernels, kernel_key
 from runtime._payloads import sha256_hex
 
+from ._graph import GraphDescription, GraphInput
+
 log = logging.getLogger("precompile.compile")
 
 DYNAMIC_SHAPES = ("from_graph", "from_tracing_context", "from_example_inputs")
-_ZERO = sympy.Integer(0)
-
-
-@dataclass(frozen=True)
-class GraphInput:
-    """One flat input as the compile sees it: a tensor template, a SymInt or an int."""
-
-    kind: str  # "tensor" | "int"
-    dtype: torch.dtype | None = None
-    device: torch.device | None = None
-    requires_grad: bool = False
-    shape: tuple[sympy.Expr, ...] = ()
-    stride: tuple[sympy.Expr, ...] = ()
-    storage_offset: sympy.Expr = _ZERO
-    value: sympy.Expr = _ZERO  # for "int"
-
-
-@dataclass(frozen=True)
-class GraphDescription:
-    inputs: tuple[GraphInput, ...]
-    symbols: tuple[sympy.Symbol, ...]
-    hints: Mapping[sympy.Symbol, int]
-    ranges: Mapping[sympy.Symbol, tuple[int, int | None]]
-    caller_shape_env: Any | None
 
 
 # -- reading the caller's graph ----------------------------------------------------------
@@ -405,33 +383,6 @@ def add_caller_guard(shape_env: Any, expr: sympy.Expr) -> None:
 
 
 # -- what the cache key needs from torch ---------------------------------------------
-def _tensor_digest(tensor: torch.Tensor) -> str:
-    import ctypes
-    import hashlib
-
-    data = tensor.detach().to("cpu").contiguous()
-    raw = ctypes.string_at(data.data_ptr(), data.numel() * data.element_size())
-    meta = f"{data.dtype}:{tuple(data.shape)}:".encode()
-    return hashlib.sha256(meta + raw).hexdigest()
-
-
-def graph_digest(gm: torch.fx.GraphModule) -> str:
-    """sha256 over the graph's code, its submodules and the bytes of embedded constants."""
-    import hashlib
-
-    digest = hashlib.sha256(gm.code.encode())
-    for node in gm.graph.nodes:
-        if node.op == "get_attr":
-            value = gm
-            for part in str(node.target).split("."):
-                value = getattr(value, part)
-            text = _tensor_digest(value) if isinstance(value, torch.Tensor) else repr(value)
-            digest.update(f"\0{node.target}={text}".encode())
-        elif node.op == "call_module":
-            digest.update(f"\0{node.target}:{gm.get_submodule(str(node.target))!r}".encode())
-    return digest.hexdigest()
-
-
 def codegen_config_digest() -> str:
     """sha256 of the inductor and functorch configs, as upstream's FX cache keys them."""
     import hashlib

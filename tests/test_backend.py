@@ -51,8 +51,8 @@ def test_only_guards_common_to_all_hint_variants_reach_the_caller() -> None:
     from torch._dynamo.source import ConstantSource
     from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv
 
+    from precompile._graph import GraphDescription
     from precompile._standalone import _common_guards, _propagate_common_guards
-    from precompile._torch_adapter import GraphDescription
     from precompile._variant_plan import VariantRequest
 
     env = ShapeEnv()
@@ -79,8 +79,8 @@ def test_common_guard_false_at_a_static_size_is_not_propagated() -> None:
     from torch._dynamo.source import ConstantSource
     from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv
 
+    from precompile._graph import GraphDescription
     from precompile._standalone import _common_guards, _propagate_common_guards
-    from precompile._torch_adapter import GraphDescription
     from precompile._variant_plan import VariantRequest
 
     env = ShapeEnv()

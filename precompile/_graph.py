@@ -1,0 +1,35 @@
+"""What the compile side knows about a caller's graph: its inputs, symbols and hints."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import sympy
+import torch
+
+_ZERO = sympy.Integer(0)
+
+
+@dataclass(frozen=True)
+class GraphInput:
+    """One flat input as the compile sees it: a tensor template, a SymInt or an int."""
+
+    kind: str  # "tensor" | "int"
+    dtype: torch.dtype | None = None
+    device: torch.device | None = None
+    requires_grad: bool = False
+    shape: tuple[sympy.Expr, ...] = ()
+    stride: tuple[sympy.Expr, ...] = ()
+    storage_offset: sympy.Expr = _ZERO
+    value: sympy.Expr = _ZERO  # for "int"
+
+
+@dataclass(frozen=True)
+class GraphDescription:
+    inputs: tuple[GraphInput, ...]
+    symbols: tuple[sympy.Symbol, ...]
+    hints: Mapping[sympy.Symbol, int]
+    ranges: Mapping[sympy.Symbol, tuple[int, int | None]]
+    caller_shape_env: Any | None
