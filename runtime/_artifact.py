@@ -111,12 +111,11 @@ class CompiledArtifact:
             function = self._callables.get(variant.payload)
             if function is None:
                 payload = self._payloads.read(variant.payload)
-                edited = self._payloads.edited_source(variant.payload)
-                if edited is not None:
-                    payload = adapter.with_source_code(payload, edited)
                 native_kernels.register(variant.kernels, self._payloads.read)
                 function = adapter.load_variant(
-                    payload, rewrite=native_kernels.redirect_cpp_kernels
+                    payload,
+                    forward_source=self._payloads.edited_source(variant.payload),
+                    rewrite=native_kernels.redirect_cpp_kernels,
                 )
                 self._callables[variant.payload] = function
             return function

@@ -155,29 +155,28 @@ def variant_source_code(payload: bytes) -> str:
     return str(forward_graph(entry).source_code)
 
 
-def with_source_code(payload: bytes, source_code: str) -> bytes:
-    """The payload with its forward wrapper module replaced (the unpacked format's edits)."""
-    entry, kernels, constant_args = _unpickle_bundle(payload)
-    graph = forward_graph(entry)
-    graph.source_code = source_code
-    _rekey(graph)
-    return pickle.dumps((entry, kernels, constant_args))
-
-
 def load_variant(
-    payload: bytes, *, rewrite: Callable[[str], str] | None = None
+    payload: bytes,
+    *,
+    forward_source: str | None = None,
+    rewrite: Callable[[str], str] | None = None,
 ) -> Callable[..., Any]:
     """Turn verified payload bytes into a callable taking the graph's flat inputs.
 
-    ``rewrite`` maps each generated wrapper's source before it is imported.
+    ``forward_source`` replaces the forward wrapper (the unpacked format's edits);
+    ``rewrite`` then maps each generated wrapper's source before it is imported. Both
+    are applied in one unpickle/re-pickle of the bundle.
     """
     from torch._dynamo.aot_compile_types import BundledAOTAutogradSerializableCallable
 
-    if rewrite is not None:
+    if forward_source is not None or rewrite is not None:
         entry, kernels, constant_args = _unpickle_bundle(payload)
+        forward = forward_graph(entry)
         for graph in compiled_graphs(entry):
-            source = rewrite(graph.source_code)
-            if source != graph.source_code:
+            original = graph.source_code
+            source = forward_source if graph is forward and forward_source is not None else original
+            source = rewrite(source) if rewrite is not None else source
+            if source != original:
                 graph.source_code = source
                 _rekey(graph)
         payload = pickle.dumps((entry, kernels, constant_args))
