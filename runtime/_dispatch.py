@@ -5,7 +5,9 @@ that an exact-size variant is not overruled by measurements taken at other sizes
 an exact-size variant wins, then the nearest admissible hint point. Nearness is the L1
 distance in log2 space, the measure upstream's size-hint multi-kernel
 uses (log2 of 0 taken as -1), restricted to the variants whose guards admit the sizes.
-Ties go to the variant listed first, so a choice never depends on dict or set order.
+Ties go to the larger point: kernels tuned for more rows read the weights once where
+kernels tuned for fewer re-read them per row block, and small sizes are memory-bound.
+Remaining ties go to the variant listed first, so a choice never depends on dict order.
 """
 
 from __future__ import annotations
@@ -33,6 +35,11 @@ def log2_distance(sizes: Sequence[int], point: Sequence[int]) -> float:
     )
 
 
+def nearness(sizes: Sequence[int], point: Sequence[int]) -> tuple[float, float]:
+    """Sort key of a point for ``sizes``: nearest in log2 space, then the larger point."""
+    return log2_distance(sizes, point), -sum(map(log2_coordinate, point))
+
+
 def lookup(
     calibration: Calibration, sizes: Sequence[int], admissible: Callable[[int], bool]
 ) -> CalibrationEntry | None:
@@ -45,7 +52,7 @@ def lookup(
             return None
     nearest = min(
         enumerate(calibration.entries),
-        key=lambda item: (log2_distance(sizes, item[1].point), item[0]),
+        key=lambda item: (*nearness(sizes, item[1].point), item[0]),
     )[1]
     return nearest if any(admissible(v) for v in nearest.ranking) else None
 
@@ -154,7 +161,9 @@ class Dispatcher:
         elif exact:
             chosen, decided_by = exact[0].variant, "exact-size"
         elif admissible:
-            best = min(admissible, key=lambda c: (c.distance, c.variant))
+            best = min(
+                admissible, key=lambda c: (*nearness(sizes, self._points[c.variant]), c.variant)
+            )
             chosen = best.variant
             decided_by = "only-variant" if len(admissible) == 1 else "nearest-hint"
         else:

@@ -50,9 +50,18 @@ def test_guards_exclude_variants() -> None:
     assert "guards fail: s0 == 1" in str(explanation)
 
 
-def test_tie_break_is_first_listed() -> None:
+def test_a_tie_goes_to_the_larger_hint_then_to_the_first_listed() -> None:
     art = make_artifact([("hint", {"s0": 2}, ()), ("hint", {"s0": 8}, ())])
-    assert art(x(4, 4)) == 0  # distance 1 to both
+    assert art(x(4, 4)) == 1  # distance 1 to both
+    assert art.explain(x(4, 4)).decided_by == "nearest-hint"
+    twins = make_artifact([("hint", {"s0": 8}, ()), ("hint", {"s0": 8}, ())])
+    assert twins(x(4, 4)) == 0
+    art_2d = make_artifact(
+        [("hint", {"b": 4, "s": 1}, ()), ("hint", {"b": 1, "s": 16}, ())],
+        symbols=("b", "s"),
+        shape=("b", "s", 4),
+    )
+    assert art_2d(x(2, 4, 4)) == 1  # distance 3 to both; 1x16 has the larger log2 sum
 
 
 def test_two_dimensional_distance() -> None:
@@ -121,7 +130,7 @@ def test_concurrent_calls_agree() -> None:
         try:
             for step in range(1, 300):
                 n = (step * (offset + 1)) % 299 + 1
-                expected = 0 if n <= 32 else 1  # 32 is equidistant: first listed wins
+                expected = 0 if n < 32 else 1  # 32 is equidistant: the larger hint wins
                 assert art(x(n, 4)) == expected
         except BaseException as exc:  # pragma: no cover - reported below
             errors.append(exc)
