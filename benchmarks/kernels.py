@@ -4,10 +4,11 @@
 
 For each M: the static oracle compile, the one upstream dynamic compile, ours through
 torch.compile as ``shapes.py`` runs it, and every one of our variants that admits M
-(called directly: no Dynamo guards, no dispatch), each profiled over the same calls. Per row: ``do_bench`` median, the GPU time its kernels sum to per call, the
-number of kernels per call, the host time per call spent launching them (a call the GPU
-finishes before the host launches the next kernel is launch-bound), and its longest
-kernels. Same blocks, options and timing as ``shapes.py``.
+(called directly: no Dynamo guards, no dispatch), each profiled over the same calls.
+Per row: ``do_bench`` median, the GPU time its kernels sum to per call, the number of
+kernels per call, the host time per call spent launching them (a call the GPU finishes
+before the host launches the next kernel is launch-bound), and its longest kernels.
+Same blocks, options and timing as ``shapes.py``.
 """
 
 from __future__ import annotations
