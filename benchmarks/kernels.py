@@ -114,13 +114,9 @@ def main() -> None:
     sizes = [int(v) for v in args.sizes.split(",")]
     model = shapes.make_model(args.block)
     found: dict[int, dict[str, Any]] = {m: {} for m in sizes}
-    # Dynamo caches by code object: each torch.compile row is measured before the next
-    # row's reset, and our variants are called directly, past Dynamo.
-    torch._dynamo.reset()
     dynamic = shapes.compiled_dynamic(model)
     for m in sizes:
         found[m]["dynamic"] = measure(pool_calls(dynamic, m))
-    torch._dynamo.reset()
     ours_fn, artifacts = shapes.compiled_ours(model)
     ours = next((a, i) for a, i in artifacts if a.symbols)
     for m in sizes:

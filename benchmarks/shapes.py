@@ -11,12 +11,16 @@ tokens. Rows: ``eager``; ``dynamic``: one ``torch.compile`` with max_autotune, f
 called at M=256 with the token dim marked dynamic (Dynamo still compiles M=1 apart, as
 a static graph: its 0/1 specialization; the same holds for ours); ``ours``:
 ``precompile.backend`` with hints 16, 256, 4096 plus exact sizes 1, 2, 4, 8;
-``calibrated``: the same compiled variants as ``ours``, calibrated over the sweep;
+``calibrated``: the same variants (loaded from ours' cache), calibrated over the sweep;
 ``oracle``: a static max_autotune compile per M. Every compiled row runs with the same
-inductor options and no CUDA graphs. Times: ``triton.testing.do_bench`` medians (L2
-flushed between runs), inputs rotated through a pool of at least 256 MB. Each result is
-written as soon as it is measured, so ``--resume`` continues an interrupted run
-(``--deadline-s`` stops cleanly before a machine's time limit).
+inductor options and no CUDA graphs, and each has its own Dynamo cache, so all stay
+live at once. At each M the rows are measured side by side: 3 interleaved rounds of one
+``triton.testing.do_bench`` median each (L2 flushed between runs, inputs rotated through
+a pool of at least 256 MB), and the median round counts, so drift in clocks or
+temperature moves every row alike. Each M is written as soon as it is measured, so
+``--resume`` continues an interrupted run (``--deadline-s`` stops cleanly before a
+machine's time limit; a resumed run compiles its rows again, and records its run number
+with each result).
 """
 
 from __future__ import annotations
@@ -25,8 +29,11 @@ import argparse
 import json
 import math
 import os
+import statistics
 import sys
+import tempfile
 import time
+import types
 from collections.abc import Callable
 from typing import Any
 
@@ -42,7 +49,8 @@ SWEEP = sorted(POWERS + BETWEEN)
 HINTS = [16, 256, 4096]
 EXACT = [1, 2, 4, 8]
 DYNAMIC_FIRST_M = 256
-ROWS = ["eager", "dynamic", "ours", "calibrated", "oracle"]  # calibrated reuses ours
+ROWS = ["eager", "dynamic", "ours", "calibrated", "oracle"]
+ROUNDS = 3
 OPTIONS = {"max_autotune": True, "triton.cudagraphs": False}
 HIDDEN, FFN, HEADS = 4096, 11008, 32
 DEVICE, DTYPE = "cuda", torch.bfloat16
@@ -138,21 +146,39 @@ def max_error(fn: Callable[[torch.Tensor], Any], model: torch.nn.Module, m: int)
 
 
 # -- rows ----------------------------------------------------------------------------
-def compiled_dynamic(model: torch.nn.Module) -> Callable[[torch.Tensor], Any]:
-    compiled = torch.compile(model, options=OPTIONS)
-    first = torch.randn(DYNAMIC_FIRST_M, HIDDEN, device=DEVICE, dtype=DTYPE)
-    torch._dynamo.mark_dynamic(first, 0)
+def entry_point(model: torch.nn.Module, tag: str) -> Callable[[torch.Tensor], Any]:
+    """``model(x)`` as a function with its own code object: Dynamo keeps one cache per
+    code object, so every compiled row stays live side by side, with no reset between."""
+
+    def call(x: torch.Tensor) -> Any:
+        return model(x)
+
+    code = call.__code__.replace(co_name=f"row_{tag}")
+    return types.FunctionType(code, call.__globals__, code.co_name, None, call.__closure__)
+
+
+def first_call(fn: Callable[[torch.Tensor], Any], m: int, dynamic: bool) -> None:
+    first = torch.randn(m, HIDDEN, device=DEVICE, dtype=DTYPE)
+    if dynamic:
+        torch._dynamo.mark_dynamic(first, 0)
     with torch.no_grad():
-        compiled(first)
+        fn(first)
+
+
+def compiled_dynamic(model: torch.nn.Module) -> Callable[[torch.Tensor], Any]:
+    compiled = torch.compile(entry_point(model, "dynamic"), options=OPTIONS)
+    first_call(compiled, DYNAMIC_FIRST_M, dynamic=True)
     return compiled
 
 
-def compiled_ours(model: torch.nn.Module) -> tuple[Callable[[torch.Tensor], Any], list[Any]]:
+def compiled_ours(
+    model: torch.nn.Module, tag: str = "ours", cache: Any = False
+) -> tuple[Callable[[torch.Tensor], Any], list[Any]]:
     """Ours through torch.compile, and the (artifact, example inputs) of each graph."""
     import precompile
 
     backend = precompile.backend(
-        hints=HINTS, sizes=EXACT, options={"config_patches": OPTIONS}, cache=False
+        hints=HINTS, sizes=EXACT, options={"config_patches": OPTIONS}, cache=cache
     )
     artifacts: list[Any] = []
 
@@ -161,16 +187,13 @@ def compiled_ours(model: torch.nn.Module) -> tuple[Callable[[torch.Tensor], Any]
         artifacts.append((artifact, list(example_inputs)))
         return artifact
 
-    compiled = torch.compile(model, backend=recording)
-    first = torch.randn(DYNAMIC_FIRST_M, HIDDEN, device=DEVICE, dtype=DTYPE)
-    torch._dynamo.mark_dynamic(first, 0)
-    with torch.no_grad():
-        compiled(first)
+    compiled = torch.compile(entry_point(model, tag), backend=recording)
+    first_call(compiled, DYNAMIC_FIRST_M, dynamic=True)
     return compiled, artifacts
 
 
 def calibrate(artifacts: list[Any], sweep: list[int]) -> None:
-    """Calibrate ours in place (the very kernels of the ``ours`` row) over the sweep."""
+    """Calibrate ours in place over the sweep."""
     for artifact, example_inputs in artifacts:
         if artifact.symbols:
             artifact.calibrate(sweep, inputs=example_inputs)
@@ -178,16 +201,14 @@ def calibrate(artifacts: list[Any], sweep: list[int]) -> None:
 
 
 def compiled_static(model: torch.nn.Module, m: int) -> Callable[[torch.Tensor], Any]:
-    torch._dynamo.reset()
-    compiled = torch.compile(model, dynamic=False, options=OPTIONS)
-    with torch.no_grad():
-        compiled(torch.randn(m, HIDDEN, device=DEVICE, dtype=DTYPE))
+    compiled = torch.compile(entry_point(model, f"oracle_{m}"), dynamic=False, options=OPTIONS)
+    first_call(compiled, m, dynamic=False)
     return compiled
 
 
 # -- driver --------------------------------------------------------------------------
 class Results:
-    """The result file: rows x M, rewritten atomically after every measurement."""
+    """The result file: rows x M, rewritten atomically after every M."""
 
     def __init__(self, path: str, block: str, resume: bool) -> None:
         from _common import environment
@@ -201,14 +222,18 @@ class Results:
         self.document.setdefault("environment", environment(DEVICE))
         self.document.setdefault("rows", {})
         self.document.setdefault("compile_s", {})
+        self.document["runs"] = self.document.get("runs", 0) + 1
 
-    def has(self, row: str, m: int) -> bool:
-        return str(m) in self.document["rows"].get(row, {})
+    def done(self, rows: list[str], m: int) -> bool:
+        return all(str(m) in self.document["rows"].get(row, {}) for row in rows)
 
-    def add(self, row: str, m: int, ms: float, error: float) -> None:
-        self.document["rows"].setdefault(row, {})[str(m)] = {"ms": ms, "rel_error": error}
-        self.save()
-        print(f"  {row:10s} M={m:<5d} {ms:.4f} ms  rel err {error:.2e}", flush=True)
+    def add(self, row: str, m: int, result: dict[str, Any]) -> None:
+        result["run"] = self.document["runs"]
+        self.document["rows"].setdefault(row, {})[str(m)] = result
+        if "ms" in result:
+            print(f"  {row:10s} M={m:<5d} {result['ms']:.4f} ms  rel err {result['rel_error']:.1e}")
+        else:
+            print(f"  {row:10s} M={m:<5d} {result['error'].splitlines()[0]}")
 
     def save(self) -> None:
         os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
@@ -218,58 +243,81 @@ class Results:
         os.replace(tmp, self.path)
 
 
+def measure_side_by_side(
+    fns: dict[str, Callable[[torch.Tensor], Any]], model: torch.nn.Module, m: int
+) -> dict[str, dict[str, Any]]:
+    """Every row at M, ROUNDS rounds of one ``bench`` each, rows interleaved (a drifting
+    clock or temperature shifts all rows alike); the median round counts."""
+    results: dict[str, dict[str, Any]] = {}
+    live = {}
+    for row, fn in fns.items():
+        try:
+            results[row] = {"rel_error": max_error(fn, model, m), "rounds": []}
+            live[row] = fn
+        except Exception as exc:  # ours refuses sizes no variant admits: record why
+            if type(exc).__name__ != "NoVariantError":
+                raise
+            results[row] = {"error": str(exc)}
+    for round_index in range(ROUNDS):
+        order = list(live)
+        order = order[round_index % len(order) :] + order[: round_index % len(order)]
+        for row in order:
+            results[row]["rounds"].append(bench(live[row], m))
+    for row in live:
+        results[row]["ms"] = statistics.median(results[row]["rounds"])
+    return results
+
+
 def run(block: str, rows: list[str], sweep: list[int], results: Results, deadline: float) -> None:
+    todo = [m for m in sweep if not results.done(rows, m)]
+    if todo:
+        with tempfile.TemporaryDirectory() as cache:  # ours' cache: the calibrated row loads
+            measure_rows(block, rows, sweep, todo, results, deadline, cache)
+
+
+def measure_rows(
+    block: str,
+    rows: list[str],
+    sweep: list[int],
+    todo: list[int],
+    results: Results,
+    deadline: float,
+    cache: str,
+) -> None:
     model = make_model(block)
-    ours: tuple[Callable[[torch.Tensor], Any], list[Any]] | None = None
-
-    def out_of_time() -> bool:
-        if time.monotonic() > deadline:
-            print("deadline reached: stopping (rerun with --resume to continue)", flush=True)
-            return True
-        return False
-
-    for row in rows:
-        todo = [m for m in sweep if not results.has(row, m)]
-        if not todo or out_of_time():
-            continue
-        print(f"[{block}] {row}", flush=True)
-        if row == "oracle":
-            for m in todo:
-                if out_of_time():
-                    return
-                began = time.perf_counter()
-                fn = compiled_static(model, m)
-                results.document["compile_s"].setdefault("oracle", {})[str(m)] = (
-                    time.perf_counter() - began
-                )
-                results.add(row, m, bench(fn, m), max_error(fn, model, m))
-            torch._dynamo.reset()
-            continue
+    compile_s = results.document["compile_s"]
+    fns: dict[str, Callable[[torch.Tensor], Any]] = {}
+    if "eager" in rows:
+        fns["eager"] = model
+    if "dynamic" in rows:
         began = time.perf_counter()
-        if row == "eager":
-            fn: Callable[[torch.Tensor], Any] = model
-        elif row == "dynamic":
-            torch._dynamo.reset()
-            fn = compiled_dynamic(model)
-        elif row == "ours" or ours is None:
-            torch._dynamo.reset()
-            ours = compiled_ours(model)
-            fn = ours[0]
-        if row == "calibrated":
-            calibrate(ours[1], sweep)
-            fn = ours[0]
-        results.document["compile_s"][row] = time.perf_counter() - began
-        for m in todo:
-            if out_of_time():
-                return
-            try:
-                results.add(row, m, bench(fn, m), max_error(fn, model, m))
-            except Exception as exc:  # ours refuses sizes no variant admits: record why
-                if type(exc).__name__ != "NoVariantError":
-                    raise
-                results.document["rows"].setdefault(row, {})[str(m)] = {"error": str(exc)}
-                results.save()
-                print(f"  {row:10s} M={m:<5d} no variant: {str(exc).splitlines()[-2:]}")
+        fns["dynamic"] = compiled_dynamic(model)
+        compile_s["dynamic"] = time.perf_counter() - began
+    if "ours" in rows:
+        began = time.perf_counter()
+        fns["ours"], _ = compiled_ours(model, "ours", cache)
+        compile_s["ours"] = time.perf_counter() - began
+    if "calibrated" in rows:  # ours' variants again (a cache hit when ours ran), timed
+        began = time.perf_counter()
+        fns["calibrated"], artifacts = compiled_ours(model, "calibrated", cache)
+        calibrate(artifacts, sweep)
+        compile_s["calibrated"] = time.perf_counter() - began
+    slowest = 0.0
+    for m in todo:
+        if time.monotonic() + 1.2 * slowest > deadline:
+            print("deadline near: stopping (rerun with --resume to continue)", flush=True)
+            return
+        began = time.perf_counter()
+        at_m = dict(fns)
+        if "oracle" in rows:
+            at_m["oracle"] = compiled_static(model, m)
+            compile_s.setdefault("oracle", {})[str(m)] = time.perf_counter() - began
+        print(f"[{block}] M={m}", flush=True)
+        for row, result in measure_side_by_side(at_m, model, m).items():
+            results.add(row, m, result)
+        results.save()
+        del at_m
+        slowest = max(slowest, time.perf_counter() - began)
 
 
 # -- report --------------------------------------------------------------------------
