@@ -137,6 +137,7 @@ class CompiledArtifact:
         timer: Timer | None = None,
         warmup: int = 10,
         reps: int = 50,
+        rounds: int = 3,
     ) -> Calibration:
         """Measure every admissible variant at each of ``sizes`` and dispatch by the result.
 
@@ -146,7 +147,8 @@ class CompiledArtifact:
         is kept in the artifact (``save`` writes it) and used only on a device of the same
         name; outside the sampled range the log2 heuristic still decides. On CUDA the
         default timer is ``triton.testing.do_bench`` (``warmup`` and ``reps`` in ms there,
-        counts elsewhere).
+        counts elsewhere); the variants take turns over ``rounds`` rounds and each keeps
+        its median time.
         """
         points = normalize_sizes(self._manifest, sizes)
         target = device or self._manifest.environment.device_type
@@ -163,6 +165,7 @@ class CompiledArtifact:
             device_name=device_name,
             method=method,
             templates=inputs,
+            rounds=rounds,
         )
         with self._lock:
             self._manifest = dataclasses.replace(self._manifest, calibration=table)

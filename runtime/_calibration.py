@@ -157,21 +157,36 @@ def measure(
     method: str,
     templates: Sequence[Any] | None = None,
     rotate: int = 4,
+    rounds: int = 3,
 ) -> Calibration:
-    """Time each admissible variant at each point; inputs rotate through ``rotate`` sets."""
+    """Time each admissible variant at each point; inputs rotate through ``rotate`` sets.
+
+    A GPU's clock can sag for a whole timing window (power, heat), which flips a single
+    comparison; so the variants take turns over ``rounds`` rounds and each keeps its median.
+    """
+    if not (isinstance(rounds, int) and not isinstance(rounds, bool) and rounds >= 1):
+        raise InvalidOptionError(f"calibrate rounds must be an int >= 1, got {rounds!r}")
     entries = []
     for point in points:
         pool = [synthesize_inputs(manifest, point, templates) for _ in range(max(1, rotate))]
-        times: dict[int, float] = {}
-        for variant in manifest.variants:
-            if not admissible(variant.index, point):
-                continue
-            call = _rotating(variant_callable(variant.index), pool)
-            with torch.no_grad():
-                seconds = timer(call, variant.index, tuple(point))
-            if not (seconds > 0 and math.isfinite(seconds)):
-                raise InvalidOptionError(f"the timer returned {seconds!r} seconds; expected > 0")
-            times[variant.index] = seconds
-        if times:
+        calls = {
+            variant.index: _rotating(variant_callable(variant.index), pool)
+            for variant in manifest.variants
+            if admissible(variant.index, point)
+        }
+        samples: dict[int, list[float]] = {index: [] for index in calls}
+        order = list(calls)
+        for round_index in range(rounds):
+            start = round_index % len(order) if order else 0
+            for index in order[start:] + order[:start]:
+                with torch.no_grad():
+                    seconds = timer(calls[index], index, tuple(point))
+                if not (seconds > 0 and math.isfinite(seconds)):
+                    raise InvalidOptionError(
+                        f"the timer returned {seconds!r} seconds; expected > 0"
+                    )
+                samples[index].append(seconds)
+        if samples:
+            times = {index: float(statistics.median(s)) for index, s in samples.items()}
             entries.append(CalibrationEntry(tuple(point), times))
     return Calibration(device_name=device_name, method=method, entries=tuple(entries))

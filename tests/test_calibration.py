@@ -50,7 +50,8 @@ def test_measured_winner_decides_inside_the_sampled_range(mlp: Compiled) -> None
     ran: list[tuple[int, tuple[int, ...]]] = []
     table = art.calibrate([2, 16, 64, 256], timer=fake_timer(lambda n: 2, ran))
     # Only admissible variants ran: hint 1 is guarded to s == 1, static 3 to s == 3.
-    assert sorted(ran) == sorted((v, (n,)) for n in [2, 16, 64, 256] for v in (1, 2))
+    # Each in 3 rounds (the default).
+    assert sorted(ran) == sorted((v, (n,)) for n in [2, 16, 64, 256] for v in (1, 2) for _ in "abc")
     assert [e.best for e in table.entries] == [2, 2, 2, 2]
     assert all(e.margin == pytest.approx(1.0) for e in table.entries)
     explained = art.explain(*args_at(mlp, 16))
@@ -104,6 +105,29 @@ def test_a_table_from_another_device_is_ignored_with_a_warning(
         moved = precompile.CompiledArtifact(manifest, MemoryPayloads(payloads))
     assert "Imaginary GPU 9000" in caplog.text
     assert moved.explain(*args_at(mlp, 16)).decided_by == "nearest-hint"
+
+
+def test_rounds_interleave_the_variants_and_a_one_off_slow_window_does_not_flip_it(
+    mlp: Compiled,
+) -> None:
+    ran: list[tuple[int, tuple[int, ...]]] = []
+
+    def sagging(call: Callable[[], Any], variant: int, point: tuple[int, ...]) -> float:
+        ran.append((variant, point))
+        if variant == 2 and ran.count((2, point)) == 1:
+            return 9e-3  # variant 2 is faster, but its first window ran at a sagging clock
+        return 1e-3 if variant == 2 else 2e-3
+
+    art = fresh(mlp)
+    table = art.calibrate([64], timer=sagging)
+    assert [v for v, _ in ran] == [1, 2, 2, 1, 1, 2]  # turns rotate round by round
+    assert table.entries[0].best == 2
+    assert table.entries[0].times == {1: 2e-3, 2: 1e-3}
+    single = fresh(mlp)
+    ran.clear()
+    assert single.calibrate([64], timer=sagging, rounds=1).entries[0].best == 1
+    with pytest.raises(precompile.InvalidOptionError, match="rounds"):
+        fresh(mlp).calibrate([64], timer=sagging, rounds=0)
 
 
 def test_the_default_wall_timer_measures_real_calls(mlp: Compiled) -> None:
