@@ -192,12 +192,18 @@ def compiled_ours(
     return compiled, artifacts
 
 
-def calibrate(artifacts: list[Any], sweep: list[int]) -> None:
-    """Calibrate ours in place over the sweep."""
+def calibrate(artifacts: list[Any], sweep: list[int]) -> dict[str, Any]:
+    """Calibrate ours in place over the sweep; the table, for the result file."""
     for artifact, example_inputs in artifacts:
         if artifact.symbols:
-            artifact.calibrate(sweep, inputs=example_inputs)
+            table = artifact.calibrate(sweep, inputs=example_inputs)
             print(f"  calibrated {len(artifact.variants)} variants at {len(sweep)} sizes")
+            labels = {v.index: f"{v.kind} {dict(v.point)}" for v in artifact.variants}
+            return {
+                str(entry.point[0]): {labels[i]: t * 1e3 for i, t in entry.times.items()}
+                for entry in table.entries
+            }
+    return {}
 
 
 def compiled_static(model: torch.nn.Module, m: int) -> Callable[[torch.Tensor], Any]:
@@ -268,11 +274,22 @@ def measure_side_by_side(
     return results
 
 
-def run(block: str, rows: list[str], sweep: list[int], results: Results, deadline: float) -> None:
+def run(
+    block: str,
+    rows: list[str],
+    sweep: list[int],
+    results: Results,
+    deadline: float,
+    cache: str | None = None,
+) -> None:
+    """``cache``: ours' artifact cache (the calibrated row loads from it); kept when given,
+    so a resumed run loads ours instead of compiling it again."""
     todo = [m for m in sweep if not results.done(rows, m)]
-    if todo:
-        with tempfile.TemporaryDirectory() as cache:  # ours' cache: the calibrated row loads
-            measure_rows(block, rows, sweep, todo, results, deadline, cache)
+    if todo and cache is not None:
+        measure_rows(block, rows, sweep, todo, results, deadline, cache)
+    elif todo:
+        with tempfile.TemporaryDirectory() as scratch:
+            measure_rows(block, rows, sweep, todo, results, deadline, scratch)
 
 
 def measure_rows(
@@ -300,7 +317,8 @@ def measure_rows(
     if "calibrated" in rows:  # ours' variants again (a cache hit when ours ran), timed
         began = time.perf_counter()
         fns["calibrated"], artifacts = compiled_ours(model, "calibrated", cache)
-        calibrate(artifacts, sweep)
+        tables = results.document.setdefault("calibration_ms", {})
+        tables[str(results.document["runs"])] = calibrate(artifacts, sweep)
         compile_s["calibrated"] = time.perf_counter() - began
     slowest = 0.0
     for m in todo:
@@ -415,6 +433,7 @@ def main() -> None:
     parser.add_argument("--sizes", help="comma-separated M values (default: the full sweep)")
     parser.add_argument("--out", help="result JSON (default: benchmarks/results/shapes-BLOCK.json)")
     parser.add_argument("--resume", action="store_true")
+    parser.add_argument("--cache", help="keep ours' artifact cache here (a resume loads it)")
     parser.add_argument("--deadline-s", type=float, default=float("inf"))
     parser.add_argument("--plot", metavar="JSON", help="only print the table and plot a file")
     parser.add_argument("--smoke", action="store_true", help="tiny fp32 blocks on CPU")
@@ -439,7 +458,7 @@ def main() -> None:
     if unknown:
         raise SystemExit(f"unknown rows {sorted(unknown)}; choose from {ROWS}")
     results = Results(out, args.block, args.resume)
-    run(args.block, rows, sweep, results, time.monotonic() + args.deadline_s)
+    run(args.block, rows, sweep, results, time.monotonic() + args.deadline_s, args.cache)
     print(summarize(results.document))
     print(f"wrote {out}")
 
