@@ -120,6 +120,11 @@ class InputContract:
 
         for index, spec in enumerate(self.inputs):
             arg = f"a{index}"
+            fully_guarded = isinstance(spec, TensorInput) and all(
+                isinstance(size, int) for size in spec.shape
+            )
+            if guard is not None and fully_guarded:
+                continue  # dtype, device, rank and sizes: all checked by the guard
             lines.append(f"        {arg} = args[{index}]")
             if isinstance(spec, IntInput):
                 lines.append(f"        if type({arg}) is not int:")
