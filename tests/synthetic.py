@@ -24,8 +24,10 @@ def make_artifact(
     shape: tuple[int | str, ...] = ("s0", 4),
     memo_size: int = 4096,
     calls: list[int] | None = None,
+    weight: tuple[int, ...] | None = None,
 ) -> CompiledArtifact:
-    """One input tensor of ``shape``; each variant returns its own index."""
+    """One input tensor of ``shape`` (then a static one of shape ``weight``, if given);
+    each variant returns its own index."""
     variants = []
     loaded: dict[str, Callable[..., Any]] = {}
     for index, (kind, point, guards) in enumerate(points):
@@ -45,7 +47,10 @@ def make_artifact(
     manifest = Manifest(
         environment=current_environment("cpu"),
         symbols=tuple(Symbol(name, sources[name]) for name in symbols),
-        inputs=(TensorInput("float32", "cpu", shape),),
+        inputs=(
+            TensorInput("float32", "cpu", shape),
+            *(() if weight is None else (TensorInput("float32", "cpu", weight),)),
+        ),
         variants=tuple(variants),
     )
     return CompiledArtifact(manifest, MemoryPayloads({}), loaded=loaded, memo_size=memo_size)

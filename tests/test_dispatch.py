@@ -166,6 +166,26 @@ def test_input_mismatch_names_input_and_expectation(
     assert isinstance(info.value, ValueError)
 
 
+@pytest.mark.parametrize(
+    ("weight", "message"),
+    [
+        (torch.empty(4, 5), "dim 1 is static and must be 4"),
+        (torch.empty(4, 4, dtype=torch.float64), "dtype float32, got float64"),
+        (torch.empty(4), "rank 2"),
+        (3, "should be a float32 tensor"),
+    ],
+)
+def test_a_static_input_read_only_by_the_cpp_guard_is_still_checked(
+    weight: object, message: str
+) -> None:
+    art = make_artifact([("hint", {"s0": 8}, ())], weight=(4, 4))
+    assert art(x(3, 4), x(4, 4)) == 0  # installs the C++ guard; the weight is left to it
+    assert "GUARD" in art._contract.read_key.__code__.co_names
+    with pytest.raises(precompile.InputMismatchError, match=message) as info:
+        art(x(3, 4), weight)
+    assert "input 1" in str(info.value)
+
+
 def test_symbol_used_twice_must_agree() -> None:
     art = make_artifact([("hint", {"s0": 8}, ())], shape=("s0", "s0"))
     assert art(x(5, 5)) == 0
