@@ -161,8 +161,9 @@ def measure(
 ) -> Calibration:
     """Time each admissible variant at each point; inputs rotate through ``rotate`` sets.
 
-    A GPU's clock can sag for a whole timing window (power, heat), which flips a single
-    comparison; so the variants take turns over ``rounds`` rounds and each keeps its median.
+    A whole timing window can run slow on a GPU (seen on an H200: 5-30%, in any variant),
+    which flips a single comparison; so the variants take turns over ``rounds`` rounds
+    and each keeps its median.
     """
     if not (isinstance(rounds, int) and not isinstance(rounds, bool) and rounds >= 1):
         raise InvalidOptionError(f"calibrate rounds must be an int >= 1, got {rounds!r}")

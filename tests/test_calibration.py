@@ -115,7 +115,7 @@ def test_rounds_interleave_the_variants_and_a_one_off_slow_window_does_not_flip_
     def sagging(call: Callable[[], Any], variant: int, point: tuple[int, ...]) -> float:
         ran.append((variant, point))
         if variant == 2 and ran.count((2, point)) == 1:
-            return 9e-3  # variant 2 is faster, but its first window ran at a sagging clock
+            return 9e-3  # variant 2 is faster, but its first timing window ran slow
         return 1e-3 if variant == 2 else 2e-3
 
     art = fresh(mlp)
