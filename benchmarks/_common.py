@@ -7,7 +7,7 @@ import os
 import platform
 import statistics
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
@@ -34,6 +34,18 @@ def environment(device: str) -> dict[str, Any]:
 
 def median(values: Sequence[float]) -> float:
     return float(statistics.median(values))
+
+
+def rotating(fn: Callable[..., Any], argument_sets: Sequence[Sequence[Any]]) -> Callable[[], Any]:
+    """A zero-argument call of ``fn`` that takes the next argument set each time, so
+    repeated calls do not read inputs left warm in cache by the call before."""
+    position = [0]
+
+    def call() -> Any:
+        position[0] = (position[0] + 1) % len(argument_sets)
+        return fn(*argument_sets[position[0]])
+
+    return call
 
 
 def write_json(name: str, document: dict[str, Any]) -> str:

@@ -28,6 +28,7 @@ sys.path.insert(0, os.path.dirname(HERE))
 
 import shapes  # noqa: E402
 import torch  # noqa: E402
+from _common import rotating  # noqa: E402
 
 CALLS = 20
 
@@ -63,16 +64,6 @@ def profile(fn: Callable[[], Any]) -> dict[str, Any]:
     }
 
 
-def rotating(calls: list[Callable[[], Any]]) -> Callable[[], Any]:
-    position = [0]
-
-    def call() -> Any:
-        position[0] = (position[0] + 1) % len(calls)
-        return calls[position[0]]()
-
-    return call
-
-
 def timed(fn: Callable[[], Any]) -> float:
     import triton.testing
 
@@ -81,7 +72,7 @@ def timed(fn: Callable[[], Any]) -> float:
 
 
 def pool_calls(fn: Callable[[torch.Tensor], Any], m: int) -> Callable[[], Any]:
-    return rotating([lambda x=x: fn(x) for x in shapes.input_pool(m)[:8]])
+    return rotating(fn, [(x,) for x in shapes.input_pool(m)[:8]])
 
 
 def variant_calls(ours: tuple[Any, list[Any]], m: int) -> dict[str, Callable[[], Any]]:
@@ -95,7 +86,7 @@ def variant_calls(ours: tuple[Any, list[Any]], m: int) -> dict[str, Callable[[],
         if candidate.admissible:
             call = art.variant_callable(candidate.variant)
             label = f"ours[{candidate.variant}] {candidate.kind} {dict(candidate.point)}"
-            rows[label] = rotating([lambda a=a, call=call: call(*a) for a in sets])
+            rows[label] = rotating(call, sets)
     return rows
 
 

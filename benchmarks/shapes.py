@@ -119,13 +119,9 @@ def input_pool(m: int) -> list[torch.Tensor]:
 
 def bench(fn: Callable[[torch.Tensor], Any], m: int) -> float:
     """Median ms of ``fn`` at M tokens (device timing, L2 flushed, inputs rotated)."""
-    pool = input_pool(m)
-    position = [0]
+    from _common import rotating
 
-    def call() -> Any:
-        position[0] = (position[0] + 1) % len(pool)
-        return fn(pool[position[0]])
-
+    call = rotating(fn, [(x,) for x in input_pool(m)])
     with torch.no_grad():
         call()  # a first call may compile (Dynamo's M=1 graph): never timed
         if DEVICE == "cpu":  # --smoke: checks the script, measures nothing of note
