@@ -147,8 +147,8 @@ class CompiledArtifact:
         is kept in the artifact (``save`` writes it) and used only on a device of the same
         name; outside the sampled range the log2 heuristic still decides. On CUDA the
         default timer is ``triton.testing.do_bench`` (``warmup`` and ``reps`` in ms there,
-        counts elsewhere); the variants take turns over ``rounds`` rounds and each keeps
-        its median time.
+        counts elsewhere). Each of ``rounds`` rounds times every size, the variants taking
+        turns, and each variant keeps its median time per size.
         """
         points = normalize_sizes(self._manifest, sizes)
         target = device or self._manifest.environment.device_type

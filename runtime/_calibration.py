@@ -161,33 +161,39 @@ def measure(
 ) -> Calibration:
     """Time each admissible variant at each point; inputs rotate through ``rotate`` sets.
 
-    A whole timing window can run slow on a GPU (seen on an H200: 5-30%, in any variant),
-    which flips a single comparison; so the variants take turns over ``rounds`` rounds
-    and each keeps its median.
+    A whole timing window can run slow on a GPU (seen on an H200: 5-30% and up to 2x, in
+    any variant, for a second or more), which flips a comparison. So a round times every
+    point once, the variants take turns, and each entry keeps its median over ``rounds``
+    rounds: one entry's timings lie a whole round apart, and a slow stretch spoils one.
     """
     if not (isinstance(rounds, int) and not isinstance(rounds, bool) and rounds >= 1):
         raise InvalidOptionError(f"calibrate rounds must be an int >= 1, got {rounds!r}")
-    entries = []
+    functions: dict[int, Callable[..., Any]] = {}
+    order: dict[tuple[int, ...], list[int]] = {}
     for point in points:
-        pool = [synthesize_inputs(manifest, point, templates) for _ in range(max(1, rotate))]
-        calls = {
-            variant.index: _rotating(variant_callable(variant.index), pool)
-            for variant in manifest.variants
-            if admissible(variant.index, point)
-        }
-        samples: dict[int, list[float]] = {index: [] for index in calls}
-        order = list(calls)
-        for round_index in range(rounds):
-            start = round_index % len(order) if order else 0
-            for index in order[start:] + order[:start]:
+        order[point] = [v.index for v in manifest.variants if admissible(v.index, point)]
+        for index in order[point]:
+            if index not in functions:
+                functions[index] = variant_callable(index)
+    samples: dict[tuple[int, ...], dict[int, list[float]]] = {p: {} for p in order}
+    for round_index in range(rounds):
+        for point, indices in order.items():
+            if not indices:
+                continue
+            # fresh inputs per round: holding every point's pool would cost their sum
+            pool = [synthesize_inputs(manifest, point, templates) for _ in range(max(1, rotate))]
+            start = round_index % len(indices)
+            for index in indices[start:] + indices[:start]:
                 with torch.no_grad():
-                    seconds = timer(calls[index], index, tuple(point))
+                    seconds = timer(_rotating(functions[index], pool), index, tuple(point))
                 if not (seconds > 0 and math.isfinite(seconds)):
                     raise InvalidOptionError(
                         f"the timer returned {seconds!r} seconds; expected > 0"
                     )
-                samples[index].append(seconds)
-        if samples:
-            times = {index: float(statistics.median(s)) for index, s in samples.items()}
-            entries.append(CalibrationEntry(tuple(point), times))
+                samples[point].setdefault(index, []).append(seconds)
+    entries = [
+        CalibrationEntry(point, {i: float(statistics.median(s)) for i, s in times.items()})
+        for point, times in samples.items()
+        if times
+    ]
     return Calibration(device_name=device_name, method=method, entries=tuple(entries))

@@ -130,6 +130,24 @@ def test_rounds_interleave_the_variants_and_a_one_off_slow_window_does_not_flip_
         fresh(mlp).calibrate([64], timer=sagging, rounds=0)
 
 
+def test_a_round_covers_every_point_so_a_slow_stretch_spoils_one_timing_per_entry(
+    mlp: Compiled,
+) -> None:
+    """Two timings in a row run 10x slow. Were an entry's rounds back to back, both
+    would be the faster variant 2 at size 16, and its median would flip the choice."""
+    ran: list[tuple[int, tuple[int, ...]]] = []
+
+    def stretch(call: Callable[[], Any], variant: int, point: tuple[int, ...]) -> float:
+        ran.append((variant, point))
+        slow = 10.0 if len(ran) in (2, 3) else 1.0
+        return slow * (1e-3 if variant == 2 else 2e-3)
+
+    table = fresh(mlp).calibrate([16, 64, 256], timer=stretch)
+    assert ran[:6] == [(1, (16,)), (2, (16,)), (1, (64,)), (2, (64,)), (1, (256,)), (2, (256,))]
+    assert [e.best for e in table.entries] == [2, 2, 2]
+    assert table.entries[0].times == {1: 2e-3, 2: 1e-3}
+
+
 def test_the_default_wall_timer_measures_real_calls(mlp: Compiled) -> None:
     art = fresh(mlp)
     x = torch.randn(7, 32)
