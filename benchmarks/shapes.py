@@ -14,7 +14,7 @@ a static graph: its 0/1 specialization; the same holds for ours); ``ours``:
 ``calibrated``: the same variants (loaded from ours' cache), calibrated over the sweep;
 ``oracle``: a static max_autotune compile per M. Every compiled row runs with the same
 inductor options and no CUDA graphs, and each has its own Dynamo cache, so all stay
-live at once. At each M the rows are measured side by side: 3 interleaved rounds of one
+live at once. At each M the rows are measured side by side: 5 interleaved rounds of one
 ``triton.testing.do_bench`` median each (L2 flushed between runs, inputs rotated through
 a pool of at least 256 MB), and the median round counts, so drift in clocks or
 temperature moves every row alike. Each M is written as soon as it is measured, so
@@ -50,7 +50,7 @@ SWEEP = sorted(POWERS + BETWEEN)
 HINTS = [16, 256, 4096]
 EXACT = [1, 2, 4, 8]
 DYNAMIC_FIRST_M = 256
-ROUNDS = 3
+ROUNDS = 5  # an H200 ran 2x slow for ~2 s once: 2 spoiled rounds of 3 at one M
 OPTIONS = {"max_autotune": True, "triton.cudagraphs": False}
 HIDDEN, FFN, HEADS = 4096, 11008, 32
 DEVICE, DTYPE = "cuda", torch.bfloat16

@@ -38,6 +38,27 @@ def test_cuda_mlp_matches_eager(cuda_mlp: tuple[object, precompile.CompiledArtif
     assert art.manifest.environment.device_type == "cuda"
 
 
+def test_cuda_calibration_with_the_default_timer(
+    cuda_mlp: tuple[object, precompile.CompiledArtifact],
+) -> None:
+    """do_bench times the real variants; dispatch follows the table, outputs stay right."""
+    captured, art = cuda_mlp
+    x = torch.randn(7, 256, device="cuda")
+    table = art.calibrate([16, 100, 1000], inputs=captured.flat(x), warmup=5, reps=20)  # type: ignore[attr-defined]
+    assert table.method.startswith("triton.testing.do_bench")
+    assert table.device_name == torch.cuda.get_device_name()
+    assert [sorted(e.times) for e in table.entries] == [[1, 2]] * 3  # hints 16 and 256
+    assert all(0 < t < 1 for e in table.entries for t in e.times.values())
+    for n in (16, 100, 1000):
+        x = torch.randn(n, 256, device="cuda")
+        explained = art.explain(*captured.flat(x))  # type: ignore[attr-defined]
+        assert explained.decided_by == "calibrated"
+        assert explained.chosen == table.entries[(16, 100, 1000).index(n)].best
+        with torch.no_grad():
+            out = art(*captured.flat(x))  # type: ignore[attr-defined]
+            torch.testing.assert_close(out[0], captured.model(x), rtol=2e-3, atol=2e-3)  # type: ignore[attr-defined]
+
+
 def test_cuda_bf16_attention_two_dims() -> None:
     torch.manual_seed(0)
     model = AttentionBlock(width=64, heads=4).cuda().to(torch.bfloat16).eval()
