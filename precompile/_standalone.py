@@ -171,7 +171,7 @@ def _compile_all(
 
 
 CalibrateOption = Sequence[Any] | Mapping[str, Any] | None
-_CALIBRATE_KEYS = {"sizes", "device", "warmup", "reps", "rounds", "timer"}
+_CALIBRATE_KEYS = {"sizes", "device", "warmup", "reps", "rounds", "min_gain", "timer"}
 
 
 def _calibrate_arguments(calibrate: CalibrateOption) -> dict[str, Any] | None:

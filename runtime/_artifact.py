@@ -138,6 +138,7 @@ class CompiledArtifact:
         warmup: int = 10,
         reps: int = 50,
         rounds: int = 3,
+        min_gain: float = 0.05,
     ) -> Calibration:
         """Measure every admissible variant at each of ``sizes`` and dispatch by the result.
 
@@ -148,7 +149,9 @@ class CompiledArtifact:
         name; outside the sampled range the log2 heuristic still decides. On CUDA the
         default timer is ``triton.testing.do_bench`` (``warmup`` and ``reps`` in ms there,
         counts elsewhere). Each of ``rounds`` rounds times every size, the variants taking
-        turns, and each variant keeps its median time per size.
+        turns, and each variant keeps its median time per size. A measured winner replaces
+        the nearest-hint or exact-size choice only where it beat it by more than
+        ``min_gain`` (0.05 = 5%): smaller gaps were within an H200's round-to-round noise.
         """
         points = normalize_sizes(self._manifest, sizes)
         target = device or self._manifest.environment.device_type
@@ -166,6 +169,7 @@ class CompiledArtifact:
             method=method,
             templates=inputs,
             rounds=rounds,
+            min_gain=min_gain,
         )
         with self._lock:
             self._manifest = dataclasses.replace(self._manifest, calibration=table)

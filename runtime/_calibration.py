@@ -158,6 +158,7 @@ def measure(
     templates: Sequence[Any] | None = None,
     rotate: int = 4,
     rounds: int = 3,
+    min_gain: float = 0.0,
 ) -> Calibration:
     """Time each admissible variant at each point; inputs rotate through ``rotate`` sets.
 
@@ -168,6 +169,8 @@ def measure(
     """
     if not (isinstance(rounds, int) and not isinstance(rounds, bool) and rounds >= 1):
         raise InvalidOptionError(f"calibrate rounds must be an int >= 1, got {rounds!r}")
+    if isinstance(min_gain, bool) or not isinstance(min_gain, (int, float)) or not min_gain >= 0:
+        raise InvalidOptionError(f"calibrate min_gain must be a number >= 0, got {min_gain!r}")
     functions: dict[int, Callable[..., Any]] = {}
     order: dict[tuple[int, ...], list[int]] = {}
     for point in points:
@@ -196,4 +199,4 @@ def measure(
         for point, times in samples.items()
         if times
     ]
-    return Calibration(device_name=device_name, method=method, entries=tuple(entries))
+    return Calibration(device_name, method, tuple(entries), min_gain=float(min_gain))

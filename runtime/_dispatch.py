@@ -1,8 +1,9 @@
 """Choosing a variant for a call's sizes: measured, exact, then the nearest hint point.
 
-A calibration table (measured on this device) decides where it covers the sizes, except
-that an exact-size variant is not overruled by measurements taken at other sizes. Then
-an exact-size variant wins, then the nearest admissible hint point. Nearness is the L1
+An exact-size variant wins, then the nearest admissible hint point. A calibration table
+(measured on this device) overrules that choice where it covers the sizes and its
+winner beat the choice by more than the table's ``min_gain``; an exact-size variant is
+not overruled by measurements taken at other sizes. Nearness is the L1
 distance in log2 space, the measure upstream's size-hint multi-kernel
 uses (log2 of 0 taken as -1), restricted to the variants whose guards admit the sizes.
 Ties go to the larger point: kernels tuned for more rows read the weights once where
@@ -155,10 +156,7 @@ class Dispatcher:
         admissible = [c for c in candidates if c.kind == "hint" and c.admissible]
         chosen: int | None
         decided_by: DecidedBy
-        measured = self._measured_choice(sizes, candidates, exact_exists=bool(exact))
-        if measured is not None:
-            chosen, decided_by = measured, "calibrated"
-        elif exact:
+        if exact:
             chosen, decided_by = exact[0].variant, "exact-size"
         elif admissible:
             best = min(
@@ -168,19 +166,34 @@ class Dispatcher:
             decided_by = "only-variant" if len(admissible) == 1 else "nearest-hint"
         else:
             chosen, decided_by = None, "no-variant"
+        measured = self._measured_choice(sizes, candidates, exact_exists=bool(exact))
+        if measured is not None and self._overrules(measured, chosen):
+            chosen, decided_by = measured[1], "calibrated"
         named = MappingProxyType(dict(zip(self._names, sizes, strict=True)))
         return Explanation(named, chosen, decided_by, candidates)
 
     def _measured_choice(
         self, sizes: Sequence[int], candidates: Sequence[Candidate], exact_exists: bool
-    ) -> int | None:
+    ) -> tuple[CalibrationEntry, int] | None:
+        """The deciding table entry and its fastest admissible variant, if the table covers
+        ``sizes``."""
         if self._calibration is None:
             return None
         ok = {c.variant for c in candidates if c.admissible}
         entry = lookup(self._calibration, sizes, ok.__contains__)
         if entry is None or (exact_exists and entry.point != tuple(sizes)):
             return None
-        return next(v for v in entry.ranking if v in ok)
+        return entry, next(v for v in entry.ranking if v in ok)
+
+    def _overrules(self, measured: tuple[CalibrationEntry, int], heuristic: int | None) -> bool:
+        """A measured winner replaces the compile-time choice only if it beat that choice
+        by more than the table's ``min_gain`` where it was sampled: a gap inside the
+        timer's noise is no reason to switch (agreeing with it, it confirms it)."""
+        entry, fastest = measured
+        if heuristic is None or heuristic not in entry.times or fastest == heuristic:
+            return True
+        assert self._calibration is not None
+        return entry.times[heuristic] > entry.times[fastest] * (1.0 + self._calibration.min_gain)
 
     def choose(self, sizes: Sequence[int]) -> int:
         explanation = self.explain(sizes)

@@ -132,6 +132,8 @@ class Calibration:
     device_name: str
     method: str
     entries: tuple[CalibrationEntry, ...]
+    # the compile-time choice stands unless the measured best beats it by more than this
+    min_gain: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -209,6 +211,7 @@ class Manifest:
             else {
                 "device_name": self.calibration.device_name,
                 "method": self.calibration.method,
+                "min_gain": self.calibration.min_gain,
                 "entries": [
                     {"point": list(e.point), "times": {str(k): t for k, t in e.times.items()}}
                     for e in self.calibration.entries
@@ -390,8 +393,12 @@ def _calibration(value: Any, symbols: int, variants: int) -> Calibration | None:
         if not times:
             raise CorruptArtifactError(f"manifest field {where}.times is empty")
         entries.append(CalibrationEntry(point, times))
+    min_gain = float(_expect(value.get("min_gain", 0.0), (int, float), "calibration.min_gain"))
+    if not min_gain >= 0:
+        raise CorruptArtifactError(f"manifest field calibration.min_gain is {min_gain}, not >= 0")
     return Calibration(
         device_name=str(_expect(value.get("device_name"), str, "calibration.device_name")),
         method=str(_expect(value.get("method"), str, "calibration.method")),
         entries=tuple(entries),
+        min_gain=min_gain,
     )

@@ -13,7 +13,7 @@ import torch
 from conftest import MLP_HINTS, MLP_SIZES, Compiled, assert_close
 
 import precompile
-from runtime._manifest import Calibration, CalibrationEntry
+from runtime._manifest import Calibration, CalibrationEntry, manifest_from_json
 from runtime._payloads import MemoryPayloads
 
 # The mlp fixture's variants: 0 hint s=1, 1 hint s=16, 2 hint s=256, 3 static s=3.
@@ -146,6 +146,38 @@ def test_a_round_covers_every_point_so_a_slow_stretch_spoils_one_timing_per_entr
     assert ran[:6] == [(1, (16,)), (2, (16,)), (1, (64,)), (2, (64,)), (1, (256,)), (2, (256,))]
     assert [e.best for e in table.entries] == [2, 2, 2]
     assert table.entries[0].times == {1: 2e-3, 2: 1e-3}
+
+
+def test_a_gain_within_min_gain_does_not_overrule_the_compile_time_choice(
+    mlp: Compiled, tmp_path: object
+) -> None:
+    def timer(call: Callable[[], Any], variant: int, point: tuple[int, ...]) -> float:
+        if point == (16,):  # hint 256 only 2% ahead of hint 16, the nearest point
+            return 0.98e-3 if variant == 2 else 1e-3
+        return 1e-3 if variant == 1 else 1.1e-3  # at 64 hint 16 is 10% ahead
+
+    art = fresh(mlp)
+    table = art.calibrate([16, 64], timer=timer)
+    assert table.min_gain == 0.05 and [e.best for e in table.entries] == [2, 1]
+    at_16, at_64 = art.explain(*args_at(mlp, 16)), art.explain(*args_at(mlp, 64))
+    assert (at_16.chosen, at_16.decided_by) == (1, "nearest-hint")
+    assert (at_64.chosen, at_64.decided_by) == (1, "calibrated")  # the log2 tie said 2
+    path = os.path.join(str(tmp_path), "gain.pt2c")
+    art.save(path=path)
+    loaded = precompile.CompiledArtifact.load(path=path)
+    assert loaded.manifest.calibration == table
+    assert loaded.explain(*args_at(mlp, 16)).chosen == 1
+    eager = fresh(mlp)
+    eager.calibrate([16, 64], timer=timer, min_gain=0)
+    assert eager.explain(*args_at(mlp, 16)).decided_by == "calibrated"
+    assert eager.variant_for(*args_at(mlp, 16)) == 2
+    for bad in (-0.1, float("nan"), "5%", True):
+        with pytest.raises(precompile.InvalidOptionError, match="min_gain"):
+            fresh(mlp).calibrate([16], timer=timer, min_gain=bad)  # type: ignore[arg-type]
+    document = loaded.manifest.to_json()
+    document["calibration"]["min_gain"] = -1
+    with pytest.raises(precompile.CorruptArtifactError, match="min_gain"):
+        manifest_from_json(document)
 
 
 def test_the_default_wall_timer_measures_real_calls(mlp: Compiled) -> None:
