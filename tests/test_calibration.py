@@ -218,7 +218,11 @@ def test_standalone_compile_calibrates_and_caches_the_table(
     mlp: Compiled, tmp_path: object
 ) -> None:
     cache = precompile.ArtifactCache(os.path.join(str(tmp_path), "cache"))
-    option: Mapping[str, Any] = {"sizes": [2, 64], "timer": fake_timer(lambda n: 2)}
+    option: Mapping[str, Any] = {
+        "sizes": [2, 64],
+        "timer": fake_timer(lambda n: 2),
+        "min_gain": 0.5,
+    }
     with torch.no_grad():
         first = precompile.standalone_compile(
             mlp.captured.gm, mlp.captured.example_inputs, hints=[16, 256], cache=cache,
@@ -229,5 +233,6 @@ def test_standalone_compile_calibrates_and_caches_the_table(
             calibrate=option,
         )  # fmt: skip
     assert first.manifest.calibration is not None
+    assert first.manifest.calibration.min_gain == 0.5
     assert again.manifest.calibration == first.manifest.calibration
     assert cache.stats().hits == 1
