@@ -1,4 +1,4 @@
-"""Choosing a variant for a call's sizes: measured, exact, then the nearest hint point.
+"""Choosing a variant for a call's sizes: exact, nearest hint point, or as measured.
 
 An exact-size variant wins, then the nearest admissible hint point. A calibration table
 (measured on this device) overrules that choice where it covers the sizes and its
@@ -186,9 +186,10 @@ class Dispatcher:
         return entry, next(v for v in entry.ranking if v in ok)
 
     def _overrules(self, measured: tuple[CalibrationEntry, int], heuristic: int | None) -> bool:
-        """A measured winner replaces the compile-time choice only if it beat that choice
-        by more than the table's ``min_gain`` where it was sampled: a gap inside the
-        timer's noise is no reason to switch (agreeing with it, it confirms it)."""
+        """A measured winner replaces the compile-time choice if that choice was not
+        measured at the sample, or was slower there by more than the table's ``min_gain``:
+        a gap inside the timer's noise is no reason to switch. (A winner that agrees with
+        the choice confirms it.)"""
         entry, fastest = measured
         if heuristic is None or heuristic not in entry.times or fastest == heuristic:
             return True
