@@ -28,7 +28,7 @@ from filelock import FileLock
 
 from runtime import CompiledArtifact
 from runtime._errors import CorruptArtifactError, InvalidOptionError, UnsafeCacheError
-from runtime._manifest import manifest_from_json
+from runtime._manifest_reader import manifest_from_json
 from runtime._payloads import MemoryPayloads, atomic_file, sha256_hex
 
 from ._counters import Counters

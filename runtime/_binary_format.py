@@ -20,7 +20,8 @@ from typing import Any
 import zstandard
 
 from ._errors import CorruptArtifactError, IncompatibleArtifactError, InvalidOptionError
-from ._manifest import Manifest, manifest_from_json
+from ._manifest import Manifest
+from ._manifest_reader import manifest_from_json
 from ._payloads import LazyPayloads, PayloadStore, atomic_file, sha256_hex
 
 MAGIC = b"\x93PRECOMPILE\n"

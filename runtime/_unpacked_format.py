@@ -20,7 +20,8 @@ import tempfile
 
 from . import _torch_adapter as adapter
 from ._errors import CorruptArtifactError, InvalidOptionError
-from ._manifest import Manifest, manifest_from_json
+from ._manifest import Manifest
+from ._manifest_reader import manifest_from_json
 from ._payloads import LazyPayloads, PayloadStore, sha256_hex
 
 log = logging.getLogger("precompile.runtime")

@@ -13,7 +13,8 @@ import torch
 from conftest import MLP_HINTS, MLP_SIZES, Compiled, assert_close
 
 import precompile
-from runtime._manifest import Calibration, CalibrationEntry, manifest_from_json
+from runtime._manifest import Calibration, CalibrationEntry
+from runtime._manifest_reader import manifest_from_json
 from runtime._payloads import MemoryPayloads
 
 # The mlp fixture's variants: 0 hint s=1, 1 hint s=16, 2 hint s=256, 3 static s=3.

@@ -12,7 +12,8 @@ from conftest import Compiled, run_python
 
 import precompile
 from runtime import _native_kernels as native
-from runtime._manifest import NativeKernel, parse_manifest
+from runtime._manifest import NativeKernel
+from runtime._manifest_reader import parse_manifest
 
 SIZES = [1, 3, 5, 16, 100]
 
