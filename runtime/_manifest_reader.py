@@ -27,7 +27,8 @@ from ._manifest import (
 
 
 def _expect(value: Any, kind: type | tuple[type, ...], where: str) -> Any:
-    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+    numeric = kind is int or (isinstance(kind, tuple) and int in kind)
+    if not isinstance(value, kind) or (numeric and isinstance(value, bool)):
         names = kind.__name__ if isinstance(kind, type) else "/".join(k.__name__ for k in kind)
         raise CorruptArtifactError(f"manifest field {where} should be {names}, got {value!r}")
     return value

@@ -237,3 +237,16 @@ def test_standalone_compile_calibrates_and_caches_the_table(
     assert first.manifest.calibration.min_gain == 0.5
     assert again.manifest.calibration == first.manifest.calibration
     assert cache.stats().hits == 1
+
+
+def test_a_boolean_where_the_manifest_wants_a_number_is_corrupt(mlp: Compiled) -> None:
+    art = fresh(mlp)
+    art.calibrate([16], timer=fake_timer(lambda n: 1))
+    for field_path in ("min_gain", "times"):
+        document = art.manifest.to_json()
+        if field_path == "min_gain":
+            document["calibration"]["min_gain"] = True
+        else:
+            document["calibration"]["entries"][0]["times"]["1"] = True
+        with pytest.raises(precompile.CorruptArtifactError, match="int/float, got True"):
+            manifest_from_json(document)
