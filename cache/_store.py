@@ -28,7 +28,7 @@ from filelock import FileLock
 
 from runtime import CompiledArtifact
 from runtime._errors import CorruptArtifactError, InvalidOptionError, UnsafeCacheError
-from runtime._manifest_reader import manifest_from_json
+from runtime._manifest import Manifest
 from runtime._payloads import MemoryPayloads, atomic_file, sha256_hex
 
 from ._counters import Counters
@@ -147,7 +147,7 @@ class ArtifactCache:
             self._count("misses")
             return None
         try:
-            manifest = manifest_from_json(document["manifest"])
+            manifest = Manifest.from_json(document["manifest"])
             payloads = {d: self._read_blob(d) for d in manifest.payload_digests}
             aux = {name: self._read_blob(d) for name, d in document.get("aux", {}).items()}
         except (CorruptArtifactError, KeyError, TypeError, FileNotFoundError) as exc:

@@ -24,12 +24,21 @@ class GraphInput:
     stride: tuple[sympy.Expr, ...] = ()
     storage_offset: sympy.Expr = _ZERO
     value: sympy.Expr = _ZERO  # for "int"
+    # A 0-d tensor Dynamo made of a Python float (``specialize_float=False``): the value
+    # the variants are specialized to, and the caller's SymFloat for it (if any).
+    scalar: float | None = None
+    scalar_symbol: Any = None
 
 
 @dataclass(frozen=True)
 class GraphDescription:
+    """The caller's graph as seen by the compile: its flat inputs, its size symbols with
+    their hints and ranges, the ShapeEnv they live in, and the structure of its output."""
+
     inputs: tuple[GraphInput, ...]
     symbols: tuple[sympy.Symbol, ...]
     hints: Mapping[sympy.Symbol, int]
     ranges: Mapping[sympy.Symbol, tuple[int, int | None]]
     caller_shape_env: Any | None
+    # upstream's pytree spec (JSON) of an output that is not a flat tuple/list, else None
+    output_spec: str | None = None

@@ -61,20 +61,36 @@ def _size_text(expr: sympy.Expr) -> int | str:
     return int(expr) if expr.is_Integer else adapter.print_expr(expr)
 
 
-def _input_specs(graph: GraphDescription) -> tuple[InputSpec, ...]:
+def _input_specs(
+    graph: GraphDescription, uses: Sequence[adapter.InputUse]
+) -> tuple[InputSpec, ...]:
+    known = set(graph.symbols)
     specs: list[InputSpec] = []
-    for item in graph.inputs:
+    for index, (item, use) in enumerate(zip(graph.inputs, uses, strict=True)):
         if item.kind == "int":
             specs.append(IntInput(_size_text(item.value)))
-        else:
-            assert item.dtype is not None and item.device is not None
-            specs.append(
-                TensorInput(
-                    dtype=str(item.dtype).removeprefix("torch."),
-                    device=str(item.device),
-                    shape=tuple(_size_text(s) for s in item.shape),
+            continue
+        assert item.dtype is not None and item.device is not None
+        for stride in item.stride:
+            if not stride.free_symbols <= known:
+                raise UnsupportedGraphError(
+                    f"input {index}'s stride {stride} uses symbols that are no input's size, "
+                    "so a call's strides could not be checked"
                 )
+        offset = item.storage_offset
+        specs.append(
+            TensorInput(
+                dtype=str(item.dtype).removeprefix("torch."),
+                device=str(item.device),
+                shape=tuple(_size_text(s) for s in item.shape),
+                stride=tuple(_size_text(s) for s in item.stride),
+                storage_offset=int(offset) if offset.is_Integer else None,
+                requires_grad=item.requires_grad,
+                mutation=use.mutation,  # type: ignore[arg-type]
+                aliased=use.aliased,
+                value=item.scalar,
             )
+        )
     return tuple(specs)
 
 
@@ -105,7 +121,11 @@ def _common_guards(
 
 
 def _propagate_common_guards(graph: GraphDescription, common: Sequence[sympy.Expr]) -> None:
-    """Add the common guards that hold at the caller's own hints to its ShapeEnv."""
+    """Add the common guards that hold at the caller's own hints to its ShapeEnv, and pin
+    the floats every variant was specialized to."""
+    for item in graph.inputs:
+        if item.scalar_symbol is not None:
+            adapter.specialize_caller_float(item.scalar_symbol)
     env = graph.caller_shape_env
     if env is None:
         return
@@ -127,12 +147,21 @@ def _compile_all(
     by_code: dict[str, str] = {}
     variants: list[Variant] = []
     all_guards: list[tuple[sympy.Expr, ...]] = []
+    uses: tuple[adapter.InputUse, ...] | None = None
+    training = False
     for number, request in enumerate(requests):
         point = dict(zip(graph.symbols, request.point, strict=True))
         started = time.perf_counter()
         compiled = adapter.compile_variant(
             gm, graph, point, dynamic=request.kind == "hint", options=options
         )
+        if uses is None:
+            uses, training = compiled.uses, compiled.training
+        elif (uses, training) != (compiled.uses, compiled.training):
+            raise UnsupportedGraphError(
+                "variants of this graph disagree on which inputs it writes or aliases, or on "
+                "having a backward graph; precompile cannot give them one input contract"
+            )
         guards = compiled.guards
         if request.kind == "static":
             guards = (*(sympy.Eq(s, v) for s, v in point.items()), *guards)
@@ -160,11 +189,14 @@ def _compile_all(
             len(texts),
             "; same code as an earlier variant" if shared else "",
         )
+    assert uses is not None
     manifest = Manifest(
         environment=current_environment(_device_of(graph)),
         symbols=symbols,
-        inputs=_input_specs(graph),
+        inputs=_input_specs(graph, uses),
         variants=tuple(variants),
+        training=training,
+        output=graph.output_spec,
     )
     artifact = CompiledArtifact(manifest, MemoryPayloads(payloads))
     return artifact, _common_guards(graph, requests, all_guards)

@@ -129,6 +129,7 @@ def describe_graph(
                 shape = tuple(_expr(s, env) for s in value.shape)
                 stride = tuple(_expr(s, env) for s in value.stride())
                 offset = _expr(value.storage_offset(), env)
+            scalar, scalar_symbol = _float_scalar(value, example_inputs[index])
             inputs.append(
                 GraphInput(
                     "tensor",
@@ -138,6 +139,8 @@ def describe_graph(
                     shape=shape,
                     stride=stride,
                     storage_offset=offset,
+                    scalar=scalar,
+                    scalar_symbol=scalar_symbol,
                 )
             )
         elif isinstance(value, (int, torch.SymInt)) and not isinstance(value, bool):
@@ -152,7 +155,9 @@ def describe_graph(
             )
     symbols: dict[sympy.Symbol, None] = {}
     for item in inputs:
-        exprs = (*item.shape, *item.stride, item.storage_offset, item.value)
+        # Storage offsets are not read from a call (only static ones are checked), so a
+        # symbol appearing only there is not a size the variants dispatch on.
+        exprs = (*item.shape, *item.stride, item.value)
         for expr in exprs:
             for symbol in sorted(expr.free_symbols, key=str):
                 symbols.setdefault(symbol)
@@ -160,7 +165,46 @@ def describe_graph(
         shape_env = _first_env(values)
     hints = {s: _hint(shape_env, s) for s in symbols}
     ranges = {s: _range(shape_env, s) for s in symbols}
-    return GraphDescription(tuple(inputs), tuple(symbols), hints, ranges, shape_env)
+    return GraphDescription(
+        tuple(inputs), tuple(symbols), hints, ranges, shape_env, _output_spec(gm)
+    )
+
+
+def _float_scalar(value: Any, example: Any) -> tuple[float | None, Any]:
+    """The float a 0-d tensor input stands for, if Dynamo made it of a Python float
+    (its fake carries the SymFloat ``item()`` returns), and that SymFloat."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    if not (isinstance(value, FakeTensor) and value.dim() == 0 and value.dtype.is_floating_point):
+        return None, None
+    memo = value.item_memo
+    if not isinstance(memo, torch.SymFloat):
+        return None, None
+    if isinstance(example, torch.Tensor) and not isinstance(example, FakeTensor):
+        return float(example.item()), memo
+    hint = memo.node.hint
+    if hint is None:
+        raise UnsupportedGraphError("a float input has no value to specialize the variants to")
+    return float(hint), memo
+
+
+def _output_spec(gm: torch.fx.GraphModule) -> str | None:
+    """Upstream's pytree spec of the graph's output where compile_fx flattens it (a single
+    value, as ``split_module`` submodules return, or a dict): the artifact rebuilds it."""
+    from torch._inductor.compile_fx import graph_returns_tuple
+    from torch.utils import _pytree as pytree
+
+    if graph_returns_tuple(gm):
+        return None
+    output = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+    _, spec = pytree.tree_flatten(output.args[0])
+    return str(pytree.treespec_dumps(spec))
+
+
+def specialize_caller_float(symbol: Any) -> None:
+    """Pin a caller's SymFloat to its value (Dynamo then guards on it, and recompiles
+    for another value instead of calling variants specialized to this one)."""
+    float(symbol)
 
 
 def _env_of(value: Any) -> Any | None:
@@ -185,10 +229,20 @@ def _first_env(values: Sequence[Any]) -> Any:
 
 # -- compiling one variant -----------------------------------------------------------
 @dataclass(frozen=True)
+class InputUse:
+    """What the compiled graph does with one flat input (from AOTAutograd's analysis)."""
+
+    mutation: str  # "none" | "data" | "metadata"
+    aliased: bool  # some output is a view of it (or is it)
+
+
+@dataclass(frozen=True)
 class CompiledVariant:
     payload: bytes
     guards: tuple[sympy.Expr, ...]  # in the caller's symbols
     kernels: tuple[tuple[NativeKernel, bytes], ...] = ()  # built C++ kernels and their .so
+    uses: tuple[InputUse, ...] = ()
+    training: bool = False  # a backward graph was compiled
 
 
 def _fresh_inputs(
@@ -231,6 +285,9 @@ def _fresh_inputs(
                 device=item.device,
                 requires_grad=item.requires_grad,
             )
+        if item.scalar is not None:
+            # item() of this input returns the constant: the variant is specialized to it.
+            tensor.item_memo = item.scalar
         values.append(tensor)
     reverse = {new: old for old, new in mapping.items() if isinstance(new, sympy.Symbol)}
     return values, fake_mode, reverse
@@ -288,6 +345,7 @@ def compile_variant(
                 "instead"
             ) from exc
         kernels = _built_cpp_kernels(payload)
+        uses, training = _input_uses(payload, len(inputs))
     shape_env = fake_mode.shape_env
     guards: list[sympy.Expr] = [g.expr for g in shape_env.guards]
     for symbol, replacement in shape_env.replacements.items():
@@ -316,7 +374,38 @@ def compile_variant(
         if expr is sympy.true:
             continue
         translated.append(expr)
-    return CompiledVariant(payload, tuple(dict.fromkeys(translated)), kernels)
+    return CompiledVariant(payload, tuple(dict.fromkeys(translated)), kernels, uses, training)
+
+
+def _input_uses(payload: bytes, count: int) -> tuple[tuple[InputUse, ...], bool]:
+    """Per flat input, whether the graph writes it and whether an output aliases it; and
+    whether a backward graph was compiled."""
+    entry, _, _ = runtime_adapter.unpickle_bundle(payload)
+    metadata = entry.runtime_metadata
+    infos = list(metadata.input_info)
+    if len(infos) != count:
+        raise UnsupportedGraphError(
+            f"AOTAutograd describes {len(infos)} inputs of a graph with {count}; cannot tell "
+            "which inputs it writes"
+        )
+    aliased: set[int] = set()
+    for output in metadata.output_info:
+        if (
+            output.output_type.name in ("alias_of_input", "is_input")
+            and output.base_idx is not None
+        ):
+            aliased.add(int(output.base_idx))
+    uses = []
+    for index, info in enumerate(infos):
+        if info.mutates_metadata or getattr(info, "mutates_storage_metadata", False):
+            mutation = "metadata"
+        elif info.mutates_data:
+            mutation = "data"
+        else:
+            mutation = "none"
+        uses.append(InputUse(mutation, index in aliased))
+    training = getattr(getattr(entry, "compiled_bw", None), "result", None) is not None
+    return tuple(uses), training
 
 
 def _built_cpp_kernels(payload: bytes) -> tuple[tuple[NativeKernel, bytes], ...]:

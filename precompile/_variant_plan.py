@@ -7,11 +7,14 @@ not minutes of compilation followed by an error.
 from __future__ import annotations
 
 import itertools
+import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
 from runtime._errors import InvalidOptionError
+
+log = logging.getLogger("precompile.compile")
 
 DimKey = str | tuple[int, int]
 Hints = Sequence[int] | Mapping[DimKey, Sequence[int]] | None
@@ -72,8 +75,6 @@ def _hint_points(
 ) -> list[tuple[int, ...]]:
     if hints is None:
         return [tuple(default)]
-    if not names:
-        raise InvalidOptionError("hints were given, but the graph has no dynamic dimensions")
     if isinstance(hints, Mapping):
         per_symbol = _by_symbol(hints, names, dims, "hints")
         axes: list[list[int]] = []
@@ -97,8 +98,6 @@ def _static_points(
 ) -> list[tuple[int, ...]]:
     if sizes is None:
         return []
-    if not names:
-        raise InvalidOptionError("sizes were given, but the graph has no dynamic dimensions")
     if isinstance(sizes, (str, bytes, Mapping)) or not isinstance(sizes, Sequence):
         raise InvalidOptionError(
             f"sizes must be a list of ints or of dicts (one per static variant), got {sizes!r}"
@@ -118,6 +117,22 @@ def _static_points(
     return points
 
 
+def _check_kinds(hints: Hints, sizes: Sizes) -> None:
+    """The container types ``hints`` and ``sizes`` accept, for graphs that use neither."""
+    if hints is not None and (
+        isinstance(hints, (str, bytes)) or not isinstance(hints, (Sequence, Mapping))
+    ):
+        raise InvalidOptionError(
+            f"hints must be a non-empty list of ints or a dict of lists, got {hints!r}"
+        )
+    if sizes is not None and (
+        isinstance(sizes, (str, bytes, Mapping)) or not isinstance(sizes, Sequence)
+    ):
+        raise InvalidOptionError(
+            f"sizes must be a list of ints or of dicts (one per static variant), got {sizes!r}"
+        )
+
+
 def plan_variants(
     names: Sequence[str],
     dims: Mapping[tuple[int, int], str],
@@ -130,6 +145,13 @@ def plan_variants(
     """The variants to compile, hint variants first, duplicates dropped, order kept."""
     if isinstance(max_variants, bool) or not isinstance(max_variants, int) or max_variants < 1:
         raise InvalidOptionError(f"max_variants must be a positive int, got {max_variants!r}")
+    if not names:
+        # A static graph (Dynamo hands a backend one at size 1, say) has one possible
+        # variant; the hints and sizes meant for its dynamic siblings do not apply.
+        _check_kinds(hints, sizes)
+        if hints is not None or sizes is not None:
+            log.debug("graph has no dynamic dims: hints and sizes ignored, one variant")
+        return [VariantRequest("hint", ())]
     requests = [VariantRequest("hint", p) for p in _hint_points(hints, names, dims, default_point)]
     requests += [VariantRequest("static", p) for p in _static_points(sizes, names, dims)]
     unique = list(dict.fromkeys(requests))

@@ -9,19 +9,32 @@ import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal
 
+import torch
+
 from . import _native_kernels as native_kernels
 from . import _torch_adapter as adapter
 from ._binary_format import read_binary, write_binary
 from ._calibration import SizesSpec, Timer, default_timer, measure, normalize_sizes
-from ._contract import InputContract
+from ._contract import InputContract, Prepared
 from ._dispatch import Dispatcher, Explanation
 from ._environment import check_compatible, current_environment
-from ._errors import InvalidOptionError
+from ._errors import CorruptArtifactError, InvalidOptionError
 from ._manifest import Calibration, Manifest, Symbol, Variant
 from ._payloads import PayloadStore
 from ._unpacked_format import read_unpacked, write_unpacked
 
 log = logging.getLogger("precompile.runtime")
+
+
+def _output_unflattener(manifest: Manifest) -> Callable[[Any], Any] | None:
+    if manifest.output is None:
+        return None
+    try:
+        return adapter.output_unflattener(manifest.output)
+    except Exception as exc:  # upstream's spec reader raises assorted errors on bad input
+        raise CorruptArtifactError(
+            f"manifest field output is not a pytree spec this torch reads ({exc})"
+        ) from None
 
 
 def _usable_calibration(manifest: Manifest) -> Calibration | None:
@@ -73,6 +86,7 @@ class CompiledArtifact:
         self._manifest = manifest
         self._payloads = payloads
         self._contract = InputContract(manifest)
+        self._unflatten = _output_unflattener(manifest)
         self._dispatcher = Dispatcher(manifest, _usable_calibration(manifest))
         self._callables: dict[str, Callable[..., Any]] = dict(loaded or {})
         self._memo: dict[tuple[int, ...], Callable[..., Any]] = {}
@@ -87,11 +101,45 @@ class CompiledArtifact:
     def __call__(self, *args: Any) -> Any:
         key = self._contract.read_key(args)
         if key is None:
-            raise self._contract.mismatch(args)
+            return self._call_prepared(self._contract.coerce(args))
         function = self._memo.get(key)
         if function is None:
             function = self._resolve(key)
-        return function(*args)
+        result = function(*args)
+        return result if self._unflatten is None else self._unflatten(result)
+
+    def _call_prepared(self, prepared: Prepared) -> Any:
+        """A call whose inputs needed the slow path (and maybe copies into the compiled
+        layout, written back after the call where the graph writes them)."""
+        function = self._memo.get(prepared.key)
+        if function is None:
+            function = self._resolve(prepared.key)
+        result = function(*prepared.args)
+        for target, source in prepared.writebacks:
+            target.copy_(source)
+        return result if self._unflatten is None else self._unflatten(result)
+
+    def trusting_caller(self) -> Callable[..., Any]:
+        """A callable that runs this artifact without checking its inputs, only reading
+        their sizes to dispatch: for callers that already enforce the whole input contract
+        (dtypes, devices, sizes, strides, grad mode), as Dynamo's guards do for the
+        graphs it hands ``precompile.backend``. Its per-call cost does not grow with the
+        number of inputs. Anyone else should call the artifact itself."""
+        trusted_key = self._contract.trusted_key
+        memo = self._memo
+        resolve = self._resolve
+        unflatten = self._unflatten
+
+        def call_trusted(*args: Any) -> Any:
+            key = trusted_key(args)
+            function = memo.get(key)
+            if function is None:
+                function = resolve(key)
+            result = function(*args)
+            return result if unflatten is None else unflatten(result)
+
+        call_trusted.artifact = self  # type: ignore[attr-defined]
+        return call_trusted
 
     def _resolve(self, key: tuple[int, ...]) -> Callable[..., Any]:
         with self._lock:
@@ -174,7 +222,7 @@ class CompiledArtifact:
         with self._lock:
             self._manifest = dataclasses.replace(self._manifest, calibration=table)
             self._dispatcher = Dispatcher(self._manifest, table)
-            self._memo = {}
+            self._memo.clear()
         for entry in table.entries:
             log.info(
                 "calibrated %s: variant %d fastest (%.1f%% ahead of the next)",
@@ -225,10 +273,11 @@ class CompiledArtifact:
         return tuple(v.index for v in self._manifest.variants if v.payload in self._callables)
 
     def _sizes(self, args: tuple[Any, ...]) -> tuple[int, ...]:
-        key = self._contract.read_key(args)
-        if key is None:
-            raise self._contract.mismatch(args)
-        return key
+        """The sizes a call with ``args`` dispatches on; raises where the inputs break the
+        contract. Grad mode is the call's, not the inputs': it is not judged here."""
+        with torch.no_grad():
+            key = self._contract.read_key(args)
+            return self._contract.coerce(args, copy=False).key if key is None else key
 
     def sizes_of(self, *args: Any) -> dict[str, int]:
         key = self._sizes(args)

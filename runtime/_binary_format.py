@@ -20,8 +20,7 @@ from typing import Any
 import zstandard
 
 from ._errors import CorruptArtifactError, IncompatibleArtifactError, InvalidOptionError
-from ._manifest import Manifest
-from ._manifest_reader import manifest_from_json
+from ._manifest import Manifest, decode_json
 from ._payloads import LazyPayloads, PayloadStore, atomic_file, sha256_hex
 
 MAGIC = b"\x93PRECOMPILE\n"
@@ -81,15 +80,10 @@ def _parse_index(data: bytes, where: str) -> tuple[Manifest, dict[str, dict[str,
     index_bytes = data[start:end]
     if sha256_hex(index_bytes) != index_sha.hex():
         raise CorruptArtifactError(f"{where} index fails its sha256 check")
-    try:
-        index = json.loads(index_bytes)
-        manifest = manifest_from_json(index["manifest"])
-        table = index["payloads"]
-    except (KeyError, TypeError, ValueError) as exc:
-        if isinstance(exc, CorruptArtifactError):
-            raise
-        raise CorruptArtifactError(f"{where} index is malformed: {exc}") from None
-    return manifest, table, end
+    index = decode_json(index_bytes, f"{where} index")
+    if not isinstance(index, dict) or "manifest" not in index or "payloads" not in index:
+        raise CorruptArtifactError(f"{where} index is malformed (no manifest or payload table)")
+    return Manifest.from_json(index["manifest"]), index["payloads"], end
 
 
 def _check_table(

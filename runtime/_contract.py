@@ -1,24 +1,44 @@
-"""Per-call input contract: validate the flat inputs and read the symbols' values.
+"""Per-call input contract: what a call's flat inputs must be, checked on every call.
 
-The check runs on every call, so it is generated once per artifact as straight-line
-Python (no loops, no dict lookups); the slow, descriptive path only runs when the fast
-one rejects the inputs, to say exactly which input is wrong and what was expected.
+Compiled code indexes its inputs with the sizes and strides it was compiled for, so an
+input that differs in any of them (a transposed or sliced view, an ``expand``ed tensor, a
+negative- or conjugate-bit view) would give wrong numbers or read out of bounds. The
+contract covers, per tensor: type, layout, dtype, device, rank, static sizes, symbol
+sizes, strides (of every dim longer than 1), neg/conj bits, ``requires_grad`` against
+the grad mode, the value of a float the variants were specialized to, and no aliasing
+of an input the graph writes.
+
+Three paths, one contract:
+- ``read_key``: strict and fast, generated straight-line code; after the first passing
+  call a C++ tensor check (Dynamo's ``TensorGuards``) does the per-tensor work. It says
+  None for anything it does not accept as is.
+- ``coerce``: the slow path for what ``read_key`` refused. An input that differs only in
+  layout is copied into the compiled layout (and, if the graph writes it, copied back
+  after the call); anything else raises :class:`InputMismatchError` naming the input,
+  what was expected and what came.
+- ``trusted_key``: reads the sizes and checks nothing, for callers that already enforce
+  all of the above (Dynamo's guards, for an artifact made by ``precompile.backend``).
 """
 
 from __future__ import annotations
 
-import re
+import logging
+import math
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from . import _torch_adapter as adapter
 from ._errors import CorruptArtifactError, InputMismatchError
-from ._expressions import check_expression, compile_function
+from ._expressions import NAMESPACE, SYMBOL_PREFIX, compile_function, to_python
 from ._manifest import IntInput, Manifest, TensorInput
 
+log = logging.getLogger("precompile.runtime")
 KeyReader = Callable[[Sequence[Any]], "tuple[int, ...] | None"]
+TrustedReader = Callable[[Sequence[Any]], "tuple[int, ...]"]
+_PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
 
 
 def _dtype(name: str) -> torch.dtype:
@@ -48,58 +68,85 @@ def _device_test(arg: str, index: int, device: torch.device) -> str:
     return f"{arg}.device == V{index}"
 
 
+def _text(entry: int | str, symbols: Sequence[str]) -> str:
+    return str(entry) if isinstance(entry, int) else to_python(entry, symbols)
+
+
+@dataclass
+class Prepared:
+    """A call's inputs made ready by the slow path: the sizes, the (possibly copied)
+    inputs, and the copies to write back into the caller's tensors after the call."""
+
+    key: tuple[int, ...]
+    args: list[Any]
+    writebacks: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
+
+
 class InputContract:
     """What a call's flat inputs must look like, and where each symbol is read from."""
 
     def __init__(self, manifest: Manifest) -> None:
         self.symbols = manifest.symbol_names
         self.inputs = manifest.inputs
-        self._dtypes = {
-            i: _dtype(spec.dtype)
-            for i, spec in enumerate(self.inputs)
-            if isinstance(spec, TensorInput)
+        self.training = manifest.training
+        self._tensors = {
+            i: spec for i, spec in enumerate(self.inputs) if isinstance(spec, TensorInput)
         }
-        self._devices = {
-            i: _device(spec.device)
-            for i, spec in enumerate(self.inputs)
-            if isinstance(spec, TensorInput)
+        self._dtypes = {i: _dtype(spec.dtype) for i, spec in self._tensors.items()}
+        self._devices = {i: _device(spec.device) for i, spec in self._tensors.items()}
+        self._mutated = tuple(i for i, s in self._tensors.items() if s.mutation != "none")
+        names = self.symbols
+        # Per tensor: its strides as a function of the symbols' values.
+        self._layout = {
+            i: compile_function(
+                [s if isinstance(s, str) else str(s) for s in spec.strides],
+                names,
+                name=f"input_{i}_strides",
+            )
+            for i, spec in self._tensors.items()
         }
-        self._tensor_indices = [
-            i for i, spec in enumerate(self.inputs) if isinstance(spec, TensorInput)
-        ]
+        self._first_sources = {s.name: s.sources[0] for s in manifest.symbols}
+        self._copy_logged: set[int] = set()
         self._checked: KeyReader = self._generate_reader(None)
         self.read_key: KeyReader = self._first_read
+        self.trusted_key: TrustedReader = self._generate_trusted_reader()
 
     # -- fast path -------------------------------------------------------------------
     def _first_read(self, args: Sequence[Any]) -> tuple[int, ...] | None:
         """Check in Python; the first inputs that pass become the template of a C++ guard
-        of every tensor's dtype, device, rank and static sizes, which later calls run
-        instead (falling back to the Python check whenever the guard says no)."""
+        of every tensor's type, dtype, device, dispatch keys, requires_grad, rank, static
+        sizes and static strides, which later calls run instead (falling back to the
+        Python check whenever the guard says no)."""
         key = self._checked(args)
-        if key is None or not self._tensor_indices:
+        if key is None or not self._tensors:
             return key
-        static = [
-            [size if isinstance(size, int) else None for size in spec.shape]
-            for spec in self.inputs
-            if isinstance(spec, TensorInput)
+        if self.training and torch.is_grad_enabled() is False:
+            return key  # requires_grad unchecked under no_grad: not a template
+        indices = list(self._tensors)
+        static_sizes = [
+            [size if isinstance(size, int) else None for size in self._tensors[i].shape]
+            for i in indices
         ]
-        guard = adapter.tensor_guard([args[i] for i in self._tensor_indices], static)
+        static_strides = [
+            [stride if isinstance(stride, int) else None for stride in self._tensors[i].strides]
+            for i in indices
+        ]
+        guard = adapter.tensor_guard([args[i] for i in indices], static_sizes, static_strides)
         if guard is not None:
-            self.read_key = self._generate_reader(guard)
+            grad_sensitive = any(args[i].requires_grad for i in indices)
+            self.read_key = self._generate_reader(guard, grad_sensitive=grad_sensitive)
         else:
             self.read_key = self._checked
         return key
 
-    def _generate_reader(self, guard: Callable[..., bool] | None) -> KeyReader:
+    def _generate_reader(
+        self, guard: Callable[..., bool] | None, *, grad_sensitive: bool = False
+    ) -> KeyReader:
+        symbols = self.symbols
         lines = ["def read_key(args):", "    try:", f"        if len(args) != {len(self.inputs)}:"]
         lines.append("            return None")
-        if guard is not None:
-            tensors = ", ".join(f"args[{i}]" for i in self._tensor_indices)
-            lines.append(f"        if not GUARD({tensors}):")
-            lines.append("            return CHECKED(args)")
-        assigned: set[str] = set()
-        deferred: list[str] = []
         namespace: dict[str, Any] = {
+            **NAMESPACE,
             "__builtins__": {
                 "len": len,
                 "type": type,
@@ -107,171 +154,340 @@ class InputContract:
                 "AttributeError": AttributeError,
                 "TypeError": TypeError,
                 "IndexError": IndexError,
-            }
+                "RuntimeError": RuntimeError,
+            },
+            "T": torch.Tensor,
+            "P": torch.nn.Parameter,
+            "GRAD": torch.is_grad_enabled,
         }
+        if guard is not None:
+            tensors = ", ".join(f"args[{i}]" for i in self._tensors)
+            lines.append(f"        if not GUARD({tensors}):")
+            lines.append("            return CHECKED(args)")
+            namespace["GUARD"], namespace["CHECKED"] = guard, self._checked
+            if grad_sensitive and not self.training:
+                # The template had inputs requiring grad: fine under no_grad only.
+                lines.append("        if GRAD():")
+                lines.append("            return CHECKED(args)")
+        elif self._tensors:
+            lines.append("        grad = GRAD()")
+        assigned: set[str] = set()
+        deferred: list[str] = []
 
-        def bind(target: str, value_expr: str) -> None:
-            if target in assigned:
+        def bind(symbol: str, value_expr: str) -> None:
+            target = SYMBOL_PREFIX + symbol
+            if symbol in assigned:
                 lines.append(f"        if {value_expr} != {target}:")
                 lines.append("            return None")
             else:
                 lines.append(f"        {target} = {value_expr}")
-                assigned.add(target)
+                assigned.add(symbol)
 
         for index, spec in enumerate(self.inputs):
             arg = f"a{index}"
-            fully_guarded = isinstance(spec, TensorInput) and all(
-                isinstance(size, int) for size in spec.shape
-            )
-            if guard is not None and fully_guarded:
-                continue  # dtype, device, rank and sizes: all checked by the guard
-            lines.append(f"        {arg} = args[{index}]")
             if isinstance(spec, IntInput):
+                lines.append(f"        {arg} = args[{index}]")
                 lines.append(f"        if type({arg}) is not int:")
                 lines.append("            return None")
                 if isinstance(spec.value, int):
                     lines.append(f"        if {arg} != {spec.value}:")
                     lines.append("            return None")
-                elif spec.value in self.symbols:
+                elif spec.value in symbols:
                     bind(spec.value, arg)
                 else:
-                    deferred.append(f"{arg} != ({spec.value})")
+                    deferred.append(f"{arg} != {to_python(spec.value, symbols)}")
                 continue
-            if guard is not None:  # dtype, device, rank and static sizes: checked in C++
-                for dim, size in enumerate(spec.shape):
-                    if isinstance(size, str):
-                        expr = f"{arg}.shape[{dim}]"
-                        if size in self.symbols:
-                            bind(size, expr)
-                        else:
-                            lines.append(f"        d{index}_{dim} = {expr}")
-                            deferred.append(f"d{index}_{dim} != ({size})")
-                continue
-            namespace[f"D{index}"] = self._dtypes[index]
-            namespace[f"V{index}"] = self._devices[index]
-            on_device = _device_test(arg, index, self._devices[index])
-            lines.append(f"        if {arg}.dtype is not D{index} or not ({on_device}):")
-            lines.append("            return None")
-            if all(isinstance(size, int) for size in spec.shape):
-                # One C-level tuple comparison checks rank and every size at once.
-                namespace[f"S{index}"] = tuple(spec.shape)
-                lines.append(f"        if {arg}.shape != S{index}:")
+            static_shape = all(isinstance(size, int) for size in spec.shape)
+            static_stride = all(isinstance(stride, int) for stride in spec.strides)
+            offset = spec.storage_offset if spec.aliased else None
+            needs_python = spec.value is not None or offset is not None
+            if guard is not None and static_shape and static_stride and not needs_python:
+                continue  # everything about it is checked by the C++ guard
+            lines.append(f"        {arg} = args[{index}]")
+            if guard is None:
+                namespace[f"D{index}"] = self._dtypes[index]
+                namespace[f"V{index}"] = self._devices[index]
+                on_device = _device_test(arg, index, self._devices[index])
+                lines.append(f"        if type({arg}) is not T and type({arg}) is not P:")
                 lines.append("            return None")
-                continue
-            lines.append(f"        sh = {arg}.shape")
-            lines.append(f"        if len(sh) != {len(spec.shape)}:")
-            lines.append("            return None")
-            for dim, size in enumerate(spec.shape):
-                if isinstance(size, int):
-                    lines.append(f"        if sh[{dim}] != {size}:")
-                    lines.append("            return None")
-                elif size in self.symbols:
-                    bind(size, f"sh[{dim}]")
+                lines.append(f"        if {arg}.dtype is not D{index} or not ({on_device}):")
+                lines.append("            return None")
+                lines.append(f"        if {arg}.is_neg() or {arg}.is_conj():")
+                lines.append("            return None")
+                if self.training:
+                    lines.append(
+                        f"        if grad and {arg}.requires_grad is not {spec.requires_grad}:"
+                    )
                 else:
-                    lines.append(f"        d{index}_{dim} = sh[{dim}]")
-                    deferred.append(f"d{index}_{dim} != ({size})")
-        missing = [s for s in self.symbols if s not in assigned]
+                    lines.append(f"        if grad and {arg}.requires_grad:")
+                lines.append("            return None")
+            if static_shape:
+                if guard is None:
+                    namespace[f"S{index}"] = tuple(spec.shape)
+                    lines.append(f"        if {arg}.shape != S{index}:")
+                    lines.append("            return None")
+            else:
+                lines.append(f"        sh = {arg}.shape")
+                if guard is None:
+                    lines.append(f"        if len(sh) != {len(spec.shape)}:")
+                    lines.append("            return None")
+                for dim, size in enumerate(spec.shape):
+                    if isinstance(size, int):
+                        if guard is None:
+                            lines.append(f"        if sh[{dim}] != {size}:")
+                            lines.append("            return None")
+                    elif size in symbols:
+                        bind(size, f"sh[{dim}]")
+                    else:
+                        deferred.append(f"sh{index}_{dim} != {to_python(size, symbols)}")
+                        lines.append(f"        sh{index}_{dim} = sh[{dim}]")
+            if not (static_stride and guard is not None):
+                strides = ", ".join(_text(s, symbols) for s in spec.strides)
+                comma = "," if len(spec.strides) == 1 else ""
+                lines.append(f"        st{index} = {arg}.stride()")
+                deferred.append(f"st{index} != ({strides}{comma})")
+            if offset is not None:
+                lines.append(f"        if {arg}.storage_offset() != {offset}:")
+                lines.append("            return None")
+            if spec.value is not None:
+                namespace[f"F{index}"] = spec.value
+                if math.isnan(spec.value):
+                    lines.append(f"        if {arg}.item() == {arg}.item():")
+                else:
+                    lines.append(f"        if {arg}.item() != F{index}:")
+                lines.append("            return None")
+        missing = [s for s in symbols if s not in assigned]
         if missing:
             raise CorruptArtifactError(f"symbols {missing} are not read from any input")
         for condition in deferred:
-            check_expression(condition, [*self.symbols, *_locals(condition)])
             lines.append(f"        if {condition}:")
             lines.append("            return None")
-        key = ", ".join(self.symbols) + ("," if len(self.symbols) == 1 else "")
-        lines.append(f"        return ({key})")
-        lines.append("    except (AttributeError, TypeError, IndexError):")
+        if self._mutated:
+            namespace["ALIASED"] = self._mutated_input_aliased
+            lines.append("        if ALIASED(args):")
+            lines.append("            return None")
+        lines.append(f"        return {self._key_tuple()}")
+        lines.append("    except (AttributeError, TypeError, IndexError, RuntimeError):")
         lines.append("        return None")
-        if guard is not None:
-            namespace["GUARD"], namespace["CHECKED"] = guard, self._checked
         exec(compile("\n".join(lines) + "\n", "<precompile input contract>", "exec"), namespace)
         reader: KeyReader = namespace["read_key"]
         return reader
 
+    def _key_tuple(self) -> str:
+        names = [SYMBOL_PREFIX + s for s in self.symbols]
+        return "(" + ", ".join(names) + ("," if len(names) == 1 else "") + ")"
+
+    def _generate_trusted_reader(self) -> TrustedReader:
+        """Only reads each symbol from its first source: the caller enforces the rest."""
+        reads = []
+        for symbol in self.symbols:
+            source = self._first_sources[symbol]
+            index, dim = source.input_index, source.dim
+            reads.append(f"args[{index}]" if dim is None else f"args[{index}].shape[{dim}]")
+        body = "(" + ", ".join(reads) + ("," if len(reads) == 1 else "") + ")"
+        namespace: dict[str, Any] = {"__builtins__": {}}
+        exec(
+            compile(f"def trusted_key(args):\n    return {body}\n", "<precompile trusted>", "exec"),
+            namespace,
+        )
+        reader: TrustedReader = namespace["trusted_key"]
+        return reader
+
+    def _mutated_input_aliased(self, args: Sequence[Any]) -> bool:
+        """Whether an input the graph writes shares memory with another tensor input
+        (compiled code reads the others as they were before the write)."""
+        mutated = set()
+        for i in self._mutated:
+            tensor = args[i]
+            if tensor.numel():
+                mutated.add(tensor.untyped_storage().data_ptr())
+        if len(mutated) < sum(1 for i in self._mutated if args[i].numel()):
+            return True
+        for i in self._tensors:
+            if i not in self._mutated:
+                tensor = args[i]
+                if tensor.numel() and tensor.untyped_storage().data_ptr() in mutated:
+                    return True
+        return False
+
     # -- slow path -------------------------------------------------------------------
-    def mismatch(self, args: Sequence[Any]) -> InputMismatchError:
-        """Describe the first way ``args`` break the contract."""
+    def coerce(self, args: Sequence[Any], *, copy: bool = True) -> Prepared:
+        """Accept ``args`` (copying inputs whose layout differs into the compiled layout)
+        or raise :class:`InputMismatchError` saying which input is wrong and how.
+        ``copy=False`` only checks (for ``explain``): the returned args are the given ones."""
         if len(args) != len(self.inputs):
-            return InputMismatchError(
+            raise InputMismatchError(
                 f"expected {len(self.inputs)} flat inputs (the graph's placeholders, "
                 f"SymInt placeholders as ints), got {len(args)}"
             )
         values: dict[str, tuple[int, str]] = {}
         deferred: list[tuple[str, int, str]] = []
 
-        def record(name: str, value: int, where: str) -> InputMismatchError | None:
+        def record(name: str, value: int, where: str) -> None:
             if name in values and values[name][0] != value:
                 first, origin = values[name]
-                return InputMismatchError(
+                raise InputMismatchError(
                     f"symbol {name} is {first} from {origin} but {value} from {where}; "
                     "the graph needs them equal"
                 )
             values.setdefault(name, (value, where))
-            return None
 
         for index, (spec, arg) in enumerate(zip(self.inputs, args, strict=True)):
             if isinstance(spec, IntInput):
                 if type(arg) is not int:
-                    return InputMismatchError(
+                    raise InputMismatchError(
                         f"input {index} should be an int (a SymInt placeholder), "
                         f"got {type(arg).__name__}"
                     )
                 if isinstance(spec.value, int):
                     if arg != spec.value:
-                        return InputMismatchError(
-                            f"input {index} should be {spec.value}, got {arg}"
-                        )
+                        raise InputMismatchError(f"input {index} should be {spec.value}, got {arg}")
                 elif spec.value in self.symbols:
-                    error = record(spec.value, arg, f"input {index}")
-                    if error:
-                        return error
+                    record(spec.value, arg, f"input {index}")
                 else:
                     deferred.append((spec.value, arg, f"input {index}"))
                 continue
-            if not isinstance(arg, torch.Tensor):
-                return InputMismatchError(
-                    f"input {index} should be a {spec.dtype} tensor on {spec.device}, "
-                    f"got {type(arg).__name__}"
-                )
-            if arg.dtype is not self._dtypes[index]:
-                return InputMismatchError(
-                    f"input {index} should have dtype {spec.dtype}, got {str(arg.dtype)[6:]}"
-                )
-            if arg.device != self._devices[index]:
-                return InputMismatchError(
-                    f"input {index} should be on device {spec.device}, got {arg.device}"
-                )
-            expected = "(" + ", ".join(str(s) for s in spec.shape) + ")"
-            if arg.dim() != len(spec.shape):
-                return InputMismatchError(
-                    f"input {index} should have rank {len(spec.shape)} with shape {expected}, "
-                    f"got shape {tuple(arg.shape)}"
-                )
+            self._check_tensor_kind(index, spec, arg)
             for dim, size in enumerate(spec.shape):
                 actual = int(arg.shape[dim])
                 if isinstance(size, int):
                     if actual != size:
-                        return InputMismatchError(
+                        raise InputMismatchError(
                             f"input {index} dim {dim} is static and must be {size} "
-                            f"(shape {expected}), got shape {tuple(arg.shape)}"
+                            f"(shape {_shape_text(spec.shape)}), got shape {tuple(arg.shape)}"
                         )
                 elif size in self.symbols:
-                    error = record(size, actual, f"input {index} dim {dim}")
-                    if error:
-                        return error
+                    record(size, actual, f"input {index} dim {dim}")
                 else:
                     deferred.append((size, actual, f"input {index} dim {dim}"))
-        plain = {name: value for name, (value, _) in values.items()}
+        key = tuple(values[name][0] for name in self.symbols)
         for expression, actual, where in deferred:
-            expected_value = compile_function([expression], self.symbols)(
-                *(plain[s] for s in self.symbols)
-            )[0]
-            if actual != expected_value:
-                return InputMismatchError(
-                    f"{where} must equal {expression} = {expected_value}, got {actual}"
+            expected = compile_function([expression], self.symbols)(*key)[0]
+            if actual != expected:
+                raise InputMismatchError(
+                    f"{where} must equal {expression} = {expected}, got {actual}"
                 )
-        return InputMismatchError(f"inputs were rejected by the contract check: {args!r:.200}")
+        prepared = Prepared(key, list(args))
+        grad = torch.is_grad_enabled()
+        for index, spec in self._tensors.items():
+            self._check_tensor_state(index, spec, args[index], grad)
+            self._fit_layout(index, spec, prepared, copy)
+        if self._mutated and self._mutated_input_aliased(prepared.args):
+            raise InputMismatchError(
+                f"inputs {list(self._mutated)} are written by the graph, and one of them shares "
+                "memory with another tensor input; compiled code would read the other input "
+                "as it was before the write: pass separate tensors"
+            )
+        return prepared
+
+    def _check_tensor_kind(self, index: int, spec: TensorInput, arg: Any) -> None:
+        if not isinstance(arg, torch.Tensor):
+            raise InputMismatchError(
+                f"input {index} should be a {spec.dtype} tensor on {spec.device}, "
+                f"got {type(arg).__name__}"
+            )
+        if type(arg) not in _PLAIN_TYPES:
+            raise InputMismatchError(
+                f"input {index} is a {type(arg).__name__} (a tensor subclass); the variants "
+                "were compiled for plain tensors"
+            )
+        if arg.layout is not torch.strided:
+            raise InputMismatchError(
+                f"input {index} has layout {arg.layout}; the variants were compiled for "
+                "torch.strided (dense) tensors"
+            )
+        if arg.dtype is not self._dtypes[index]:
+            raise InputMismatchError(
+                f"input {index} should have dtype {spec.dtype}, got {str(arg.dtype)[6:]}"
+            )
+        if arg.device != self._devices[index]:
+            raise InputMismatchError(
+                f"input {index} should be on device {spec.device}, got {arg.device}"
+            )
+        if arg.dim() != len(spec.shape):
+            raise InputMismatchError(
+                f"input {index} should have rank {len(spec.shape)} with shape "
+                f"{_shape_text(spec.shape)}, got shape {tuple(arg.shape)}"
+            )
+
+    def _check_tensor_state(
+        self, index: int, spec: TensorInput, arg: torch.Tensor, grad: bool
+    ) -> None:
+        if spec.value is not None:
+            actual = arg.item()
+            same = actual == spec.value or (math.isnan(actual) and math.isnan(spec.value))
+            if not same:
+                raise InputMismatchError(
+                    f"input {index} is a float the variants were specialized to ({spec.value!r}), "
+                    f"got {actual!r}; compile again for another value"
+                )
+        if not grad:
+            return
+        if not self.training and arg.requires_grad:
+            raise InputMismatchError(
+                f"input {index} requires grad, but the variants were compiled for inference "
+                "(no backward graph), so the output would not be connected to autograd; call "
+                "under torch.no_grad() or torch.inference_mode(), or compile with grad enabled"
+            )
+        if self.training and arg.requires_grad != spec.requires_grad:
+            raise InputMismatchError(
+                f"input {index} has requires_grad={arg.requires_grad}, but the backward graph "
+                f"was compiled for requires_grad={spec.requires_grad}"
+            )
+
+    def _fit_layout(self, index: int, spec: TensorInput, prepared: Prepared, copy: bool) -> None:
+        arg: torch.Tensor = prepared.args[index]
+        expected = tuple(int(v) for v in self._layout[index](*prepared.key))
+        actual = arg.stride()
+        differs = [
+            dim for dim, size in enumerate(arg.shape) if size > 1 and actual[dim] != expected[dim]
+        ]
+        flags = [name for name, on in (("neg", arg.is_neg()), ("conj", arg.is_conj())) if on]
+        offset = spec.storage_offset
+        if spec.aliased and offset is not None and arg.storage_offset() != offset:
+            raise InputMismatchError(
+                f"input {index} has storage offset {arg.storage_offset()}, but an output is "
+                f"a view of it compiled for offset {spec.storage_offset}; pass a tensor "
+                f"with that offset"
+            )
+        if not differs and not flags:
+            return
+        what = (
+            f"strides {tuple(actual)} where the variants were compiled for {expected}"
+            if differs
+            else f"the {'/'.join(flags)} bit set"
+        )
+        if spec.aliased or spec.mutation == "metadata":
+            reason = (
+                "an output is a view of it" if spec.aliased else "the graph resizes it in place"
+            )
+            raise InputMismatchError(
+                f"input {index} has {what}; it cannot be copied into the compiled layout "
+                f"because {reason}: pass it with strides {expected} and no neg/conj bit"
+            )
+        if spec.mutation == "data":
+            if adapter.has_internal_overlap(arg):
+                raise InputMismatchError(
+                    f"input {index} has {what}, and its elements overlap in memory (an expand()ed "
+                    "tensor), but the graph writes it: pass a tensor that owns its elements"
+                )
+            if arg.requires_grad and torch.is_grad_enabled():
+                raise InputMismatchError(
+                    f"input {index} has {what}, requires grad and is written by the graph; "
+                    f"pass it with strides {expected}"
+                )
+        if not copy:
+            return
+        # copy_ resolves neg/conj bits and, with grad enabled, stays differentiable.
+        fitted = torch.empty_strided(tuple(arg.shape), expected, dtype=arg.dtype, device=arg.device)
+        fitted.copy_(arg)
+        prepared.args[index] = fitted
+        if spec.mutation == "data":
+            prepared.writebacks.append((arg, fitted))
+        if index not in self._copy_logged:
+            self._copy_logged.add(index)
+            log.debug("input %d has %s: copied into the compiled layout for this call", index, what)
 
 
-def _locals(condition: str) -> list[str]:
-    """Names of the generated locals (``a3``, ``d3_1``) used in a deferred condition."""
-    return sorted(set(re.findall(r"\b(?:a\d+|d\d+_\d+)\b", condition)))
+def _shape_text(shape: Sequence[int | str]) -> str:
+    return "(" + ", ".join(str(s) for s in shape) + ")"

@@ -1,21 +1,36 @@
-"""The manifest: what an artifact promises about its graph, symbols and variants.
+"""The manifest: what an artifact promises about its graph, inputs and variants.
 
-It is plain JSON in both formats (readable in the unpacked one); ``_manifest_reader``
-validates it field by field on load.
+One schema, both directions: the dataclasses, ``Manifest.to_json`` and
+``Manifest.from_json`` live here together, so a new field is one edit. It is plain JSON
+in both formats (readable in the unpacked one). Loading an artifact runs its code, and
+the manifest decides what runs, so the reader validates every field (type, range,
+length, names) and reports any defect as :class:`CorruptArtifactError` naming the field.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+import re
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, Literal
 
+from ._errors import CorruptArtifactError, IncompatibleArtifactError
+from ._expressions import check_expression, check_symbol_name
+
 FORMAT_NAME = "precompile-artifact"
-FORMAT_VERSION = 2
-READABLE_VERSIONS = (1, 2)  # version 1 carried no built kernels
+# 3: input layouts (strides, mutation, aliasing, grad), output structure, float inputs.
+FORMAT_VERSION = 3
+READABLE_VERSIONS = (3,)
 VariantKind = Literal["hint", "static"]
+Mutation = Literal["none", "data", "metadata"]
+_MAX_INT = 2**63 - 1
+_MAX_ITEMS = 1_000_000
+_MAX_TEXT = 4096
+_DTYPE = re.compile(r"^[a-z][a-z0-9_]{0,31}$")
+_DEVICE = re.compile(r"^[a-z][a-z0-9_]{0,15}(:[0-9]{1,4})?$")
+_HEX64 = re.compile(r"^[0-9a-f]{64}$")
 
 
 @dataclass(frozen=True)
@@ -51,11 +66,49 @@ class Symbol:
     max: int | None = None
 
 
+def contiguous_strides(shape: Sequence[int | str]) -> tuple[int | str, ...]:
+    """Row-major strides of ``shape`` as manifest entries (ints, or expression texts)."""
+    strides: list[int | str] = []
+    running: int | str = 1
+    for size in reversed(shape):
+        strides.append(running)
+        if isinstance(running, int) and isinstance(size, int):
+            running = running * size
+        elif running == 1:
+            running = size
+        elif size != 1:
+            running = f"({running})*({size})"
+    return tuple(reversed(strides))
+
+
 @dataclass(frozen=True)
 class TensorInput:
+    """A tensor input as the variants were compiled for it.
+
+    ``stride`` entries are ints or expressions over the symbols. ``mutation`` says what
+    the graph does to the input ("data": writes its values; "metadata": changes its
+    shape or strides in place). ``aliased``: an output is a view of it. ``value``: the
+    number a 0-d float input (a float Dynamo passed as a tensor) was specialized to.
+    """
+
     dtype: str
     device: str
     shape: tuple[int | str, ...]
+    stride: tuple[int | str, ...] | None = None  # None: row-major (hand-made manifests)
+    storage_offset: int | None = 0  # None: symbolic (not checked)
+    requires_grad: bool = False
+    mutation: Mutation = "none"
+    aliased: bool = False
+    value: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.stride is None:
+            object.__setattr__(self, "stride", contiguous_strides(self.shape))
+
+    @property
+    def strides(self) -> tuple[int | str, ...]:
+        assert self.stride is not None
+        return self.stride
 
 
 @dataclass(frozen=True)
@@ -134,12 +187,17 @@ class Calibration:
 
 @dataclass(frozen=True)
 class Manifest:
+    """Everything an artifact says about itself, besides the compiled code."""
+
     environment: Environment
     symbols: tuple[Symbol, ...]
     inputs: tuple[InputSpec, ...]
     variants: tuple[Variant, ...]
-    extra: Mapping[str, Any] = field(default_factory=dict)
     calibration: Calibration | None = None
+    # the variants carry a backward graph (compiled with grad enabled and inputs needing it)
+    training: bool = False
+    # pytree spec (upstream's JSON) of a graph whose output is not a flat tuple or list
+    output: str | None = field(default=None)
 
     @property
     def symbol_names(self) -> tuple[str, ...]:
@@ -157,15 +215,16 @@ class Manifest:
 
     @property
     def payload_digests(self) -> tuple[str, ...]:
-        """Every payload an artifact stores: graphs, then kernel binaries."""
+        """Every payload an artifact stores: graphs, then kernel binaries. The one list of
+        what an artifact (and so a cache entry) references."""
         return tuple(dict.fromkeys((*self.graph_digests, *self.kernel_digests)))
 
+    # -- writing -------------------------------------------------------------------
     def to_json(self) -> dict[str, Any]:
-        env = self.environment
         return {
             "format": FORMAT_NAME,
             "format_version": FORMAT_VERSION,
-            "environment": dict(vars(env)),
+            "environment": dict(vars(self.environment)),
             "symbols": [
                 {
                     "name": s.name,
@@ -175,12 +234,7 @@ class Manifest:
                 }
                 for s in self.symbols
             ],
-            "inputs": [
-                {"kind": "tensor", "dtype": i.dtype, "device": i.device, "shape": list(i.shape)}
-                if isinstance(i, TensorInput)
-                else {"kind": "int", "value": i.value}
-                for i in self.inputs
-            ],
+            "inputs": [_input_to_json(i) for i in self.inputs],
             "variants": [
                 {
                     "kind": v.kind,
@@ -201,7 +255,8 @@ class Manifest:
                 }
                 for v in self.variants
             ],
-            "extra": dict(self.extra),
+            "training": self.training,
+            "output": self.output,
             "calibration": None
             if self.calibration is None
             else {
@@ -215,5 +270,324 @@ class Manifest:
             },
         }
 
-    def dumps(self) -> bytes:
-        return json.dumps(self.to_json(), indent=2, sort_keys=False).encode()
+    # -- reading -------------------------------------------------------------------
+    @staticmethod
+    def from_json(data: Any) -> Manifest:
+        """Validate a decoded manifest document; any defect is a CorruptArtifactError."""
+        return _Reader().manifest(data)
+
+
+def _input_to_json(spec: InputSpec) -> dict[str, Any]:
+    if isinstance(spec, IntInput):
+        return {"kind": "int", "value": spec.value}
+    return {
+        "kind": "tensor",
+        "dtype": spec.dtype,
+        "device": spec.device,
+        "shape": list(spec.shape),
+        "stride": list(spec.strides),
+        "storage_offset": spec.storage_offset,
+        "requires_grad": spec.requires_grad,
+        "mutation": spec.mutation,
+        "aliased": spec.aliased,
+        "value": spec.value,
+    }
+
+
+def decode_json(raw: bytes, where: str) -> Any:
+    """Parse JSON bytes from a file; malformed, non-UTF-8 or absurdly nested input is a
+    CorruptArtifactError (never a RecursionError or UnicodeDecodeError)."""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise CorruptArtifactError(f"{where} is not UTF-8: {exc}") from None
+    try:
+        return json.loads(text, parse_constant=_reject_constant)
+    except (ValueError, RecursionError) as exc:
+        raise CorruptArtifactError(f"{where} is not valid JSON: {str(exc)[:200]}") from None
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON number")
+
+
+class _Reader:
+    """Field-by-field validation of a manifest document."""
+
+    def expect(self, value: Any, kind: type | tuple[type, ...], where: str) -> Any:
+        numeric = kind in (int, float) or (isinstance(kind, tuple) and (int in kind))
+        if not isinstance(value, kind) or (numeric and isinstance(value, bool)):
+            names = kind.__name__ if isinstance(kind, type) else "/".join(k.__name__ for k in kind)
+            raise CorruptArtifactError(
+                f"manifest field {where} should be {names}, got {value!r:.80}"
+            )
+        if isinstance(value, (list, dict)) and len(value) > _MAX_ITEMS:
+            raise CorruptArtifactError(f"manifest field {where} has {len(value)} items")
+        return value
+
+    def text(self, value: Any, where: str, *, limit: int = _MAX_TEXT) -> str:
+        text = self.expect(value, str, where)
+        if len(text) > limit:
+            raise CorruptArtifactError(f"manifest field {where} is {len(text)} characters long")
+        return str(text)
+
+    def optional_text(self, value: Any, where: str) -> str | None:
+        return None if value is None else self.text(value, where)
+
+    def integer(self, value: Any, where: str, *, low: int = 0, high: int = _MAX_INT) -> int:
+        number = self.expect(value, int, where)
+        if not low <= number <= high:
+            shown = str(number) if abs(number) < 10**30 else "a number of over 30 digits"
+            raise CorruptArtifactError(
+                f"manifest field {where} is {shown}, outside [{low}, {high}]"
+            )
+        return int(number)
+
+    def number(self, value: Any, where: str) -> float:
+        number = float(self.expect(value, (int, float), where))
+        if not -1e300 < number < 1e300:
+            raise CorruptArtifactError(f"manifest field {where} is not a finite number")
+        return number
+
+    def boolean(self, value: Any, where: str) -> bool:
+        return bool(self.expect(value, bool, where))
+
+    def digest(self, value: Any, where: str) -> str:
+        text = self.expect(value, str, where)
+        if not _HEX64.match(text):
+            raise CorruptArtifactError(f"manifest field {where} is not a sha256 hex digest")
+        return str(text)
+
+    def size(self, value: Any, names: Sequence[str], where: str) -> int | str:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return self.integer(value, where)
+        return check_expression(self.text(value, where), names)
+
+    # -- sections --------------------------------------------------------------------
+    def manifest(self, data: Any) -> Manifest:
+        self.expect(data, dict, "<root>")
+        if data.get("format") != FORMAT_NAME:
+            raise CorruptArtifactError(
+                f"not a precompile artifact (format={data.get('format')!r:.80})"
+            )
+        version = self.integer(data.get("format_version"), "format_version", high=2**31)
+        if version not in READABLE_VERSIONS:
+            raise IncompatibleArtifactError(
+                f"artifact format version {version} is not supported (this precompile reads "
+                f"version {', '.join(map(str, READABLE_VERSIONS))}); formats before 3 did not "
+                "record input layouts, so their calls cannot be checked: recompile"
+            )
+        environment = self.environment(data.get("environment"))
+        inputs_raw = self.expect(data.get("inputs"), list, "inputs")
+        symbols = self.symbols(data.get("symbols"), len(inputs_raw))
+        names = [s.name for s in symbols]
+        inputs = tuple(
+            self.input(entry, names, f"inputs[{n}]") for n, entry in enumerate(inputs_raw)
+        )
+        for symbol in symbols:
+            for source in symbol.sources:
+                self.check_source(source, symbol.name, inputs)
+        variants = self.variants(data.get("variants"), names)
+        output = data.get("output")
+        return Manifest(
+            environment=environment,
+            symbols=symbols,
+            inputs=inputs,
+            variants=variants,
+            calibration=self.calibration(data.get("calibration"), len(names), len(variants)),
+            training=self.boolean(data.get("training"), "training"),
+            output=None if output is None else self.text(output, "output", limit=1_000_000),
+        )
+
+    def environment(self, value: Any) -> Environment:
+        raw = self.expect(value, dict, "environment")
+        required = {"torch", "torch_git", "python", "platform", "device_type", "device_name"}
+        optional = {"cuda", "triton"}
+        unknown = set(raw) - required - optional - {"capability"}
+        if unknown or not required <= set(raw):
+            raise CorruptArtifactError(
+                f"manifest field environment should have keys {sorted(required | optional)}, "
+                f"got {sorted(raw)[:20]}"
+            )
+        fields = {k: self.text(raw[k], f"environment.{k}") for k in required}
+        return Environment(
+            **fields,
+            cuda=self.optional_text(raw.get("cuda"), "environment.cuda"),
+            triton=self.optional_text(raw.get("triton"), "environment.triton"),
+            capability=self.text(raw.get("capability", ""), "environment.capability"),
+        )
+
+    def symbols(self, value: Any, input_count: int) -> tuple[Symbol, ...]:
+        symbols: list[Symbol] = []
+        seen: set[str] = set()
+        for n, entry in enumerate(self.expect(value, list, "symbols")):
+            self.expect(entry, dict, f"symbols[{n}]")
+            name = check_symbol_name(entry.get("name"))
+            if name in seen:
+                raise CorruptArtifactError(f"symbol {name} is listed twice")
+            seen.add(name)
+            sources = []
+            for m, pair in enumerate(
+                self.expect(entry.get("sources"), list, f"symbols[{n}].sources")
+            ):
+                where = f"symbols[{n}].sources[{m}]"
+                if not (isinstance(pair, list) and len(pair) == 2):
+                    raise CorruptArtifactError(f"manifest field {where} should be [index, dim]")
+                index = self.integer(pair[0], where, high=max(0, input_count - 1))
+                dim = None if pair[1] is None else self.integer(pair[1], where, high=64)
+                sources.append(SymbolSource(index, dim))
+            if not sources:
+                raise CorruptArtifactError(f"symbol {name} has no source in the inputs")
+            low = self.integer(entry.get("min", 0), f"symbols[{n}].min")
+            high_raw = entry.get("max")
+            high = None if high_raw is None else self.integer(high_raw, f"symbols[{n}].max")
+            symbols.append(Symbol(name, tuple(sources), low, high))
+        return tuple(symbols)
+
+    def check_source(self, source: SymbolSource, name: str, inputs: Sequence[InputSpec]) -> None:
+        spec = inputs[source.input_index]
+        if source.dim is None:
+            ok = isinstance(spec, IntInput) and spec.value == name
+        else:
+            ok = (
+                isinstance(spec, TensorInput)
+                and source.dim < len(spec.shape)
+                and spec.shape[source.dim] == name
+            )
+        if not ok:
+            raise CorruptArtifactError(
+                f"symbol {name} is said to be read from input {source.input_index}"
+                f"{'' if source.dim is None else f' dim {source.dim}'}, which is not that symbol"
+            )
+
+    def input(self, entry: Any, names: Sequence[str], where: str) -> InputSpec:
+        self.expect(entry, dict, where)
+        kind = entry.get("kind")
+        if kind == "int":
+            return IntInput(self.size(entry.get("value"), names, f"{where}.value"))
+        if kind != "tensor":
+            raise CorruptArtifactError(f"manifest field {where}.kind is unknown")
+        dtype = self.text(entry.get("dtype"), f"{where}.dtype")
+        device = self.text(entry.get("device"), f"{where}.device")
+        if not _DTYPE.match(dtype) or not _DEVICE.match(device):
+            raise CorruptArtifactError(f"manifest field {where} names dtype/device oddly")
+        shape = self.expect(entry.get("shape"), list, f"{where}.shape")
+        stride = self.expect(entry.get("stride"), list, f"{where}.stride")
+        if len(shape) > 64 or len(stride) != len(shape):
+            raise CorruptArtifactError(
+                f"manifest field {where} has {len(shape)} sizes and {len(stride)} strides"
+            )
+        mutation = entry.get("mutation")
+        if mutation not in ("none", "data", "metadata"):
+            raise CorruptArtifactError(f"manifest field {where}.mutation is unknown")
+        value = entry.get("value")
+        return TensorInput(
+            dtype=dtype,
+            device=device,
+            shape=tuple(self.size(v, names, f"{where}.shape[{d}]") for d, v in enumerate(shape)),
+            stride=tuple(self.size(v, names, f"{where}.stride[{d}]") for d, v in enumerate(stride)),
+            storage_offset=None
+            if entry.get("storage_offset") is None
+            else self.integer(entry.get("storage_offset"), f"{where}.storage_offset"),
+            requires_grad=self.boolean(entry.get("requires_grad"), f"{where}.requires_grad"),
+            mutation=mutation,
+            aliased=self.boolean(entry.get("aliased"), f"{where}.aliased"),
+            value=None if value is None else self.number(value, f"{where}.value"),
+        )
+
+    def variants(self, value: Any, names: Sequence[str]) -> tuple[Variant, ...]:
+        variants: list[Variant] = []
+        for n, entry in enumerate(self.expect(value, list, "variants")):
+            where = f"variants[{n}]"
+            self.expect(entry, dict, where)
+            kind = entry.get("kind")
+            if kind not in ("hint", "static"):
+                raise CorruptArtifactError(f"manifest field {where}.kind is unknown")
+            point = self.expect(entry.get("point"), dict, f"{where}.point")
+            if sorted(point) != sorted(names):
+                raise CorruptArtifactError(
+                    f"manifest field {where}.point does not name every symbol"
+                )
+            guards = tuple(
+                check_expression(self.text(g, f"{where}.guards", limit=10_000), names)
+                for g in self.expect(entry.get("guards"), list, f"{where}.guards")
+            )
+            variants.append(
+                Variant(
+                    index=n,
+                    kind=kind,
+                    point={
+                        name: self.integer(point[name], f"{where}.point[{name}]") for name in names
+                    },
+                    guards=guards,
+                    payload=self.digest(entry.get("payload"), f"{where}.payload"),
+                    code=self.digest(entry.get("code"), f"{where}.code"),
+                    kernels=self.kernels(entry.get("kernels"), f"{where}.kernels"),
+                )
+            )
+        if not variants:
+            raise CorruptArtifactError("manifest lists no variants")
+        return tuple(variants)
+
+    def kernels(self, value: Any, where: str) -> tuple[NativeKernel, ...]:
+        kernels = []
+        for n, entry in enumerate(self.expect(value, list, where)):
+            at = f"{where}[{n}]"
+            self.expect(entry, dict, at)
+            features = self.expect(entry.get("cpu_features"), list, f"{at}.cpu_features")
+            kernels.append(
+                NativeKernel(
+                    key=self.digest(entry.get("key"), f"{at}.key"),
+                    binary=self.digest(entry.get("binary"), f"{at}.binary"),
+                    isa=self.text(entry.get("isa"), f"{at}.isa", limit=64),
+                    cpu_features=tuple(
+                        self.text(f, f"{at}.cpu_features", limit=64) for f in features
+                    ),
+                    machine=self.text(entry.get("machine"), f"{at}.machine", limit=64),
+                )
+            )
+        return tuple(kernels)
+
+    def calibration(self, value: Any, symbols: int, variants: int) -> Calibration | None:
+        if value is None:
+            return None
+        self.expect(value, dict, "calibration")
+        entries = []
+        for n, entry in enumerate(self.expect(value.get("entries"), list, "calibration.entries")):
+            where = f"calibration.entries[{n}]"
+            self.expect(entry, dict, where)
+            point = tuple(
+                self.integer(v, f"{where}.point")
+                for v in self.expect(entry.get("point"), list, f"{where}.point")
+            )
+            if len(point) != symbols:
+                raise CorruptArtifactError(
+                    f"manifest field {where}.point does not size every symbol"
+                )
+            times: dict[int, float] = {}
+            for key, seconds in self.expect(entry.get("times"), dict, f"{where}.times").items():
+                if not (
+                    isinstance(key, str)
+                    and key.isascii()
+                    and key.isdigit()
+                    and len(key) <= 9
+                    and int(key) < variants
+                ):
+                    raise CorruptArtifactError(
+                        f"manifest field {where}.times names no variant ({key!r:.20})"
+                    )
+                times[int(key)] = self.number(seconds, f"{where}.times[{key}]")
+            if not times:
+                raise CorruptArtifactError(f"manifest field {where}.times is empty")
+            entries.append(CalibrationEntry(point, times))
+        min_gain = self.number(value.get("min_gain", 0.0), "calibration.min_gain")
+        if not min_gain >= 0:
+            raise CorruptArtifactError(
+                f"manifest field calibration.min_gain is {min_gain}, not >= 0"
+            )
+        return Calibration(
+            device_name=self.text(value.get("device_name"), "calibration.device_name"),
+            method=self.text(value.get("method"), "calibration.method"),
+            entries=tuple(entries),
+            min_gain=min_gain,
+        )

@@ -118,7 +118,7 @@ def private_inductor_dir(directory: str) -> Iterator[None]:
         _redirect.reset(token)
 
 
-def _unpickle_bundle(payload: bytes) -> tuple[Any, Any, Any]:
+def unpickle_bundle(payload: bytes) -> tuple[Any, Any, Any]:
     bundle = pickle.loads(payload)
     if not (isinstance(bundle, tuple) and len(bundle) == 3):
         raise ValueError("payload is not a bundled AOTAutograd entry")
@@ -141,7 +141,7 @@ def compiled_graphs(bundle_entry: Any) -> list[Any]:
 
 def wrapper_sources(payload: bytes) -> list[str]:
     """The generated wrapper module of every graph in a payload."""
-    entry, _, _ = _unpickle_bundle(payload)
+    entry, _, _ = unpickle_bundle(payload)
     return [str(graph.source_code) for graph in compiled_graphs(entry)]
 
 
@@ -151,7 +151,7 @@ def _rekey(graph: Any) -> None:
 
 
 def variant_source_code(payload: bytes) -> str:
-    entry, _, _ = _unpickle_bundle(payload)
+    entry, _, _ = unpickle_bundle(payload)
     return str(forward_graph(entry).source_code)
 
 
@@ -170,7 +170,7 @@ def load_variant(
     from torch._dynamo.aot_compile_types import BundledAOTAutogradSerializableCallable
 
     if forward_source is not None or rewrite is not None:
-        entry, kernels, constant_args = _unpickle_bundle(payload)
+        entry, kernels, constant_args = unpickle_bundle(payload)
         forward = forward_graph(entry)
         for graph in compiled_graphs(entry):
             original = graph.source_code
@@ -196,17 +196,20 @@ def import_cpp_kernel(path: str, key: str) -> Callable[..., Any]:
 
 
 def tensor_guard(
-    templates: Sequence[Any], static_sizes: Sequence[Sequence[int | None]]
+    templates: Sequence[Any],
+    static_sizes: Sequence[Sequence[int | None]],
+    static_strides: Sequence[Sequence[int | None]],
 ) -> Callable[..., bool] | None:
-    """Dynamo's C++ tensor check (dtype, device, dispatch keys, requires_grad, rank and
-    the static sizes of ``templates``), or None where this torch lacks it."""
+    """Dynamo's C++ tensor check (type, dtype, device, dispatch keys (so neg/conj bits and
+    layouts), requires_grad, rank, and the static sizes and strides given), or None where
+    this torch lacks it or it rejects its own templates."""
     try:
         from torch._C._dynamo.guards import TensorGuards
 
         guards = TensorGuards(
             *templates,
             dynamic_dims_sizes=[list(sizes) for sizes in static_sizes],
-            dynamic_dims_strides=[[None] * len(sizes) for sizes in static_sizes],
+            dynamic_dims_strides=[list(strides) for strides in static_strides],
         )
         check: Callable[..., bool] = guards.check
         if not check(*templates):
@@ -214,6 +217,29 @@ def tensor_guard(
     except (ImportError, TypeError, RuntimeError):
         return None
     return check
+
+
+def has_internal_overlap(tensor: Any) -> bool:
+    """Whether some elements of ``tensor`` share memory (``expand``), or it cannot tell."""
+    import torch
+
+    return bool(torch._C._debug_has_internal_overlap(tensor) != 0)
+
+
+def output_unflattener(spec_json: str) -> Callable[[Any], Any]:
+    """A function rebuilding a graph's output structure from the flat list its compiled
+    code returns (upstream's pytree spec, as ``treespec_dumps`` wrote it)."""
+    from torch.utils import _pytree as pytree
+
+    spec = pytree.treespec_loads(spec_json)
+    if spec.is_leaf():
+        return _first
+    unflatten = pytree.tree_unflatten
+    return lambda flat: unflatten(flat, spec)
+
+
+def _first(flat: Any) -> Any:
+    return flat[0]
 
 
 def vec_isa_name() -> str:
@@ -225,7 +251,7 @@ def vec_isa_name() -> str:
 
 def variant_code_digest(payload: bytes) -> str:
     """sha256 over the generated code (forward, and backward if any): equal means same code."""
-    entry, _, _ = _unpickle_bundle(payload)
+    entry, _, _ = unpickle_bundle(payload)
     digest = hashlib.sha256(forward_graph(entry).source_code.encode())
     backward = getattr(entry, "compiled_bw", None)
     result = getattr(backward, "result", None)

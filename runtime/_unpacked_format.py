@@ -20,8 +20,7 @@ import tempfile
 
 from . import _torch_adapter as adapter
 from ._errors import CorruptArtifactError, InvalidOptionError
-from ._manifest import Manifest
-from ._manifest_reader import manifest_from_json
+from ._manifest import Manifest, decode_json
 from ._payloads import LazyPayloads, PayloadStore, sha256_hex
 
 log = logging.getLogger("precompile.runtime")
@@ -98,11 +97,8 @@ def read_unpacked(path: str) -> tuple[Manifest, PayloadStore]:
             raw_manifest = handle.read()
     except FileNotFoundError:
         raise CorruptArtifactError(f"{where} has no {MANIFEST}") from None
-    try:
-        document = json.loads(raw_manifest)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise CorruptArtifactError(f"{where} manifest is not valid JSON: {exc}") from None
-    manifest = manifest_from_json(document)
+    document = decode_json(raw_manifest, f"{where} {MANIFEST}")
+    manifest = Manifest.from_json(document)
     files = document.get("payload_files")
     if not isinstance(files, dict):
         raise CorruptArtifactError(f"{where} manifest lacks its payload_files table")

@@ -13,8 +13,7 @@ import torch
 from conftest import MLP_HINTS, MLP_SIZES, Compiled, assert_close
 
 import precompile
-from runtime._manifest import Calibration, CalibrationEntry
-from runtime._manifest_reader import manifest_from_json
+from runtime._manifest import Calibration, CalibrationEntry, Manifest
 from runtime._payloads import MemoryPayloads
 
 # The mlp fixture's variants: 0 hint s=1, 1 hint s=16, 2 hint s=256, 3 static s=3.
@@ -178,7 +177,7 @@ def test_a_gain_within_min_gain_does_not_overrule_the_compile_time_choice(
     document = loaded.manifest.to_json()
     document["calibration"]["min_gain"] = -1
     with pytest.raises(precompile.CorruptArtifactError, match="min_gain"):
-        manifest_from_json(document)
+        Manifest.from_json(document)
 
 
 def test_the_default_wall_timer_measures_real_calls(mlp: Compiled) -> None:
@@ -249,4 +248,4 @@ def test_a_boolean_where_the_manifest_wants_a_number_is_corrupt(mlp: Compiled) -
         else:
             document["calibration"]["entries"][0]["times"]["1"] = True
         with pytest.raises(precompile.CorruptArtifactError, match="int/float, got True"):
-            manifest_from_json(document)
+            Manifest.from_json(document)

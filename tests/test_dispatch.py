@@ -209,4 +209,7 @@ def test_guarded_fast_path_is_installed_and_falls_back_when_it_says_no() -> None
     with torch.inference_mode():  # other dispatch keys: the guard says no, Python says yes
         assert art(x(6, 6)) == 0
     grad = x(4, 4).requires_grad_()
-    assert art.sizes_of(grad) == {"s0": 4}
+    with torch.no_grad():  # requires_grad differs from the template: Python says yes
+        assert art.sizes_of(grad) == {"s0": 4}
+    with pytest.raises(precompile.InputMismatchError, match="requires grad"):
+        art(grad)  # an inference artifact would return an output cut off from autograd

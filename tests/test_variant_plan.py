@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 
 from precompile import InvalidOptionError
@@ -74,6 +76,12 @@ def test_bad_requests_are_clear_value_errors(kwargs: dict[str, object], message:
     assert isinstance(info.value, ValueError)
 
 
-def test_hints_need_dynamic_dims() -> None:
-    with pytest.raises(InvalidOptionError, match="no dynamic dimensions"):
-        plan_variants([], {}, [], hints=[4], sizes=None)
+def test_a_static_graph_ignores_hints_and_sizes(caplog: pytest.LogCaptureFixture) -> None:
+    """Dynamo hands a backend a static graph at size 1: the options meant for the dynamic
+    graphs do not apply to it, and it compiles to its one variant."""
+    with caplog.at_level(logging.DEBUG, logger="precompile.compile"):
+        assert plan_variants([], {}, [], hints=[4], sizes=[8]) == [VariantRequest("hint", ())]
+    assert "hints and sizes ignored" in caplog.text
+    assert plan_variants([], {}, [], hints={"s0": [4]}, sizes=None) == [VariantRequest("hint", ())]
+    with pytest.raises(InvalidOptionError, match="hints must be"):
+        plan_variants([], {}, [], hints="16", sizes=None)
