@@ -26,27 +26,26 @@ def backend(
 ) -> Callable[[torch.fx.GraphModule, list[Any]], Callable[..., Any]]:
     """``torch.compile(model, backend=precompile.backend(hints=[16, 256, 4096]))``.
 
-    Graphs without dynamic dims (Dynamo's first, static compile) ignore ``hints`` and
-    ``sizes`` and compile to one variant; dynamic graphs get the requested variants.
+    Graphs without dynamic dims (Dynamo's static compile at size 1, say) ignore ``hints``,
+    ``sizes`` and ``calibrate`` and compile to one variant; dynamic graphs get the
+    requested variants. Dynamo calls what this returns only with inputs its guards
+    accepted, so the per-call check is Dynamo's: the artifact reads the sizes and
+    dispatches (``CompiledArtifact.trusting_caller``), at a cost that does not grow with
+    the number of inputs (a model's parameters among them).
     """
 
     def compile_graph(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
-        dynamic = any(isinstance(v, torch.SymInt) for v in example_inputs) or any(
-            isinstance(s, torch.SymInt)
-            for node in gm.graph.nodes
-            if node.op == "placeholder" and isinstance(node.meta.get("example_value"), torch.Tensor)
-            for s in node.meta["example_value"].shape
-        )
-        return standalone_compile(
+        artifact = standalone_compile(
             gm,
             example_inputs,
             dynamic_shapes="from_tracing_context",
             options=options,
-            hints=hints if dynamic else None,
-            sizes=sizes if dynamic else None,
+            hints=hints,
+            sizes=sizes,
             max_variants=max_variants,
             cache=cache,
-            calibrate=calibrate if dynamic else None,
+            calibrate=calibrate,
         )
+        return artifact.trusting_caller()
 
     return compile_graph

@@ -298,6 +298,9 @@ def standalone_compile(
         names, dims, default_point, hints=hints, sizes=sizes, max_variants=max_variants
     )
     calibration = _calibrate_arguments(calibrate)
+    if calibration is not None and not symbols:
+        log.debug("graph has no dynamic dims: calibrate ignored (one variant, nothing to choose)")
+        calibration = None
     store = _resolve_cache(cache)
 
     def build() -> tuple[CompiledArtifact, list[sympy.Expr]]:

@@ -250,6 +250,7 @@ def _fresh_inputs(
 ) -> tuple[list[Any], Any, dict[sympy.Symbol, sympy.Symbol]]:
     from torch._dynamo.source import ConstantSource
     from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.sym_node import SymNode
     from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv
 
     shape_env = ShapeEnv(specialize_zero_one=False, duck_shape=False)
@@ -286,8 +287,11 @@ def _fresh_inputs(
                 requires_grad=item.requires_grad,
             )
         if item.scalar is not None:
-            # item() of this input returns the constant: the variant is specialized to it.
-            tensor.item_memo = item.scalar
+            # item() of this input returns the constant (a SymFloat with a hint, which the
+            # fake tensor keeps across retraces): the variant is specialized to it.
+            tensor.item_memo = torch.SymFloat(
+                SymNode(sympy.Float(item.scalar), shape_env, float, hint=item.scalar)
+            )
         values.append(tensor)
     reverse = {new: old for old, new in mapping.items() if isinstance(new, sympy.Symbol)}
     return values, fake_mode, reverse

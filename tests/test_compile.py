@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 from conftest import ATTN_HINTS, MLP_HINTS, MLP_SIZES, Compiled, assert_close
@@ -99,25 +97,45 @@ def test_identical_code_is_stored_once(mlp: Compiled, attention: Compiled) -> No
 
 
 def test_compile_leaves_caller_graph_unchanged() -> None:
+    """The caller's graph, its fake values and its ShapeEnv are the caller's: a variant
+    compiled at hint 1 (which specializes its own copy of the batch symbol) must leave no
+    trace there, beyond the guards every variant shares."""
     from conftest import MLP, capture
 
     torch.manual_seed(1)
     captured = capture(MLP(width=32, hidden=64).eval(), torch.randn(4, 32))
-    code_before = captured.gm.code
-    metas_before = [copy.copy(n.meta.get("example_value")) for n in captured.gm.graph.nodes]
-    env = (
-        captured.example_inputs[-1].fake_mode.shape_env
-        if hasattr(captured.example_inputs[-1], "fake_mode")
-        else None
+    nodes = list(captured.gm.graph.nodes)
+    env = next(
+        n.meta["example_value"].fake_mode.shape_env
+        for n in nodes
+        if hasattr(n.meta.get("example_value"), "fake_mode")
     )
+    code_before = captured.gm.code
+    metas_before = [n.meta.get("example_value") for n in nodes]
+    layouts_before = [
+        (tuple(m.shape), m.stride()) if isinstance(m, torch.Tensor) else m for m in metas_before
+    ]
+    values_before = dict(env.backed_var_to_val)
+    replacements_before = dict(env.replacements)
+    guards_before = [str(g.expr) for g in env.guards]
     with torch.no_grad():
-        precompile.standalone_compile(
-            captured.gm, captured.example_inputs, hints=[8], max_variants=1
+        art = precompile.standalone_compile(
+            captured.gm, captured.example_inputs, hints=[1, 8], cache=False
         )
+    hint_one = next(v for v in art.variants if dict(v.point) == {art.symbols[0].name: 1})
+    assert hint_one.guards, "the hint-1 variant should carry guards of its own"
     assert captured.gm.code == code_before
-    metas_after = [n.meta.get("example_value") for n in captured.gm.graph.nodes]
-    assert [type(m) for m in metas_after] == [type(m) for m in metas_before]
-    del env
+    assert list(captured.gm.graph.nodes) == nodes
+    metas_after = [n.meta.get("example_value") for n in nodes]
+    assert all(a is b for a, b in zip(metas_after, metas_before, strict=True))
+    layouts_after = [
+        (tuple(m.shape), m.stride()) if isinstance(m, torch.Tensor) else m for m in metas_after
+    ]
+    assert layouts_after == layouts_before
+    assert dict(env.backed_var_to_val) == values_before
+    assert dict(env.replacements) == replacements_before
+    # hint 1 guards s == 1 and hint 8 guards s != 1: no guard is common, none may leak
+    assert [str(g.expr) for g in env.guards] == guards_before
 
 
 def test_too_many_variants_fail_before_compiling(

@@ -43,17 +43,28 @@ def test_cuda_calibration_with_the_default_timer(
 ) -> None:
     """do_bench times the real variants; dispatch follows the table, outputs stay right."""
     captured, art = cuda_mlp
+    sizes = (16, 100, 1000)
+    heuristic = {
+        n: art.variant_for(*captured.flat(torch.randn(n, 256, device="cuda"))) for n in sizes
+    }  # type: ignore[attr-defined]
     x = torch.randn(7, 256, device="cuda")
-    table = art.calibrate([16, 100, 1000], inputs=captured.flat(x), warmup=5, reps=20)  # type: ignore[attr-defined]
+    table = art.calibrate(list(sizes), inputs=captured.flat(x), warmup=5, reps=20)  # type: ignore[attr-defined]
     assert table.method.startswith("triton.testing.do_bench")
     assert table.device_name == torch.cuda.get_device_name()
     assert [sorted(e.times) for e in table.entries] == [[1, 2]] * 3  # hints 16 and 256
     assert all(0 < t < 1 for e in table.entries for t in e.times.values())
-    for n in (16, 100, 1000):
+    for n, entry in zip(sizes, table.entries, strict=True):
         x = torch.randn(n, 256, device="cuda")
         explained = art.explain(*captured.flat(x))  # type: ignore[attr-defined]
-        assert explained.decided_by == "calibrated"
-        assert explained.chosen == table.entries[(16, 100, 1000).index(n)].best
+        # The measured winner replaces the compile-time choice only where it agrees with
+        # it or beat it by more than min_gain; inside that margin the heuristic stands.
+        choice = heuristic[n]
+        if entry.best == choice or entry.times[choice] > entry.times[entry.best] * (
+            1 + table.min_gain
+        ):
+            assert (explained.decided_by, explained.chosen) == ("calibrated", entry.best)
+        else:
+            assert (explained.decided_by, explained.chosen) == ("nearest-hint", choice)
         with torch.no_grad():
             out = art(*captured.flat(x))  # type: ignore[attr-defined]
             torch.testing.assert_close(out[0], captured.model(x), rtol=2e-3, atol=2e-3)  # type: ignore[attr-defined]
