@@ -466,7 +466,7 @@ class InputContract:
                 f"because {reason}: pass it with strides {expected} and no neg/conj bit"
             )
         if spec.mutation == "data":
-            if adapter.has_internal_overlap(arg):
+            if may_overlap(arg.shape, arg.stride()):
                 raise InputMismatchError(
                     f"input {index} has {what}, and its elements overlap in memory (an expand()ed "
                     "tensor), but the graph writes it: pass a tensor that owns its elements"
@@ -487,6 +487,21 @@ class InputContract:
         if index not in self._copy_logged:
             self._copy_logged.add(index)
             log.debug("input %d has %s: copied into the compiled layout for this call", index, what)
+
+
+def may_overlap(shape: Sequence[int], stride: Sequence[int]) -> bool:
+    """Whether two elements of a tensor of this shape and stride may share memory (an
+    ``expand``ed tensor does). Dims sorted by stride must each step past everything the
+    smaller ones span; a layout that does not is treated as overlapping."""
+    span = 0
+    for size, step in sorted(
+        ((size, abs(step)) for size, step in zip(shape, stride, strict=True) if size > 1),
+        key=lambda pair: pair[1],
+    ):
+        if step <= span:
+            return True
+        span += (size - 1) * step
+    return False
 
 
 def _shape_text(shape: Sequence[int | str]) -> str:

@@ -219,13 +219,6 @@ def tensor_guard(
     return check
 
 
-def has_internal_overlap(tensor: Any) -> bool:
-    """Whether some elements of ``tensor`` share memory (``expand``), or it cannot tell."""
-    import torch
-
-    return bool(torch._C._debug_has_internal_overlap(tensor) != 0)
-
-
 def output_unflattener(spec_json: str) -> Callable[[Any], Any]:
     """A function rebuilding a graph's output structure from the flat list its compiled
     code returns (upstream's pytree spec, as ``treespec_dumps`` wrote it)."""
