@@ -66,6 +66,8 @@ def _inputs_text(graph: GraphDescription) -> str:
                     [str(s) for s in item.shape],
                     [str(s) for s in item.stride],
                     str(item.storage_offset),
+                    # the value a float input's variants are specialized to, bit-exact
+                    None if item.scalar is None else float(item.scalar).hex(),
                 ]
             )
     ranges = {str(s): list(graph.ranges[s]) for s in graph.symbols}
@@ -88,6 +90,8 @@ def cache_factors(
         "options": _canonical(dict(options)),
         "codegen_config": adapter.codegen_config_digest(),
         "dynamic_shapes": dynamic_shapes,
+        # grad mode decides whether a backward graph is compiled (training vs inference)
+        "grad_mode": "enabled" if torch.is_grad_enabled() else "disabled",
         "torch": f"{environment.torch} ({environment.torch_git})",
         "triton": str(environment.triton),
         "python": environment.python,

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+from typing import Any
+
 import pytest
 import torch
 from conftest import ATTN_HINTS, MLP_HINTS, MLP_SIZES, Compiled, assert_close
@@ -223,3 +226,73 @@ def test_static_variants_of_a_graph_that_views_by_its_size_input() -> None:
         ]
         with torch.no_grad():
             assert_close(art(*args), model(x))
+
+
+class _TwoStage(torch.nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        a = x.sin()
+        return (a.cos() + 1) * 2
+
+
+def test_split_module_submodules_return_what_upstream_returns(tmp_path: Any) -> None:
+    """``split_module`` submodules return a single value, not a tuple: so does upstream's
+    artifact, so do ours (fresh and reloaded), and they chain."""
+    from conftest import capture
+    from torch.fx.passes.split_module import split_module
+
+    captured = capture(_TwoStage(), torch.randn(4, 3))
+    stage = {"part": 0}
+
+    def part(node: torch.fx.Node) -> int:
+        if node.name == "cos":
+            stage["part"] = 1
+        return stage["part"]
+
+    parts = split_module(captured.gm, None, part, keep_original_order=True)
+    x = torch.randn(6, 3)
+    value: Any = x
+    for name in ("submod_0", "submod_1"):
+        sub = getattr(parts, name)
+        examples = [n.meta["example_value"] for n in sub.graph.nodes if n.op == "placeholder"]
+        args = [value, 3, 6] if name == "submod_0" else [value, 3, 6]
+        upstream = torch._inductor.standalone_compile(
+            sub, examples, dynamic_shapes="from_graph", options={}
+        )
+        ours = precompile.standalone_compile(sub, examples, cache=False)
+        expected = upstream(*args)
+        assert isinstance(expected, torch.Tensor)
+        result = ours(*args)
+        assert isinstance(result, torch.Tensor)
+        torch.testing.assert_close(result, expected)
+        path = os.path.join(str(tmp_path), f"{name}.pt2c")
+        ours.save(path=path)
+        reloaded = precompile.CompiledArtifact.load(path=path)(*args)
+        assert isinstance(reloaded, torch.Tensor)
+        value = result
+    torch.testing.assert_close(value, _TwoStage()(x))
+
+
+def test_readme_backend_example_serves_batch_size_one() -> None:
+    """Dynamo hands the backend a static graph for the first call at batch 1 (its 0/1
+    specialization): the hints meant for dynamic graphs do not apply, one variant does."""
+    from demo import MLP
+
+    torch.manual_seed(0)
+    model = MLP(width=32, hidden=64).eval()
+    seen: list[int] = []
+
+    def backend(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
+        art = precompile.standalone_compile(
+            gm, example_inputs, dynamic_shapes="from_tracing_context", hints=[16, 256]
+        )
+        seen.append(len(art.variants))
+        return art
+
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend=backend)
+    with torch.no_grad():
+        for n in (1, 1, 5, 9):
+            x = torch.randn(n, 32)
+            torch.testing.assert_close(compiled(x), model(x), rtol=1e-4, atol=1e-4)
+    assert seen[0] == 1  # the static batch-1 graph
+    assert seen[-1] == 2  # the dynamic graph Dynamo compiles when the batch changes

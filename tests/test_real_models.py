@@ -1,0 +1,164 @@
+"""Tiny random-initialized ``transformers`` models (built from small configs, nothing
+downloaded) through ``precompile.backend``: outputs against eager over many sizes, with
+``dynamic=True`` (Dynamo lifts the models' float attributes as inputs), with batch and
+sequence dims marked dynamic, and with the KV cache on through decode steps; and a
+fresh process that runs the same model from the cache with no inductor compile."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from conftest import run_python
+
+import precompile
+
+transformers = pytest.importorskip("transformers")
+
+VOCAB = 128
+SIZES = [(1, 7), (1, 3), (1, 30), (1, 1), (2, 9), (3, 100)]
+
+
+def tiny_llama() -> torch.nn.Module:
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        vocab_size=VOCAB,
+        max_position_embeddings=256,
+    )
+    return transformers.LlamaForCausalLM(config).eval()
+
+
+def tiny_gpt2() -> torch.nn.Module:
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(
+        n_embd=32, n_layer=1, n_head=2, vocab_size=VOCAB, n_positions=256,
+        bos_token_id=0, eos_token_id=0,
+    )  # fmt: skip
+    return transformers.GPT2LMHeadModel(config).eval()
+
+
+def tiny_bert() -> torch.nn.Module:
+    torch.manual_seed(0)
+    config = transformers.BertConfig(
+        hidden_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=64,
+        vocab_size=VOCAB,
+        max_position_embeddings=256,
+    )
+    return transformers.BertModel(config).eval()
+
+
+def _main_output(output: Any) -> torch.Tensor:
+    logits = getattr(output, "logits", None)
+    return logits if logits is not None else output.last_hidden_state
+
+
+def _counting(backend: Callable[..., Any], graphs: list[int]) -> Callable[..., Any]:
+    def compile_graph(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
+        graphs.append(len(example_inputs))
+        return backend(gm, example_inputs)
+
+    return compile_graph
+
+
+@pytest.mark.parametrize(("name", "build"), [("llama", tiny_llama), ("gpt2", tiny_gpt2)])
+def test_causal_lm_with_dynamic_true(name: str, build: Callable[[], torch.nn.Module]) -> None:
+    """``dynamic=True`` makes Dynamo pass the models' float attributes (attention scale,
+    norm epsilons) as 0-d tensors; the variants are specialized to their values."""
+    model = build()
+    graphs: list[int] = []
+    torch._dynamo.reset()
+    backend = _counting(precompile.backend(hints=[4, 64]), graphs)
+    compiled = torch.compile(model, backend=backend, dynamic=True)
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for batch, seq in SIZES:
+            ids = torch.randint(0, VOCAB, (batch, seq))
+            torch.testing.assert_close(
+                _main_output(compiled(ids, use_cache=False)),
+                _main_output(model(ids, use_cache=False)),
+                rtol=1e-4,
+                atol=1e-4,
+            )
+    # a dynamic graph at batch 1, Dynamo's static one at (1, 1), a dynamic one at batch > 1
+    assert len(graphs) == 3, graphs
+
+
+def test_bert_with_batch_and_sequence_marked_dynamic() -> None:
+    model = tiny_bert()
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend=precompile.backend(hints=[4, 64]))
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for batch, seq in [(2, 9), *SIZES]:
+            ids = torch.randint(0, VOCAB, (batch, seq))
+            mask = torch.ones(batch, seq, dtype=torch.long)
+            if (batch, seq) == (2, 9):
+                torch._dynamo.mark_dynamic(ids, 0)
+                torch._dynamo.mark_dynamic(ids, 1)
+                torch._dynamo.mark_dynamic(mask, 0)
+                torch._dynamo.mark_dynamic(mask, 1)
+            torch.testing.assert_close(
+                _main_output(compiled(input_ids=ids, attention_mask=mask)),
+                _main_output(model(input_ids=ids, attention_mask=mask)),
+                rtol=1e-4,
+                atol=1e-4,
+            )
+
+
+def test_llama_kv_cache_through_decode_steps() -> None:
+    model = tiny_llama()
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend=precompile.backend(hints=[4, 64]))
+    torch.manual_seed(2)
+    with torch.no_grad():
+        ids = torch.randint(0, VOCAB, (1, 5))
+        ours, eager = compiled(ids, use_cache=True), model(ids, use_cache=True)
+        torch.testing.assert_close(ours.logits, eager.logits, rtol=1e-4, atol=1e-4)
+        for _ in range(5):
+            token = torch.randint(0, VOCAB, (1, 1))
+            ours = compiled(token, past_key_values=ours.past_key_values, use_cache=True)
+            eager = model(token, past_key_values=eager.past_key_values, use_cache=True)
+            torch.testing.assert_close(ours.logits, eager.logits, rtol=1e-4, atol=1e-4)
+
+
+def test_a_fresh_process_runs_llama_from_the_cache_without_compiling(tmp_path: Any) -> None:
+    """Same model, same cache, new process: Dynamo traces, inductor compiles nothing."""
+    script = f"""
+import sys, torch, precompile
+sys.path.insert(0, "tests")
+from test_real_models import tiny_llama, VOCAB
+import torch._inductor.compile_fx as compile_fx
+calls = []
+original = compile_fx.compile_fx
+def counting(*args, **kwargs):
+    calls.append(1)
+    return original(*args, **kwargs)
+compile_fx.compile_fx = counting
+model = tiny_llama()
+compiled = torch.compile(model, backend=precompile.backend(hints=[4, 64], cache={str(tmp_path)!r}),
+                         dynamic=True)
+torch.manual_seed(1)
+worst = 0.0
+with torch.no_grad():
+    for seq in (7, 30, 2):
+        ids = torch.randint(0, VOCAB, (1, seq))
+        diff = compiled(ids, use_cache=False).logits - model(ids, use_cache=False).logits
+        worst = max(worst, diff.abs().max().item())
+print("compiles", len(calls), "worst", worst)
+"""
+    first = run_python(script)
+    assert "compiles 0" not in first, first  # the first process compiled (a cold cache)
+    second = run_python(script)
+    assert "compiles 0 " in second, second
+    worst = float(second.split("worst")[1])
+    assert worst < 1e-4, second
