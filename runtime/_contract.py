@@ -269,8 +269,10 @@ class InputContract:
         lines.append(f"        return {self._key_tuple()}")
         lines.append("    except (AttributeError, TypeError, IndexError, RuntimeError):")
         lines.append("        return None")
-        exec(compile("\n".join(lines) + "\n", "<precompile input contract>", "exec"), namespace)
+        source = "\n".join(lines) + "\n"
+        exec(compile(source, "<precompile input contract>", "exec"), namespace)
         reader: KeyReader = namespace["read_key"]
+        reader.source = source  # type: ignore[attr-defined]  # for explain-the-check debugging
         return reader
 
     def _key_tuple(self) -> str:

@@ -62,24 +62,30 @@ def _refused(call: Callable[[], Any], *fragments: str) -> str:
     raise AssertionError("the call was not refused")
 
 
-def check_projection(art: Any, model: Projection, flat: Flat, *, huge: bool = True) -> list[str]:
+def check_projection(
+    art: Any, model: Projection, flat: Flat, *, huge: bool = True, device: str = "cpu"
+) -> list[str]:
     """Views of x and of the weight either compute the eager result or are refused."""
     seen = []
     torch.manual_seed(3)
-    base = torch.randn(9, 16)
+
+    def randn(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, device=device)
+
+    base = randn(9, 16)
     cases = {
-        "transposed": torch.randn(8, 9).t(),
+        "transposed": randn(8, 9).t(),
         "column slice": base[:, 8:],
-        "row step": torch.randn(18, 8)[::2],
-        "expanded": torch.randn(1, 8).expand(9, 8),
-        "neg view": torch._neg_view(torch.randn(9, 8)),
-        "one row with odd strides": torch.randn(3, 8)[1:2],
-        "storage offset": torch.randn(100)[4:76].view(9, 8),
+        "row step": randn(18, 8)[::2],
+        "expanded": randn(1, 8).expand(9, 8),
+        "neg view": torch._neg_view(randn(9, 8)),
+        "one row with odd strides": randn(3, 8)[1:2],
+        "storage offset": randn(100)[4:76].view(9, 8),
     }
     if huge:
         # 2**26 rows all reading one row: compiled code for contiguous rows would read
         # 2 GiB past the end of a 32-byte buffer (a SIGSEGV with size_asserts=False).
-        cases["expand 2**26 rows"] = torch.randn(1, 8).expand(2**26, 8)
+        cases["expand 2**26 rows"] = randn(1, 8).expand(2**26, 8)
     cases["contiguous"] = base[:, :8].contiguous()  # last: earlier ones meet a fresh artifact
     with torch.no_grad():
         for name, x in cases.items():
@@ -87,14 +93,14 @@ def check_projection(art: Any, model: Projection, flat: Flat, *, huge: bool = Tr
             _close(art(*flat(x)), expected)
             seen.append(name)
         # a transposed copy of the weight (a static input) is fitted too
-        x = torch.randn(5, 8)
+        x = randn(5, 8)
         args = flat(x)
         index = next(i for i, a in enumerate(args) if a is model.proj.weight)
         args[index] = model.proj.weight.detach().t().contiguous().t()
         assert args[index].stride() == (1, 4)
         _close(art(*args), model(x))
         seen.append("transposed weight")
-    x = torch.randn(4, 8)
+    x = randn(4, 8)
     _refused(lambda: art(*flat(x.to_sparse())), "input", "layout torch.sparse_coo")
     seen.append("sparse")
 
@@ -103,7 +109,7 @@ def check_projection(art: Any, model: Projection, flat: Flat, *, huge: bool = Tr
 
     _refused(lambda: art(*flat(x.as_subclass(Tagged))), "Tagged", "subclass")
     seen.append("subclass")
-    needs_grad = torch.randn(4, 8, requires_grad=True)
+    needs_grad = randn(4, 8).requires_grad_()
     _refused(lambda: art(*flat(needs_grad)), "requires grad", "inference")
     with torch.no_grad():
         _close(art(*flat(needs_grad)), model(needs_grad))

@@ -254,7 +254,7 @@ def test_split_module_submodules_return_what_upstream_returns(tmp_path: Any) -> 
     for name in ("submod_0", "submod_1"):
         sub = getattr(parts, name)
         examples = [n.meta["example_value"] for n in sub.graph.nodes if n.op == "placeholder"]
-        args = [value, 3, 6] if name == "submod_0" else [value, 3, 6]
+        args = [value, 3, 6]  # the piece's input, then its SymInts (s27, s77)
         upstream = torch._inductor.standalone_compile(
             sub, examples, dynamic_shapes="from_graph", options={}
         )
@@ -296,3 +296,51 @@ def test_readme_backend_example_serves_batch_size_one() -> None:
             torch.testing.assert_close(compiled(x), model(x), rtol=1e-4, atol=1e-4)
     assert seen[0] == 1  # the static batch-1 graph
     assert seen[-1] == 2  # the dynamic graph Dynamo compiles when the batch changes
+
+
+def test_compiled_with_grad_enabled_the_artifact_trains() -> None:
+    """Compiled with grad enabled, the variants carry a backward graph: gradients match
+    eager's, and an input whose requires_grad differs from the compile's is refused
+    (its gradient would silently be missing)."""
+
+    class Scaled(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.randn(8, 4))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.tanh(x @ self.w).sum(1)
+
+    torch.manual_seed(0)
+    model = Scaled()
+    box: dict[str, Any] = {}
+
+    def keep(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
+        box["gm"], box["inputs"] = gm, list(example_inputs)
+        return gm.forward
+
+    torch._dynamo.reset()
+    x = torch.randn(5, 8)
+    torch._dynamo.mark_dynamic(x, 0)
+    torch.compile(model, backend=keep, fullgraph=True)(x)
+    art = precompile.standalone_compile(box["gm"], box["inputs"], hints=[4, 64], cache=False)
+    assert art.manifest.training
+    for n in (3, 100):
+        x = torch.randn(n, 8)
+        args = [
+            n if isinstance(v, torch.SymInt) else (model.w if v is model.w else x)
+            for v in box["inputs"]
+        ]
+        model.w.grad = None
+        art(*args)[0].sum().backward()
+        ours = model.w.grad.clone()
+        model.w.grad = None
+        model(x).sum().backward()
+        torch.testing.assert_close(ours, model.w.grad)
+    x = torch.randn(3, 8, requires_grad=True)  # compiled for an x that needs no grad
+    args = [
+        3 if isinstance(v, torch.SymInt) else (model.w if v is model.w else x)
+        for v in box["inputs"]
+    ]
+    with pytest.raises(precompile.InputMismatchError, match="requires_grad=True"):
+        art(*args)

@@ -150,3 +150,22 @@ def test_cuda_fresh_process_load(
         if os.path.basename(argv[0]) in ("gcc", "cc", "ptxas", "clang") and "--version" not in argv
     ]
     assert compilers == [], compilers
+
+
+def test_cuda_views_compute_eager_results_or_are_refused() -> None:
+    """The input contract on the GPU: strides, expands, neg bits, storage offsets (Triton
+    kernels assume 16-byte alignment), sparse, subclasses, grad mode."""
+    from contract_cases import Projection, check_projection
+
+    torch.manual_seed(0)
+    model = Projection().cuda().eval()
+    captured = capture(model, torch.randn(6, 8, device="cuda"))
+    with torch.no_grad():
+        art = precompile.standalone_compile(
+            captured.gm,
+            captured.example_inputs,
+            hints=[1, 64],
+            options={"config_patches": {"size_asserts": False}},
+        )
+    seen = check_projection(art, model, captured.flat, device="cuda")
+    assert len(seen) == 14, seen
