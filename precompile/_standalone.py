@@ -6,7 +6,7 @@ import logging
 import os
 import pickle
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import sympy
@@ -16,7 +16,7 @@ from cache import ArtifactCache, resolve_root
 from runtime import CompiledArtifact
 from runtime import _torch_adapter as runtime_adapter
 from runtime._environment import current_environment
-from runtime._errors import InvalidOptionError, UnsupportedGraphError
+from runtime._errors import InvalidOptionError, PrecompileError, UnsupportedGraphError
 from runtime._manifest import (
     InputSpec,
     IntInput,
@@ -152,9 +152,19 @@ def _compile_all(
     for number, request in enumerate(requests):
         point = dict(zip(graph.symbols, request.point, strict=True))
         started = time.perf_counter()
-        compiled = adapter.compile_variant(
-            gm, graph, point, dynamic=request.kind == "hint", options=options
-        )
+        try:
+            compiled = adapter.compile_variant(
+                gm, graph, point, dynamic=request.kind == "hint", options=options
+            )
+        except PrecompileError:
+            raise
+        except Exception as exc:  # inductor's own failure, whatever its type
+            where = ", ".join(f"{n}={v}" for n, v in zip(names, request.point, strict=True))
+            reason = str(exc).strip().splitlines()[0][:500] if str(exc).strip() else ""
+            raise UnsupportedGraphError(
+                f"inductor could not compile variant {number} ({request.kind}"
+                f"{' ' + where if where else ''}): {type(exc).__name__}: {reason}"
+            ) from exc
         if uses is None:
             uses, training = compiled.uses, compiled.training
         elif (uses, training) != (compiled.uses, compiled.training):
@@ -251,6 +261,23 @@ def _resolve_cache(cache: CacheOption) -> ArtifactCache | None:
     )
 
 
+# Cache keys whose compile raised UnsupportedGraphError in this process (bounded).
+_FAILED: dict[str, UnsupportedGraphError] = {}
+_FAILED_LIMIT = 256
+
+
+def _remembering_failure(
+    key: str, build: Callable[[], tuple[CompiledArtifact, list[sympy.Expr]]]
+) -> tuple[CompiledArtifact, list[sympy.Expr]]:
+    try:
+        return build()
+    except UnsupportedGraphError as exc:
+        if len(_FAILED) >= _FAILED_LIMIT:
+            del _FAILED[next(iter(_FAILED))]
+        _FAILED[key] = exc
+        raise
+
+
 def standalone_compile(
     gm: torch.fx.GraphModule,
     example_inputs: Sequence[Any],
@@ -310,19 +337,23 @@ def standalone_compile(
             artifact.calibrate(**{"inputs": templates, **calibration})
         return artifact, common
 
-    if store is None:
-        artifact, common = build()
-        _propagate_common_guards(graph, common)
-        return artifact
     factors = cache_factors(gm, graph, requests, options or {}, dynamic_shapes, _device_of(graph))
     if calibration is not None:
         # The timer is code, not data: a custom one does not enter the key.
         factors["calibrate"] = repr(sorted((k, v) for k, v in calibration.items() if k != "timer"))
     key = cache_key(factors)
+    failed = _FAILED.get(key)
+    if failed is not None:
+        # Dynamo retries a failed backend on every call; the compile would fail again.
+        raise UnsupportedGraphError(f"{failed} (failed earlier in this process; not retried)")
+    if store is None:
+        artifact, common = _remembering_failure(key, build)
+        _propagate_common_guards(graph, common)
+        return artifact
 
     def create() -> tuple[CompiledArtifact, dict[str, bytes]]:
         log.info("cache miss: %s", store.explain_miss(key, factors))
-        artifact, common = build()
+        artifact, common = _remembering_failure(key, build)
         return artifact, {"caller_guards": pickle.dumps(common)}
 
     artifact, aux, hit = store.get_or_create(key, factors, create)

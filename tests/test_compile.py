@@ -344,3 +344,29 @@ def test_compiled_with_grad_enabled_the_artifact_trains() -> None:
     ]
     with pytest.raises(precompile.InputMismatchError, match="requires_grad=True"):
         art(*args)
+
+
+def test_a_graph_inductor_cannot_compile_fails_once_with_the_reason(
+    mlp: Compiled, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Dynamo retries a failing backend on every call: the first compile says why, and
+    later calls fail at once instead of compiling (and failing) again."""
+    import torch._inductor.compile_fx as compile_fx
+
+    calls: list[int] = []
+
+    def broken(*args: Any, **kwargs: Any) -> Any:
+        calls.append(1)
+        raise RuntimeError("lowering exploded\\nsecond line of a long trace")
+
+    monkeypatch.setattr(compile_fx, "compile_fx", broken)
+    captured = mlp.captured
+    for attempt in range(3):
+        with pytest.raises(precompile.UnsupportedGraphError) as info:
+            precompile.standalone_compile(
+                captured.gm, captured.example_inputs, hints=[7, 77], cache=False
+            )
+        assert "could not compile variant 0 (hint s" in str(info.value)
+        assert "RuntimeError: lowering exploded" in str(info.value)
+        assert ("not retried" in str(info.value)) == (attempt > 0)
+    assert len(calls) == 1
