@@ -22,6 +22,7 @@ import sympy
 import torch
 
 from runtime import _torch_adapter as runtime_adapter
+from runtime._build_dir import build_dir
 from runtime._errors import InvalidOptionError, UnsupportedGraphError
 from runtime._manifest import NativeKernel
 from runtime._native_kernels import cpu_features_for_flags, find_cpp_kernels, kernel_key
@@ -305,7 +306,7 @@ def _compile_context(fake_mode: Any) -> Iterator[None]:
     patches: dict[str, Any] = {"bundled_autograd_cache": True}
     if hasattr(functorch_config, "force_non_lazy_backward_lowering"):
         patches["force_non_lazy_backward_lowering"] = True
-    build = runtime_adapter.build_dir()
+    build = build_dir()
     with ExitStack() as stack:
         stack.enter_context(runtime_adapter.inductor_cache_dir(build))
         # Variants of one graph share an AOTAutograd key; drop earlier entries so a later

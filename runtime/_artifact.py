@@ -12,6 +12,7 @@ from typing import Any, Literal
 import torch
 
 from . import _native_kernels as native_kernels
+from . import _signing as signing
 from . import _torch_adapter as adapter
 from ._binary_format import read_binary, write_binary
 from ._calibration import SizesSpec, Timer, default_timer, measure, normalize_sizes
@@ -21,6 +22,7 @@ from ._environment import check_compatible, current_environment
 from ._errors import CorruptArtifactError, InvalidOptionError
 from ._manifest import Calibration, Manifest, Symbol, Variant
 from ._payloads import PayloadStore
+from ._signing import TrustedKeysOption
 from ._unpacked_format import read_unpacked, write_unpacked
 
 log = logging.getLogger("precompile.runtime")
@@ -318,14 +320,23 @@ class CompiledArtifact:
         )
 
     # -- persistence -----------------------------------------------------------------
-    def save(self, *, path: str | os.PathLike[str], format: ArtifactFormat = "binary") -> None:
+    def save(
+        self,
+        *,
+        path: str | os.PathLike[str],
+        format: ArtifactFormat = "binary",
+        signing_key: Any = None,
+    ) -> None:
+        """Write the artifact atomically. ``signing_key`` (an Ed25519 private key: a PEM
+        file path, PEM bytes or a ``cryptography`` key) signs it, so that loads with
+        ``trusted_keys`` accept it."""
         _check_format(format)
         target = os.fspath(path)
         if format == "binary":
-            write_binary(target, self._manifest, self._payloads)
+            write_binary(target, self._manifest, self._payloads, signing_key)
         else:
-            write_unpacked(target, self._manifest, self._payloads)
-        log.info("saved %s artifact to %s", format, target)
+            write_unpacked(target, self._manifest, self._payloads, signing_key)
+        log.info("saved %s artifact to %s%s", format, target, " (signed)" if signing_key else "")
 
     @staticmethod
     def load(
@@ -333,18 +344,29 @@ class CompiledArtifact:
         path: str | os.PathLike[str],
         format: ArtifactFormat = "binary",
         warmup: bool | Literal["background"] = False,
+        trusted_keys: TrustedKeysOption = None,
+        run_edited_code: bool = False,
     ) -> CompiledArtifact:
-        """Read and verify an artifact; variants load on first use unless ``warmup``."""
+        """Read and verify an artifact; variants load on first use unless ``warmup``.
+
+        ``trusted_keys`` (public keys: hex, PEM files or PEM bytes; default
+        ``$PRECOMPILE_TRUSTED_KEYS``): when set, the artifact must be signed by one of
+        them, checked before anything in it is unpickled or imported.
+        ``run_edited_code``: run an edited ``output_code.py`` of an unpacked artifact
+        (otherwise an edit is ignored, with a warning)."""
         _check_format(format)
-        source = os.fspath(path)
-        if format == "binary":
-            manifest, payloads = read_binary(source)
-        else:
-            manifest, payloads = read_unpacked(source)
-        check_compatible(manifest.environment, f"artifact {source!r}")
-        artifact = CompiledArtifact(manifest, payloads)
         if warmup not in (True, False, "background"):
             raise InvalidOptionError(f"warmup must be True, False or 'background', got {warmup!r}")
+        source = os.fspath(path)
+        trusted = signing.trusted_keys(trusted_keys)
+        if format == "binary":
+            if run_edited_code:
+                raise InvalidOptionError("run_edited_code applies to format='unpacked' only")
+            manifest, payloads, _ = read_binary(source, trusted)
+        else:
+            manifest, payloads, _ = read_unpacked(source, trusted, run_edited_code=run_edited_code)
+        check_compatible(manifest.environment, f"artifact {source!r}")
+        artifact = CompiledArtifact(manifest, payloads)
         if warmup:
             artifact.warmup(background=warmup == "background")
         return artifact

@@ -1,12 +1,16 @@
 """The single-file format: header, checksummed JSON index, zstd-compressed payloads.
 
     magic (12 bytes) | format version (u32 LE) | index length (u64 LE)
-    | sha256 of index (32 bytes) | index (JSON) | payload bytes ...
+    | sha256 of index (32 bytes) | signer's public key (32) | signature (64)
+    | index (JSON) | payload bytes ...
 
 The index holds the manifest and, per payload digest, its offset, stored size, raw
-size and the sha256 of the stored bytes. Sizes are checked against the file length on
-open (truncation), stored bytes are hashed before decompressing, and the decompressed
-bytes must hash to the payload's digest before anyone unpickles them.
+size and the sha256 of the stored bytes. Nothing is read past what the header and index
+commit to: the file must be a regular file, the index length is bounded by the file, the
+index must match its sha256, every payload must lie inside the file and match its
+stored sha256, and decompression is bounded by the raw size (see ``_payloads``). The
+signature slot (all zeros when unsigned) signs the index digest; it is checked against
+the trusted keys, if any, before anything is unpickled.
 """
 
 from __future__ import annotations
@@ -17,31 +21,42 @@ import struct
 from collections.abc import Iterable
 from typing import Any
 
-import zstandard
-
 from ._errors import CorruptArtifactError, IncompatibleArtifactError, InvalidOptionError
 from ._manifest import Manifest, decode_json
-from ._payloads import LazyPayloads, PayloadStore, atomic_file, sha256_hex
+from ._payloads import (
+    LazyPayloads,
+    PayloadStore,
+    atomic_file,
+    compress,
+    decompress,
+    max_payload_bytes,
+    read_bounded,
+    sha256_hex,
+)
+from ._signing import PUBLIC_KEY_BYTES, SIGNATURE_BYTES, Signature, check, sign
 
 MAGIC = b"\x93PRECOMPILE\n"
-BINARY_VERSION = 1
-_HEADER = struct.Struct("<12sIQ32s")
-_ZSTD_LEVEL = 3
+BINARY_VERSION = 2  # 2: a signature slot in the header
+_HEADER = struct.Struct(f"<12sIQ32s{PUBLIC_KEY_BYTES}s{SIGNATURE_BYTES}s")
+_NO_SIGNATURE = bytes(PUBLIC_KEY_BYTES + SIGNATURE_BYTES)
+_MAX_INDEX = 256 << 20
+_MAX_FILE = 1 << 40
 
 
-def write_binary(path: str, manifest: Manifest, payloads: PayloadStore) -> None:
+def write_binary(
+    path: str, manifest: Manifest, payloads: PayloadStore, signing_key: Any = None
+) -> None:
     if os.path.isdir(path):
         raise InvalidOptionError(
             f"path {path!r} is a directory; format='binary' writes one file (use "
             "format='unpacked' for a directory)"
         )
-    compressor = zstandard.ZstdCompressor(level=_ZSTD_LEVEL)
     blobs: list[bytes] = []
     table: dict[str, dict[str, Any]] = {}
     offset = 0
     for digest in manifest.payload_digests:
         raw = payloads.read(digest)
-        stored = compressor.compress(raw)
+        stored = compress(raw)
         table[digest] = {
             "offset": offset,
             "size": len(stored),
@@ -54,36 +69,65 @@ def write_binary(path: str, manifest: Manifest, payloads: PayloadStore) -> None:
         {"manifest": manifest.to_json(), "payloads": table, "compression": "zstd"},
         separators=(",", ":"),
     ).encode()
-    header = _HEADER.pack(MAGIC, BINARY_VERSION, len(index), bytes.fromhex(sha256_hex(index)))
-    with atomic_file(path) as handle:
-        handle.write(header)
+    index_digest = bytes.fromhex(sha256_hex(index))
+    with atomic_file(path, 0o644) as handle:
+        handle.write(_header(len(index), index_digest, signing_key))
         handle.write(index)
         for blob in blobs:
             handle.write(blob)
 
 
-def _parse_index(data: bytes, where: str) -> tuple[Manifest, dict[str, dict[str, Any]], int]:
+def _header(index_length: int, index_digest: bytes, signing_key: Any) -> bytes:
+    if signing_key is None:
+        public, signature = bytes(PUBLIC_KEY_BYTES), bytes(SIGNATURE_BYTES)
+    else:
+        signed = sign(index_digest, signing_key)
+        public, signature = signed.public_key, signed.signature
+    return _HEADER.pack(MAGIC, BINARY_VERSION, index_length, index_digest, public, signature)
+
+
+def sign_binary(path: str, signing_key: Any) -> Signature:
+    """Sign an existing binary artifact in place (the header's signature slot)."""
+    view, header = _open(path)
+    _, _, index_length, index_digest, _, _ = header
+    _read_index(view, index_length, index_digest, f"artifact {path!r}")
+    new_header = _header(index_length, index_digest, signing_key)
+    with atomic_file(path, 0o644) as handle:
+        handle.write(new_header)
+        handle.write(memoryview(view)[_HEADER.size :])
+    _, _, _, _, public, signature = _HEADER.unpack(new_header)
+    return Signature(public, signature)
+
+
+def _open(path: str) -> tuple[bytes, tuple[Any, ...]]:
+    """The file's bytes (a regular file, read once: no mapping another writer could
+    truncate under us) and its parsed header."""
+    where = f"artifact {path!r}"
+    if os.path.isdir(path):
+        raise InvalidOptionError(f"{path!r} is a directory; load it with format='unpacked'")
+    data = read_bounded(path, _MAX_FILE, where=where)
     if len(data) < _HEADER.size:
         raise CorruptArtifactError(f"{where} is too short to be a precompile artifact")
-    magic, version, index_length, index_sha = _HEADER.unpack_from(data)
+    header = _HEADER.unpack_from(data)
+    magic, version = header[0], header[1]
     if magic != MAGIC:
         raise CorruptArtifactError(f"{where} is not a precompile artifact (bad magic)")
     if version != BINARY_VERSION:
         raise IncompatibleArtifactError(
             f"{where} uses binary format version {version}; this precompile reads "
-            f"version {BINARY_VERSION}"
+            f"version {BINARY_VERSION} (recompile, or load with the precompile that wrote it)"
         )
+    return data, header
+
+
+def _read_index(view: bytes, length: int, digest: bytes, where: str) -> tuple[Any, int]:
     start = _HEADER.size
-    end = start + index_length
-    if end > len(data):
-        raise CorruptArtifactError(f"{where} is truncated (index cut short)")
-    index_bytes = data[start:end]
-    if sha256_hex(index_bytes) != index_sha.hex():
+    if length > min(len(view) - start, _MAX_INDEX):
+        raise CorruptArtifactError(f"{where} is truncated or its index length is absurd")
+    index_bytes = view[start : start + length]
+    if sha256_hex(index_bytes) != digest.hex():
         raise CorruptArtifactError(f"{where} index fails its sha256 check")
-    index = decode_json(index_bytes, f"{where} index")
-    if not isinstance(index, dict) or "manifest" not in index or "payloads" not in index:
-        raise CorruptArtifactError(f"{where} index is malformed (no manifest or payload table)")
-    return Manifest.from_json(index["manifest"]), index["payloads"], end
+    return decode_json(index_bytes, f"{where} index"), start + length
 
 
 def _check_table(
@@ -92,13 +136,18 @@ def _check_table(
     if not isinstance(table, dict):
         raise CorruptArtifactError(f"{where} payload table is malformed")
     total = 0
+    limit = max_payload_bytes()
     for digest in digests:
         entry = table.get(digest)
         if not isinstance(entry, dict) or not all(
-            isinstance(entry.get(k), int) for k in ("offset", "size", "raw_size")
+            type(entry.get(k)) is int for k in ("offset", "size", "raw_size")
         ):
             raise CorruptArtifactError(f"{where} lacks payload {digest[:12]}")
-        if entry["offset"] < 0 or entry["offset"] + entry["size"] > data_length:
+        if not isinstance(entry.get("stored_sha256"), str):
+            raise CorruptArtifactError(f"{where} payload {digest[:12]} has no stored sha256")
+        if entry["offset"] < 0 or entry["size"] < 0 or not 0 <= entry["raw_size"] <= limit:
+            raise CorruptArtifactError(f"{where} payload {digest[:12]} has absurd sizes")
+        if entry["offset"] + entry["size"] > data_length:
             raise CorruptArtifactError(f"{where} is truncated (payload {digest[:12]} cut short)")
         total += entry["size"]
     if total != data_length:
@@ -108,28 +157,31 @@ def _check_table(
     return table
 
 
-def read_binary(path: str) -> tuple[Manifest, PayloadStore]:
+def read_binary(
+    path: str, trusted: tuple[bytes, ...] | None = None
+) -> tuple[Manifest, PayloadStore, Signature | None]:
     where = f"artifact {path!r}"
-    if os.path.isdir(path):
-        raise InvalidOptionError(f"{path!r} is a directory; load it with format='unpacked'")
-    with open(path, "rb") as handle:
-        data = handle.read()
-    manifest, table, data_start = _parse_index(data, where)
-    payload_view = memoryview(data)[data_start:]
-    table = _check_table(table, manifest.payload_digests, len(payload_view), where)
+    view, header = _open(path)
+    _, _, index_length, index_digest, public, signature_bytes = header
+    index, data_start = _read_index(view, index_length, index_digest, where)
+    signature = (
+        None if public + signature_bytes == _NO_SIGNATURE else Signature(public, signature_bytes)
+    )
+    check(index_digest, signature, trusted, where)
+    if not isinstance(index, dict) or "manifest" not in index or "payloads" not in index:
+        raise CorruptArtifactError(f"{where} index is malformed (no manifest or payload table)")
+    manifest = Manifest.from_json(index["manifest"])
+    payload_view = memoryview(view)[data_start:]
+    table = _check_table(index["payloads"], manifest.payload_digests, len(payload_view), where)
     for digest in manifest.payload_digests:
         entry = table[digest]
         stored = payload_view[entry["offset"] : entry["offset"] + entry["size"]]
-        if sha256_hex(stored) != entry.get("stored_sha256"):
+        if sha256_hex(stored) != entry["stored_sha256"]:
             raise CorruptArtifactError(f"{where} payload {digest[:12]} fails its sha256 check")
 
     def fetch(digest: str) -> bytes:
         entry = table[digest]
         stored = payload_view[entry["offset"] : entry["offset"] + entry["size"]]
-        try:
-            raw = zstandard.ZstdDecompressor().decompress(stored, max_output_size=entry["raw_size"])
-        except zstandard.ZstdError as exc:
-            raise CorruptArtifactError(f"{where} payload {digest[:12]}: {exc}") from None
-        return bytes(raw)
+        return decompress(stored, entry["raw_size"], digest, where)
 
-    return manifest, LazyPayloads(fetch)
+    return manifest, LazyPayloads(fetch), signature

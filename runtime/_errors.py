@@ -40,7 +40,17 @@ class UnsafeCacheError(PrecompileError, PermissionError):
     code that someone else could have written."""
 
 
+class ArtifactAccessError(PrecompileError, PermissionError):
+    """An artifact (or a file or directory of one) exists but this user may not read it."""
+
+
+class UntrustedArtifactError(PrecompileError, PermissionError):
+    """Trusted keys are configured and the artifact is unsigned, signed by another key,
+    or its signature does not match; nothing of it was unpickled or imported."""
+
+
 __all__ = [
+    "ArtifactAccessError",
     "CorruptArtifactError",
     "IncompatibleArtifactError",
     "InputMismatchError",
@@ -49,4 +59,5 @@ __all__ = [
     "PrecompileError",
     "UnsafeCacheError",
     "UnsupportedGraphError",
+    "UntrustedArtifactError",
 ]

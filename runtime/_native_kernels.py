@@ -29,6 +29,7 @@ from functools import cache
 from typing import Any
 
 from . import _torch_adapter as adapter
+from ._build_dir import build_dir
 from ._errors import IncompatibleArtifactError
 from ._manifest import NativeKernel
 from ._payloads import atomic_file
@@ -129,6 +130,7 @@ class _Entry:
     kernel: NativeKernel
     path: str | None  # the binary on disk, or None when this machine cannot run it
     reason: str | None
+    read: Callable[[str], bytes]  # the artifact's verified bytes of a binary, by digest
 
 
 _lock = threading.RLock()
@@ -136,21 +138,55 @@ _entries: dict[str, _Entry] = {}
 _loaded: dict[str, Callable[..., Any]] = {}
 
 
+def _after_fork_in_child() -> None:
+    global _lock
+    _lock = threading.RLock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def _file_digest(path: str) -> str | None:
+    digest = hashlib.sha256()
+    try:
+        with open(path, "rb") as handle:
+            for chunk in iter(lambda: handle.read(1 << 20), b""):
+                digest.update(chunk)
+    except FileNotFoundError:
+        return None
+    return digest.hexdigest()
+
+
+def _place(entry: _Entry) -> str:
+    """The kernel's binary in the build dir, holding exactly the artifact's bytes: a file
+    already there (a shared PRECOMPILE_BUILD_DIR, an earlier load) is imported only if
+    its sha256 is the kernel's; otherwise it is replaced."""
+    assert entry.path is not None
+    found = _file_digest(entry.path)
+    if found != entry.kernel.binary:
+        if found is not None:
+            log.warning(
+                "kernel binary %s does not match its sha256 (%s...); replacing it with the "
+                "artifact's copy",
+                entry.path,
+                found[:12],
+            )
+        with atomic_file(entry.path, 0o700) as handle:
+            handle.write(entry.read(entry.kernel.binary))
+    return entry.path
+
+
 def register(kernels: Iterable[NativeKernel], read: Callable[[str], bytes]) -> None:
-    """Make ``kernels`` loadable by key: write usable binaries into the private build dir."""
-    directory = os.path.join(adapter.build_dir(), "kernels")
+    """Make ``kernels`` loadable by key (binaries are placed when imported)."""
+    directory = os.path.join(build_dir(), "kernels")
     for kernel in kernels:
         with _lock:
             if kernel.key in _entries:
                 continue
             reason = why_unusable(kernel)
-            path = None
-            if reason is None:
-                path = os.path.join(directory, f"{kernel.binary}.so")
-                if not os.path.exists(path):
-                    with atomic_file(path) as handle:
-                        handle.write(read(kernel.binary))
-            _entries[kernel.key] = _Entry(kernel, path, reason)
+            path = None if reason is not None else os.path.join(directory, f"{kernel.binary}.so")
+            _entries[kernel.key] = _Entry(kernel, path, reason, read)
 
 
 def load_cpp_pybinding(async_compile: Any, argtypes: list[str], source: str) -> Any:
@@ -163,7 +199,7 @@ def load_cpp_pybinding(async_compile: Any, argtypes: list[str], source: str) -> 
             return function
         if entry is not None and entry.path is not None:
             try:
-                function = adapter.import_cpp_kernel(entry.path, f"precompile_{key[:40]}")
+                function = adapter.import_cpp_kernel(_place(entry), f"precompile_{key[:40]}")
             except (ImportError, OSError) as exc:
                 reason = f"its bundled binary does not load here ({exc})"
             else:

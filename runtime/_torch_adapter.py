@@ -13,20 +13,19 @@ other caller, and this thread outside a load, gets inductor's own answer unchang
 
 from __future__ import annotations
 
-import atexit
 import hashlib
 import importlib
 import logging
 import os
 import pickle
-import shutil
 import sys
-import tempfile
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from contextvars import ContextVar
 from typing import Any
+
+from ._build_dir import build_dir
 
 log = logging.getLogger("precompile.runtime")
 
@@ -35,23 +34,18 @@ log = logging.getLogger("precompile.runtime")
 INDUCTOR_LOCK = threading.RLock()
 # Loads are serialized: upstream's deserialization mutates process-wide tables.
 LOAD_LOCK = threading.RLock()
-_build_dir: str | None = None
 _redirect: ContextVar[str | None] = ContextVar("precompile_inductor_dir", default=None)
 
 
-def build_dir() -> str:
-    """A directory private to this process for generated modules and built kernels."""
-    global _build_dir
-    with INDUCTOR_LOCK:
-        if _build_dir is None:
-            configured = os.environ.get("PRECOMPILE_BUILD_DIR")
-            if configured:
-                os.makedirs(configured, mode=0o700, exist_ok=True)
-                _build_dir = configured
-            else:
-                _build_dir = tempfile.mkdtemp(prefix="precompile-build-")
-                atexit.register(shutil.rmtree, _build_dir, ignore_errors=True)
-        return _build_dir
+def _after_fork_in_child() -> None:
+    """A lock held by another thread at fork would never be released in the child."""
+    global INDUCTOR_LOCK, LOAD_LOCK
+    INDUCTOR_LOCK = threading.RLock()
+    LOAD_LOCK = threading.RLock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 @contextmanager

@@ -1,35 +1,53 @@
 """The directory format: a readable manifest.json and one folder per distinct variant.
 
-    path/manifest.json                      manifest plus a checksum per payload file
+    path/manifest.json                      manifest plus the size of each payload file
+    path/signature.json                     optional: a signature over manifest.json
     path/variants/<digest>/payload.bin      the variant (upstream's bundled entry, pickled)
     path/variants/<digest>/output_code.py   its generated forward code
     path/kernels/<digest>.so                a built C++ kernel the variants import
 
-``payload.bin`` is checked against its sha256 before it is unpickled. ``output_code.py``
-is the one file meant for hands: an edited copy replaces the payload's code on the next
-load, as upstream's unpacked format allows, and the load logs that it did so.
+Every file is opened relative to the artifact's directory without following symbolic
+links (nothing outside the directory is read), must be a regular file of the size the
+manifest gives, and is checked against its sha256 before use. ``output_code.py`` is the
+one file meant for hands: an edited copy runs only when the load opts in
+(``run_edited_code=True``), and then with a WARNING; otherwise the edit is ignored, also
+with a WARNING. With trusted keys configured, edits never run (they are not signed).
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
 import shutil
+import stat
 import tempfile
+from typing import Any
 
 from . import _torch_adapter as adapter
-from ._errors import CorruptArtifactError, InvalidOptionError
+from ._errors import (
+    ArtifactAccessError,
+    CorruptArtifactError,
+    InvalidOptionError,
+    UntrustedArtifactError,
+)
 from ._manifest import Manifest, decode_json
-from ._payloads import LazyPayloads, PayloadStore, sha256_hex
+from ._payloads import LazyPayloads, PayloadStore, max_payload_bytes, read_bounded, sha256_hex
+from ._signing import Signature, check, sign
 
 log = logging.getLogger("precompile.runtime")
 MANIFEST = "manifest.json"
+SIGNATURE = "signature.json"
 PAYLOAD = "payload.bin"
 CODE = "output_code.py"
+_MAX_MANIFEST = 64 << 20
+_MAX_CODE = 64 << 20
 
 
-def write_unpacked(path: str, manifest: Manifest, payloads: PayloadStore) -> None:
+def write_unpacked(
+    path: str, manifest: Manifest, payloads: PayloadStore, signing_key: Any = None
+) -> None:
     if os.path.isfile(path):
         raise InvalidOptionError(f"path {path!r} is a file; format='unpacked' writes a directory")
     parent = os.path.dirname(os.path.abspath(path))
@@ -46,7 +64,7 @@ def write_unpacked(path: str, manifest: Manifest, payloads: PayloadStore) -> Non
             code = payloads.edited_source(digest) or adapter.variant_source_code(raw)
             with open(os.path.join(folder, CODE), "w", encoding="utf-8") as handle:
                 handle.write(code)
-            files[digest] = {"file": f"variants/{digest}/{PAYLOAD}", "size": len(raw)}
+            files[digest] = {"file": _payload_file(digest), "size": len(raw)}
         for digest in manifest.kernel_digests:
             raw = payloads.read(digest)
             os.makedirs(os.path.join(staging, "kernels"), exist_ok=True)
@@ -55,13 +73,43 @@ def write_unpacked(path: str, manifest: Manifest, payloads: PayloadStore) -> Non
             files[digest] = {"file": _kernel_file(digest), "size": len(raw)}
         document = manifest.to_json()
         document["payload_files"] = files
-        with open(os.path.join(staging, MANIFEST), "w", encoding="utf-8") as handle:
-            json.dump(document, handle, indent=2)
-            handle.write("\n")
+        text = (json.dumps(document, indent=2) + "\n").encode()
+        with open(os.path.join(staging, MANIFEST), "wb") as handle:
+            handle.write(text)
+        if signing_key is not None:
+            _write_signature(staging, sign(bytes.fromhex(sha256_hex(text)), signing_key))
+        os.chmod(staging, 0o755)
         _swap_into_place(staging, path)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
+
+
+def _write_signature(directory: str, signature: Signature) -> None:
+    with open(os.path.join(directory, SIGNATURE), "w", encoding="utf-8") as handle:
+        json.dump(signature.to_json(), handle, indent=2)
+        handle.write("\n")
+
+
+def sign_unpacked(path: str, signing_key: Any) -> Signature:
+    """Sign an existing unpacked artifact (writes ``signature.json``)."""
+    directory = _open_dir(path, None, path)
+    try:
+        text = read_bounded(MANIFEST, _MAX_MANIFEST, follow=False, dir_fd=directory,
+                            where=f"{path}/{MANIFEST}")  # fmt: skip
+    finally:
+        os.close(directory)
+    signature = sign(bytes.fromhex(sha256_hex(text)), signing_key)
+    tmp = os.path.join(path, SIGNATURE + ".tmp")
+    with open(tmp, "w", encoding="utf-8") as handle:
+        json.dump(signature.to_json(), handle, indent=2)
+        handle.write("\n")
+    os.replace(tmp, os.path.join(path, SIGNATURE))
+    return signature
+
+
+def _payload_file(digest: str) -> str:
+    return f"variants/{digest}/{PAYLOAD}"
 
 
 def _kernel_file(digest: str) -> str:
@@ -84,52 +132,144 @@ def _swap_into_place(staging: str, path: str) -> None:
     shutil.rmtree(retired, ignore_errors=True)
 
 
-def read_unpacked(path: str) -> tuple[Manifest, PayloadStore]:
-    where = f"artifact {path!r}"
-    if not os.path.isdir(path):
-        raise InvalidOptionError(
-            f"{path!r} is not a directory; an unpacked artifact is a directory "
-            "(load a single file with format='binary')"
-        )
-    manifest_path = os.path.join(path, MANIFEST)
+def _open_dir(name: str, dir_fd: int | None, where: str) -> int:
+    """A descriptor of directory ``name`` (relative to ``dir_fd``), never via a symlink."""
+    flags = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_CLOEXEC", 0)
+    if dir_fd is not None:
+        flags |= getattr(os, "O_NOFOLLOW", 0)
     try:
-        with open(manifest_path, "rb") as handle:
-            raw_manifest = handle.read()
+        return os.open(name, flags, dir_fd=dir_fd)
+    except PermissionError as exc:
+        raise ArtifactAccessError(
+            f"{where} exists but this user may not open it ({exc.strerror}); check its permissions"
+        ) from None
     except FileNotFoundError:
-        raise CorruptArtifactError(f"{where} has no {MANIFEST}") from None
-    document = decode_json(raw_manifest, f"{where} {MANIFEST}")
-    manifest = Manifest.from_json(document)
-    files = document.get("payload_files")
-    if not isinstance(files, dict):
-        raise CorruptArtifactError(f"{where} manifest lacks its payload_files table")
-    relative = {d: f"variants/{d}/{PAYLOAD}" for d in manifest.graph_digests}
-    relative.update({d: _kernel_file(d) for d in manifest.kernel_digests})
-    for name in relative.values():
-        if not os.path.isfile(os.path.join(path, name)):
-            raise CorruptArtifactError(f"{where} is missing {name}")
+        if dir_fd is None:
+            raise InvalidOptionError(f"{where!r} does not exist") from None
+        raise CorruptArtifactError(f"{where} is missing") from None
+    except NotADirectoryError:
+        if dir_fd is None:
+            raise InvalidOptionError(
+                f"{where!r} is not a directory; an unpacked artifact is a directory "
+                "(load a single file with format='binary')"
+            ) from None
+        raise CorruptArtifactError(f"{where} is not a directory") from None
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise CorruptArtifactError(
+                f"{where} is a symbolic link; an artifact's files must be its own"
+            ) from None
+        raise
 
-    def fetch(digest: str) -> bytes:
-        with open(os.path.join(path, relative[digest]), "rb") as handle:
-            return handle.read()
+
+def _read_relative(root: int, relative: str, limit: int, where: str) -> bytes:
+    """Read ``relative`` (a/b/c) under the directory ``root`` with no symlink followed."""
+    parts = relative.split("/")
+    fds: list[int] = []
+    try:
+        current = root
+        for part in parts[:-1]:
+            current = _open_dir(part, current, f"{where}/{part}")
+            fds.append(current)
+        try:
+            return read_bounded(parts[-1], limit, follow=False, dir_fd=current,
+                                where=f"{where}/{relative}")  # fmt: skip
+        except FileNotFoundError:
+            raise CorruptArtifactError(f"{where} is missing {relative}") from None
+    finally:
+        for fd in fds:
+            os.close(fd)
+
+
+def read_unpacked(
+    path: str, trusted: tuple[bytes, ...] | None = None, *, run_edited_code: bool = False
+) -> tuple[Manifest, PayloadStore, Signature | None]:
+    where = f"artifact {path!r}"
+    if trusted is not None and run_edited_code:
+        raise UntrustedArtifactError(
+            "run_edited_code=True cannot be combined with trusted keys: edited code is not "
+            "signed, so it would run unchecked"
+        )
+    root = _open_dir(path, None, path)
+    try:
+        mode = os.fstat(root).st_mode
+        if not stat.S_ISDIR(mode):  # pragma: no cover - O_DIRECTORY refused it already
+            raise InvalidOptionError(f"{path!r} is not a directory")
+        raw_manifest = _read_relative(root, MANIFEST, _MAX_MANIFEST, where)
+        signature = _read_signature(root, where)
+        check(bytes.fromhex(sha256_hex(raw_manifest)), signature, trusted, where)
+        document = decode_json(raw_manifest, f"{where} {MANIFEST}")
+        manifest = Manifest.from_json(document)
+        sizes = _payload_sizes(document, manifest, where)
+        relative = {d: _payload_file(d) for d in manifest.graph_digests}
+        relative.update({d: _kernel_file(d) for d in manifest.kernel_digests})
+        contents = {d: _read_relative(root, name, sizes[d], where) for d, name in relative.items()}
+        codes = {}
+        for digest in manifest.graph_digests:
+            try:
+                codes[digest] = _read_relative(
+                    root, f"variants/{digest}/{CODE}", _MAX_CODE, where
+                ).decode("utf-8")
+            except CorruptArtifactError as exc:
+                if "is missing" not in str(exc):
+                    raise
+            except UnicodeDecodeError:
+                raise CorruptArtifactError(
+                    f"{where} {CODE} of {digest[:12]} is not UTF-8"
+                ) from None
+    finally:
+        os.close(root)
+    for digest, data in contents.items():
+        if len(data) != sizes[digest]:
+            raise CorruptArtifactError(f"{where} file of payload {digest[:12]} has the wrong size")
 
     def edited(digest: str) -> str | None:
-        if digest not in manifest.graph_digests:
-            return None
-        code_path = os.path.join(path, "variants", digest, CODE)
-        try:
-            with open(code_path, encoding="utf-8") as handle:
-                code = handle.read()
-        except FileNotFoundError:
+        code = codes.get(digest)
+        if code is None:
             return None
         original = adapter.variant_source_code(store.read(digest))
         if code == original:
             return None
-        log.info(
-            "using edited generated code %s (sha256 %s)", code_path, sha256_hex(code.encode())[:12]
+        location = f"{path}/variants/{digest}/{CODE}"
+        if not run_edited_code:
+            log.warning(
+                "%s differs from the compiled code and is ignored; load with "
+                "run_edited_code=True to run it",
+                location,
+            )
+            return None
+        log.warning(
+            "running edited generated code %s (sha256 %s) instead of the compiled code",
+            location,
+            sha256_hex(code.encode())[:12],
         )
         return code
 
-    store = LazyPayloads(fetch, edited)
+    store = LazyPayloads(contents.__getitem__, edited)
     for digest in manifest.payload_digests:
         store.read(digest)  # checksum every payload now: a corrupt dir fails at load
-    return manifest, store
+    return manifest, store, signature
+
+
+def _read_signature(root: int, where: str) -> Signature | None:
+    try:
+        raw = read_bounded(SIGNATURE, 1 << 16, follow=False, dir_fd=root,
+                           where=f"{where}/{SIGNATURE}")  # fmt: skip
+    except FileNotFoundError:
+        return None
+    return Signature.from_json(decode_json(raw, f"{where} {SIGNATURE}"), where)
+
+
+def _payload_sizes(document: Any, manifest: Manifest, where: str) -> dict[str, int]:
+    files = document.get("payload_files") if isinstance(document, dict) else None
+    if not isinstance(files, dict):
+        raise CorruptArtifactError(f"{where} manifest lacks its payload_files table")
+    limit = max_payload_bytes()
+    sizes = {}
+    for digest in manifest.payload_digests:
+        entry = files.get(digest)
+        size = entry.get("size") if isinstance(entry, dict) else None
+        if type(size) is not int or not 0 <= size <= limit:
+            raise CorruptArtifactError(f"{where} payload_files has no sane size for {digest[:12]}")
+        sizes[digest] = size
+    return sizes

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import re
 
@@ -93,8 +94,8 @@ def test_unpacked_has_readable_manifest_and_code(mlp: Compiled, saved: dict[str,
             assert handle.read(4) == b"\x7fELF"
 
 
-def test_editing_unpacked_code_takes_effect(
-    mlp: Compiled, saved: dict[str, str], tmp_path: object
+def test_editing_unpacked_code_takes_effect_only_when_asked(
+    mlp: Compiled, saved: dict[str, str], tmp_path: object, caplog: pytest.LogCaptureFixture
 ) -> None:
     import shutil
 
@@ -113,9 +114,21 @@ def test_editing_unpacked_code_takes_effect(
     patched = call_body.replace(match.group(0), f"return ({name}.mul_(2), )", 1)
     with open(code_path, "w") as handle:
         handle.write(code[: code.index("def call(")] + patched)
-    loaded = precompile.CompiledArtifact.load(path=edited_dir, format="unpacked")
+    # An edit runs only when the load opts in; otherwise it is ignored, with a warning.
+    with caplog.at_level(logging.WARNING, logger="precompile"):
+        ignored = precompile.CompiledArtifact.load(path=edited_dir, format="unpacked")
+        with torch.no_grad():
+            assert_close(ignored(*flat), mlp.captured.model(x))
+    assert "is ignored; load with run_edited_code=True" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="precompile"):
+        loaded = precompile.CompiledArtifact.load(
+            path=edited_dir, format="unpacked", run_edited_code=True
+        )
+        with torch.no_grad():
+            assert_close(loaded(*flat), 2 * mlp.captured.model(x))
+    assert "running edited generated code" in caplog.text
     with torch.no_grad():
-        assert_close(loaded(*flat), 2 * mlp.captured.model(x))
         # variants whose code was not edited are unchanged
         small = torch.randn(1, 32)
         assert_close(loaded(*mlp.captured.flat(small)), mlp.captured.model(small))
@@ -126,8 +139,10 @@ def _damaged_copies(path: str) -> dict[str, bytes]:
         data = handle.read()
     flipped_tail = bytearray(data)
     flipped_tail[-5] ^= 0x40
+    from runtime._binary_format import _HEADER
+
     flipped_index = bytearray(data)
-    flipped_index[70] ^= 0x01
+    flipped_index[_HEADER.size + 20] ^= 0x01
     return {
         "payload byte flipped": bytes(flipped_tail),
         "index byte flipped": bytes(flipped_index),
