@@ -1,6 +1,19 @@
-"""Content-addressed on-disk cache of precompile artifacts, safe across processes."""
+"""Content-addressed on-disk store of precompile entries, safe across processes.
 
-from ._entry import CacheEntry, CacheStats, MissExplanation, VerifyReport
+It stores documents and blobs and names them (tags); building an artifact from an entry
+is the runtime's job (``CompiledArtifact.load(key=..., tag=...)``).
+"""
+
+from ._default import default_cache
+from ._entry import (
+    CacheEntry,
+    CacheScan,
+    CacheStats,
+    MissExplanation,
+    PrunePlan,
+    StoredEntry,
+    VerifyReport,
+)
 from ._root import LAYOUT, resolve_root
 from ._store import DEFAULT_SIZE_LIMIT, ArtifactCache
 
@@ -9,8 +22,12 @@ __all__ = [
     "LAYOUT",
     "ArtifactCache",
     "CacheEntry",
+    "CacheScan",
     "CacheStats",
     "MissExplanation",
+    "PrunePlan",
+    "StoredEntry",
     "VerifyReport",
+    "default_cache",
     "resolve_root",
 ]

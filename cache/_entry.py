@@ -1,21 +1,49 @@
-"""What a cache scan returns: frozen records of entries, stats and verification."""
+"""What the cache returns: frozen records of entries, scans, stats, plans and checks."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any
+
+
+@dataclass(frozen=True)
+class StoredEntry:
+    """One entry as read back: the document the writer stored (opaque to the cache),
+    and every blob it references, each verified against its sha256 and size."""
+
+    key: str
+    document: Any  # the JSON value given to ``put`` (an artifact's manifest, say)
+    blobs: Mapping[str, bytes]
+    aux: Mapping[str, bytes]
+    factors: Mapping[str, str]
+
+    def __post_init__(self) -> None:
+        for name in ("blobs", "aux", "factors"):
+            object.__setattr__(self, name, MappingProxyType(dict(getattr(self, name))))
 
 
 @dataclass(frozen=True)
 class CacheEntry:
+    """An entry as a scan sees it (no blob is read)."""
+
     key: str
     size: int  # bytes of the entry file plus every blob it references
     created: float
     last_used: float
-    variants: int
-    payloads: tuple[str, ...]
+    blobs: Mapping[str, int]  # every blob the entry references -> its stored size
     factors: Mapping[str, str]
     path: str
+    signed: bool = False
+
+
+@dataclass(frozen=True)
+class CacheScan:
+    """Every entry a scan could read, and what it could not (path, reason)."""
+
+    entries: tuple[CacheEntry, ...]
+    unreadable: tuple[tuple[str, str], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -27,16 +55,32 @@ class CacheStats:
     entries: int
     size: int
     size_limit: int
+    writable: bool = True
 
 
 @dataclass(frozen=True)
 class VerifyReport:
     checked: int
     corrupt: tuple[str, ...]  # keys moved to quarantine
+    unreadable: tuple[tuple[str, str], ...] = ()  # (path, reason): not checked
 
     @property
     def ok(self) -> bool:
-        return not self.corrupt
+        return not self.corrupt and not self.unreadable
+
+
+@dataclass(frozen=True)
+class PrunePlan:
+    """What a prune removes (or, with ``dry_run``, would remove) and the bytes it frees."""
+
+    evicted: tuple[str, ...]  # entry keys, least recently used first
+    blobs: tuple[str, ...]  # blob digests no surviving entry references
+    temp_files: tuple[str, ...]  # leftovers of writers that died mid-write
+    bytes_freed: int
+    size_before: int
+    size_limit: int
+    dry_run: bool = False
+    problems: tuple[str, ...] = field(default=())  # what it could not do, and why
 
 
 @dataclass(frozen=True)

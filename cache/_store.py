@@ -1,15 +1,20 @@
-"""ArtifactCache: content-addressed artifacts on disk, shared safely between processes.
+"""ArtifactCache: content-addressed entries on disk, shared safely between processes.
 
     <root>/CACHEDIR.TAG
-    <root>/v1/entries/<key>.json     manifest, factors, payload digests (written last)
-    <root>/v1/blobs/<d[:2]>/<d>      zstd-compressed payloads named by sha256 of the raw bytes
-    <root>/v1/locks/<key>.lock       single-flight locks (flock: released if the holder dies)
-    <root>/v1/quarantine/            entries that failed verification, moved aside
+    <root>/v2/entries/<key>.json     the entry document: what its writer stored, its key
+                                     factors, and every blob it references with its size
+    <root>/v2/blobs/<d[:2]>/<d>      zstd-compressed bytes named by sha256 of the raw bytes
+    <root>/v2/locks/                 flock files (see ``_locks`` for the one lock order)
+    <root>/v2/quarantine/            entries and blobs that failed verification
+    <root>/v2/tags/<name>            names of entries
 
+The cache stores bytes and documents; it never builds an artifact (the runtime does).
 Writes are atomic (temp file in the same dir, ``os.replace``) and ordered blobs first,
-entry last, so a process killed mid-save leaves at most unreferenced blobs, which
-``prune`` collects. Every read checks digests; a corrupt entry is quarantined and
-reported as a miss.
+entry last, under the shared gc lock, so collection never sees half a write. A failed
+write (full or read-only disk) removes what it added and raises ``CacheWriteError``.
+Every read is bounded and checked (sha256 and size of each blob, owner and mode of every
+file); a corrupt entry is quarantined and reported as a miss; a file evicted mid-read is
+a plain miss. Stats and LRU touches are best effort, so a read-only cache serves hits.
 """
 
 from __future__ import annotations
@@ -19,26 +24,41 @@ import json
 import logging
 import os
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
 
-import zstandard
-from filelock import FileLock
+from runtime import _signing as signing
+from runtime._errors import (
+    CacheWriteError,
+    CorruptArtifactError,
+    InvalidOptionError,
+    UntrustedArtifactError,
+)
+from runtime._manifest import decode_json
+from runtime._payloads import atomic_file, compress, decompress, max_payload_bytes, sha256_hex
+from runtime._signing import Signature, TrustedKeysOption
 
-from runtime import CompiledArtifact
-from runtime._errors import CorruptArtifactError, InvalidOptionError, UnsafeCacheError
-from runtime._manifest import Manifest
-from runtime._payloads import MemoryPayloads, atomic_file, sha256_hex
-
+from . import _files as files
+from . import _locks as locks
 from ._counters import Counters
-from ._entry import CacheEntry, CacheStats, MissExplanation, VerifyReport
+from ._entry import (
+    CacheEntry,
+    CacheScan,
+    CacheStats,
+    MissExplanation,
+    PrunePlan,
+    StoredEntry,
+    VerifyReport,
+)
 from ._root import LAYOUT, prepare, resolve_root
 from ._tags import Tags
 
 log = logging.getLogger("precompile.cache")
 DEFAULT_SIZE_LIMIT = 20 * 2**30
-_ORPHAN_GRACE_S = 3600.0
+_TEMP_GRACE_S = 600.0  # a temp file this old belongs to a writer that died
+_MAX_ENTRY_BYTES = 64 << 20
+_HEX = frozenset("0123456789abcdef")
 
 
 def _size_limit_from_env() -> int:
@@ -56,8 +76,27 @@ def _size_limit_from_env() -> int:
     return value
 
 
+def _is_digest(text: Any) -> bool:
+    return isinstance(text, str) and len(text) == 64 and set(text) <= _HEX
+
+
+def _signed_digest(document: Mapping[str, Any]) -> bytes:
+    """What an entry's signature signs: sha256 of its canonical JSON, signature aside."""
+    body = {k: v for k, v in document.items() if k != "signature"}
+    text = json.dumps(body, sort_keys=True, separators=(",", ":"), allow_nan=False)
+    return bytes.fromhex(sha256_hex(text.encode()))
+
+
 class ArtifactCache:
-    """A directory of compiled artifacts keyed by everything that changes their code."""
+    """A directory of compiled artifacts keyed by everything that changes their code.
+
+    ``size_limit``: bytes kept before LRU eviction (``$PRECOMPILE_CACHE_SIZE_LIMIT``,
+    default 20 GiB). ``trust_foreign``: accept files another user owns or others may
+    write (by default refused: loading runs their code). ``lock_timeout``: seconds to
+    wait for another process's lock. ``trusted_keys``: public keys an entry must be
+    signed by (default ``$PRECOMPILE_TRUSTED_KEYS``; none: signatures not required).
+    ``signing_key``: a private key that signs every entry this cache writes.
+    """
 
     def __init__(
         self,
@@ -66,23 +105,36 @@ class ArtifactCache:
         size_limit: int | None = None,
         trust_foreign: bool = False,
         lock_timeout: float = 3600.0,
+        trusted_keys: TrustedKeysOption = None,
+        signing_key: Any = None,
     ) -> None:
         self.root = resolve_root(root)
         self.size_limit = _size_limit_from_env() if size_limit is None else size_limit
+        if isinstance(self.size_limit, bool) or not isinstance(self.size_limit, int):
+            raise InvalidOptionError(f"size_limit must be an int of bytes, got {size_limit!r}")
         if self.size_limit <= 0:
             raise InvalidOptionError(f"size_limit must be > 0 bytes, got {self.size_limit}")
         self.trust_foreign = trust_foreign
         self.lock_timeout = lock_timeout
-        self._dirs = prepare(self.root)
+        self.trusted_keys = signing.trusted_keys(trusted_keys)
+        self.signing_key = None if signing_key is None else signing.private_key(signing_key)
+        self._dirs, self.writable = prepare(self.root)
+        if not os.path.isdir(self._dirs["entries"]):
+            raise InvalidOptionError(
+                f"cache root {self.root} has no {LAYOUT} layout and cannot be created here"
+            )
+        for role in ("base", "entries", "blobs", "tags"):
+            files.check_directory(self._dirs[role], trust_foreign)
         self._counters = Counters(os.path.join(self._dirs["base"], "stats.json"))
-        self._tags = Tags(self._dirs["tags"])
+        self._tags = Tags(self._dirs["tags"], trust_foreign)
 
     def __repr__(self) -> str:
-        return f"ArtifactCache({self.root!r}, size_limit={self.size_limit})"
+        state = "" if self.writable else ", read-only"
+        return f"ArtifactCache({self.root!r}, size_limit={self.size_limit}{state})"
 
-    # -- paths -----------------------------------------------------------------------
-    def _entry_path(self, key: str) -> str:
-        if len(key) != 64 or any(c not in "0123456789abcdef" for c in key):
+    # -- paths and locks -------------------------------------------------------------
+    def entry_path(self, key: str) -> str:
+        if not _is_digest(key):
             raise InvalidOptionError(f"cache key must be a sha256 hex digest, got {key!r}")
         return os.path.join(self._dirs["entries"], key + ".json")
 
@@ -91,135 +143,185 @@ class ArtifactCache:
 
     @contextmanager
     def lock(self, name: str) -> Iterator[None]:
-        with FileLock(os.path.join(self._dirs["locks"], name + ".lock"), timeout=self.lock_timeout):
+        """The exclusive lock ``name`` (a cache key: single flight for that key). Raises
+        ``CacheWriteError`` on a read-only cache, filelock's ``Timeout`` after
+        ``lock_timeout``. See ``_locks`` for the order locks are taken in."""
+        self.entry_path(name)  # a key, nothing else
+        with locks.exclusive(self._lock_path(name), self.lock_timeout):
             yield
 
-    # -- reading -----------------------------------------------------------------------
-    def _check_owner(self, path: str) -> None:
-        if self.trust_foreign:
-            return
-        info = os.stat(path)
-        if info.st_uid != os.getuid() or info.st_mode & 0o022:
-            raise UnsafeCacheError(
-                f"{path} is owned by uid {info.st_uid} or writable by group/others "
-                f"(mode {oct(info.st_mode & 0o777)}); loading it would run code another user "
-                "could have written. Fix its ownership, or pass trust_foreign=True"
-            )
+    def _lock_path(self, name: str) -> str:
+        return os.path.join(self._dirs["locks"], name + ".lock")
 
-    def _read_entry(self, key: str) -> dict[str, Any] | None:
-        path = self._entry_path(key)
+    def _gc_lock(self, *, exclusive: bool) -> contextlib.AbstractContextManager[None]:
+        return locks.shared_or_exclusive(
+            self._lock_path("gc"), exclusive=exclusive, timeout=self.lock_timeout
+        )
+
+    # -- reading -----------------------------------------------------------------------
+    def _read_document(self, key: str) -> dict[str, Any] | None:
+        path = self.entry_path(key)
         try:
-            self._check_owner(path)
-            with open(path, "rb") as handle:
-                document = json.loads(handle.read())
+            raw = files.read_checked(path, _MAX_ENTRY_BYTES, self.trust_foreign)
         except FileNotFoundError:
             return None
-        except (ValueError, UnicodeDecodeError) as exc:
-            self._quarantine(key, f"unreadable entry ({exc})")
-            return None
-        if not isinstance(document, dict) or document.get("key") != key:
-            self._quarantine(key, "entry does not describe its own key")
-            return None
-        return document
-
-    def _read_blob(self, digest: str) -> bytes:
-        path = self._blob_path(digest)
-        self._check_owner(path)
-        with open(path, "rb") as handle:
-            stored = handle.read()
         try:
-            raw = zstandard.ZstdDecompressor().decompress(stored)
-            problem = None if sha256_hex(raw) == digest else "does not match its sha256"
-        except zstandard.ZstdError as exc:
-            problem = str(exc)
-        if problem is not None:
-            # Blobs are content-addressed: a bad one must go, or a refill would keep it.
-            target = os.path.join(self._dirs["quarantine"], f"blob-{digest}.{time.time_ns()}")
-            with contextlib.suppress(FileNotFoundError):
-                os.replace(path, target)
-            raise CorruptArtifactError(f"blob {digest[:12]} {problem}")
-        return bytes(raw)
+            document = decode_json(raw, f"cache entry {key[:12]}")
+            self._validate(key, document)
+        except CorruptArtifactError as exc:
+            self._quarantine(key, str(exc))
+            return None
+        signature = None
+        if "signature" in document:
+            signature = Signature.from_json(document["signature"], f"cache entry {key[:12]}")
+        where = f"cache entry {key[:12]}"
+        signing.check(_signed_digest(document), signature, self.trusted_keys, where)
+        checked: dict[str, Any] = document
+        return checked
 
-    def get(self, key: str) -> tuple[CompiledArtifact, dict[str, bytes]] | None:
-        """The artifact (and its auxiliary blobs) under ``key``, or None on a miss."""
-        document = self._read_entry(key)
+    @staticmethod
+    def _validate(key: str, document: Any) -> None:
+        if not isinstance(document, dict) or document.get("key") != key:
+            raise CorruptArtifactError("entry does not describe its own key")
+        blobs, aux = document.get("blobs"), document.get("aux")
+        if not isinstance(blobs, dict) or not isinstance(aux, dict):
+            raise CorruptArtifactError("entry lacks its blob table")
+        limit = max_payload_bytes()
+        for digest, size in blobs.items():
+            if not _is_digest(digest) or type(size) is not int or not 0 <= size <= limit:
+                raise CorruptArtifactError(f"entry lists blob {str(digest)[:12]} oddly")
+        for name, digest in aux.items():
+            if not isinstance(name, str) or digest not in blobs:
+                raise CorruptArtifactError(f"entry's aux {name!r:.40} names no listed blob")
+        if not isinstance(document.get("factors", {}), dict):
+            raise CorruptArtifactError("entry's factors are not a table")
+
+    def _read_blob(self, digest: str, raw_size: int, key: str) -> bytes:
+        path = self._blob_path(digest)
+        stored = files.read_checked(path, max(raw_size, 1 << 20) * 2 + 4096, self.trust_foreign)
+        try:
+            return decompress(stored, raw_size, digest, f"cache blob {digest[:12]}")
+        except CorruptArtifactError:
+            # Content-addressed: a bad blob must go, or the next write would keep it.
+            target = os.path.join(self._dirs["quarantine"], f"blob-{digest}.{time.time_ns()}")
+            with contextlib.suppress(OSError):
+                os.replace(path, target)
+            raise
+
+    def get(self, key: str) -> StoredEntry | None:
+        """The entry under ``key`` with every blob verified, or None on a miss (a corrupt
+        entry is quarantined first). Raises ``UntrustedArtifactError`` where trusted keys
+        are configured and the entry is not signed by one, ``UnsafeCacheError`` where
+        another user could have written it."""
+        document = self._read_document(key)
         if document is None:
             self._count("misses")
             return None
         try:
-            manifest = Manifest.from_json(document["manifest"])
-            payloads = {d: self._read_blob(d) for d in manifest.payload_digests}
-            aux = {name: self._read_blob(d) for name, d in document.get("aux", {}).items()}
-        except (CorruptArtifactError, KeyError, TypeError, FileNotFoundError) as exc:
+            blobs = {d: self._read_blob(d, size, key) for d, size in document["blobs"].items()}
+        except FileNotFoundError:
+            if os.path.exists(self.entry_path(key)):
+                self._quarantine(key, "a blob it references is missing")
+            self._count("misses")  # else evicted while we read: a plain miss
+            return None
+        except CorruptArtifactError as exc:
             self._quarantine(key, str(exc))
             self._count("misses")
             return None
-        os.utime(self._entry_path(key))  # approximate LRU: last use is the entry's mtime
+        with contextlib.suppress(OSError):  # approximate LRU: last use is the entry's mtime
+            os.utime(self.entry_path(key))
         self._count("hits")
-        artifact = CompiledArtifact(manifest, MemoryPayloads(payloads))
-        artifact.cache_key = key
-        return artifact, aux
+        return StoredEntry(
+            key=key,
+            document=document.get("document"),
+            blobs={d: blobs[d] for d in document["blobs"] if d not in document["aux"].values()},
+            aux={name: blobs[d] for name, d in document["aux"].items()},
+            factors=document.get("factors", {}),
+        )
+
+    def contains(self, key: str) -> bool:
+        return os.path.exists(self.entry_path(key))
 
     # -- writing -----------------------------------------------------------------------
-    def _write_blob(self, raw: bytes) -> str:
-        digest = sha256_hex(raw)
-        path = self._blob_path(digest)
-        if os.path.exists(path):
-            os.utime(path)
-            return digest
-        os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
-        with atomic_file(path) as handle:
-            handle.write(zstandard.ZstdCompressor(level=3).compress(raw))
-        return digest
-
     def put(
         self,
         key: str,
-        artifact: CompiledArtifact,
+        document: Any,
+        blobs: Mapping[str, bytes],
         factors: Mapping[str, str],
         aux: Mapping[str, bytes] | None = None,
     ) -> None:
-        manifest = artifact.manifest
-        artifact.cache_key = key
-        for digest in manifest.payload_digests:
-            self._write_blob(artifact.payload_bytes(digest))
-        aux_digests = {name: self._write_blob(data) for name, data in (aux or {}).items()}
-        document = {
-            "key": key,
-            "layout": LAYOUT,
-            "created": time.time(),
-            "factors": dict(factors),
-            "aux": aux_digests,
-            "manifest": manifest.to_json(),
-        }
-        with atomic_file(self._entry_path(key)) as handle:
-            handle.write(json.dumps(document, indent=1).encode())
-        log.info("cached %s (%d variants)", key[:12], len(manifest.variants))
-        self.prune(keep=key)
+        """Store an entry: ``document`` (any JSON value; an artifact's manifest, say),
+        the ``blobs`` it references by sha256, its key ``factors`` and named ``aux``
+        blobs. Atomic: on failure (``CacheWriteError`` for a full or read-only disk)
+        nothing of it remains. Evicts least recently used entries past the limit."""
+        path = self.entry_path(key)
+        for digest, data in blobs.items():
+            if sha256_hex(data) != digest:
+                raise InvalidOptionError(f"blob {digest[:12]} given to put() is not its sha256")
+        aux_digests = {name: sha256_hex(data) for name, data in (aux or {}).items()}
+        everything = {**dict(blobs), **{aux_digests[n]: d for n, d in (aux or {}).items()}}
+        created: list[str] = []
+        try:
+            with self._gc_lock(exclusive=False):
+                for digest, data in everything.items():
+                    if self._write_blob(digest, data):
+                        created.append(digest)
+                entry: dict[str, Any] = {
+                    "key": key,
+                    "layout": LAYOUT,
+                    "created": time.time(),
+                    "factors": dict(factors),
+                    "blobs": {d: len(data) for d, data in everything.items()},
+                    "aux": aux_digests,
+                    "document": document,
+                }
+                if self.signing_key is not None:
+                    entry["signature"] = signing.sign(
+                        _signed_digest(entry), self.signing_key
+                    ).to_json()
+                with atomic_file(path) as handle:
+                    handle.write(json.dumps(entry, indent=1, allow_nan=False).encode())
+        except OSError as exc:
+            for digest in created:  # ours alone: no entry references them yet
+                files.remove(self._blob_path(digest))
+            if isinstance(exc, CacheWriteError):
+                raise
+            raise CacheWriteError(
+                exc.errno or 0, f"cache {self.root} could not store {key[:12]}: {exc}"
+            ) from exc
+        log.info("cached %s (%d blobs)", key[:12], len(everything))
+        try:
+            self.prune(keep=key)
+        except (OSError, locks.Timeout) as exc:
+            log.warning("cache %s: eviction after a write failed: %s", self.root, exc)
 
-    def get_or_create(
-        self,
-        key: str,
-        factors: Mapping[str, str],
-        create: Callable[[], tuple[CompiledArtifact, Mapping[str, bytes]]],
-    ) -> tuple[CompiledArtifact, dict[str, bytes], bool]:
-        """Single flight: of several processes missing ``key`` together, one creates it
-        and the rest wait for its lock, then load what it wrote. Returns (art, aux, hit)."""
-        found = self.get(key)
-        if found is not None:
-            return (*found, True)
-        with self.lock(key):
-            found = self._get_quiet(key)
-            if found is not None:
-                return (*found, True)
-            artifact, aux = create()
-            self.put(key, artifact, factors, aux)
-            return artifact, dict(aux), False
+    def _write_blob(self, digest: str, raw: bytes) -> bool:
+        """Write one blob unless an intact one is there; True if this call created it."""
+        path = self._blob_path(digest)
+        if os.path.exists(path):
+            with contextlib.suppress(OSError):
+                os.utime(path)
+            return False
+        os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
+        with atomic_file(path) as handle:
+            handle.write(compress(raw))
+        return True
+
+    def sign(self, key: str, signing_key: Any) -> None:
+        """Sign an existing entry in place (its document and blob table, so every blob)."""
+        path = self.entry_path(key)
+        raw = files.read_checked(path, _MAX_ENTRY_BYTES, self.trust_foreign)
+        document = decode_json(raw, f"cache entry {key[:12]}")
+        self._validate(key, document)
+        document["signature"] = signing.sign(_signed_digest(document), signing_key).to_json()
+        with self._gc_lock(exclusive=False), atomic_file(path) as handle:
+            handle.write(json.dumps(document, indent=1, allow_nan=False).encode())
 
     # -- tags ------------------------------------------------------------------------
     def tag(self, name: str, key: str) -> None:
         """Name an entry, so that a server can load it without tracing its model again."""
-        self._entry_path(key)  # validates the key
+        self.entry_path(key)  # validates the key
         self._tags.set(name, key)
         log.info("tagged %s as %r", key[:12], name)
 
@@ -227,138 +329,177 @@ class ArtifactCache:
         """Every tag and the key it names (tags of evicted entries included)."""
         return self._tags.all()
 
-    def load_tag(self, name: str) -> CompiledArtifact | None:
-        """The artifact tagged ``name``, or None if the tag or its entry is gone."""
+    def tagged(self, name: str) -> str | None:
+        """The key a tag names, or None (no such tag, or not a key)."""
         key = self._tags.get(name)
-        if key is None:
-            return None
-        try:
-            found = self.get(key)
-        except InvalidOptionError:
+        if key is not None and not _is_digest(key):
             log.warning("tag %r names %r, which is not a cache key; ignoring it", name, key)
             return None
-        return None if found is None else found[0]
-
-    def _get_quiet(self, key: str) -> tuple[CompiledArtifact, dict[str, bytes]] | None:
-        if not os.path.exists(self._entry_path(key)):
-            return None
-        return self.get(key)
+        return key
 
     # -- maintenance -------------------------------------------------------------------
     def _quarantine(self, key: str, reason: str) -> None:
-        source = self._entry_path(key)
-        target = os.path.join(self._dirs["quarantine"], f"{key}.{int(time.time() * 1e6)}.json")
+        source = self.entry_path(key)
+        target = os.path.join(self._dirs["quarantine"], f"{key}.{time.time_ns()}.json")
         try:
             os.replace(source, target)
         except FileNotFoundError:
             return
+        except OSError as exc:
+            log.warning(
+                "cache entry %s is corrupt (%s) and cannot be moved: %s", key[:12], reason, exc
+            )
+            return
         self._count("corrupt")
         log.warning("cache entry %s is corrupt (%s); moved to %s", key[:12], reason, target)
 
-    def entries(self) -> list[CacheEntry]:
-        found = []
-        for name in sorted(os.listdir(self._dirs["entries"])):
-            if not name.endswith(".json"):
+    def scan(self) -> CacheScan:
+        """Every entry (read without its blobs), and what could not be read."""
+        found: list[CacheEntry] = []
+        unreadable: list[tuple[str, str]] = []
+        for name in files.listing(self._dirs["entries"]):
+            if not name.endswith(".json") or not _is_digest(name[:-5]):
                 continue
             path = os.path.join(self._dirs["entries"], name)
             try:
-                info = os.stat(path)
-                with open(path, "rb") as handle:
-                    document = json.loads(handle.read())
-                manifest = document["manifest"]
-                graphs = [v["payload"] for v in manifest["variants"]]
-                kernels = [k["binary"] for v in manifest["variants"] for k in v.get("kernels", [])]
-                blobs = tuple(dict.fromkeys((*graphs, *kernels, *document.get("aux", {}).values())))
-            except (OSError, ValueError, KeyError, TypeError):
+                raw = files.read_checked(path, _MAX_ENTRY_BYTES, self.trust_foreign)
+                document = decode_json(raw, path)
+                self._validate(name[:-5], document)
+                info = os.lstat(path)
+            except FileNotFoundError:
+                continue  # evicted while we listed
+            except (OSError, CorruptArtifactError) as exc:
+                unreadable.append((path, f"{type(exc).__name__}: {exc}"))
                 continue
-            size = info.st_size + sum(self._blob_size(d) for d in blobs)
+            blobs = dict.fromkeys(document["blobs"], 0)
+            for digest in blobs:
+                blobs[digest] = files.size_of(self._blob_path(digest))
             found.append(
                 CacheEntry(
                     key=name[:-5],
-                    size=size,
+                    size=info.st_size + sum(blobs.values()),
                     created=float(document.get("created", info.st_mtime)),
                     last_used=info.st_mtime,
-                    variants=len(manifest["variants"]),
-                    payloads=tuple(blobs),
+                    blobs=blobs,
                     factors=dict(document.get("factors", {})),
                     path=path,
+                    signed="signature" in document,
                 )
             )
+        return CacheScan(tuple(found), tuple(unreadable))
+
+    def entries(self) -> list[CacheEntry]:
+        return list(self.scan().entries)
+
+    def _temp_files(self) -> list[str]:
+        found = []
+        for base, _, names in os.walk(self._dirs["base"]):
+            if os.path.basename(base) == "quarantine":
+                continue
+            found += [os.path.join(base, n) for n in names if n.startswith(".precompile-")]
         return found
 
-    def _blob_size(self, digest: str) -> int:
-        try:
-            return os.stat(self._blob_path(digest)).st_size
-        except OSError:
-            return 0
-
     def total_size(self) -> int:
+        """Bytes of entries, blobs and temp files (locks and quarantine not counted)."""
         size = 0
-        for base, _, files in os.walk(self._dirs["base"]):
+        for base, _, names in os.walk(self._dirs["base"]):
             if os.path.basename(base) in ("locks", "quarantine"):
                 continue
-            size += sum(os.stat(os.path.join(base, f)).st_size for f in files)
+            size += sum(files.size_of(os.path.join(base, n)) for n in names)
         return size
 
-    def prune(self, size_limit: int | None = None, *, keep: str | None = None) -> list[str]:
-        """Evict least recently used entries until under the limit; drop orphan blobs.
+    def _all_blobs(self) -> dict[str, int]:
+        found = {}
+        for prefix in files.listing(self._dirs["blobs"]):
+            directory = os.path.join(self._dirs["blobs"], prefix)
+            for name in files.listing(directory):
+                if _is_digest(name):
+                    found[name] = files.size_of(os.path.join(directory, name))
+        return found
 
-        ``keep`` (the entry a caller holds the lock of, having just written it) is never
-        evicted here."""
+    def prune(
+        self, size_limit: int | None = None, *, keep: str | None = None, dry_run: bool = False
+    ) -> PrunePlan:
+        """Evict least recently used entries until the cache fits ``size_limit``, and drop
+        blobs no entry references and temp files of writers that died. ``keep`` is never
+        evicted (the entry just written). ``dry_run``: only say what would go."""
         limit = self.size_limit if size_limit is None else size_limit
-        evicted: list[str] = []
-        with self.lock("gc"):
-            everything = self.entries()
-            kept = [e for e in everything if e.key == keep]
-            entries = sorted((e for e in everything if e.key != keep), key=lambda e: e.last_used)
-            total = self.total_size()
-            while entries and total > limit:
-                victim = entries.pop(0)
-                with self.lock(victim.key):
-                    try:
-                        os.unlink(victim.path)
-                    except FileNotFoundError:
-                        continue
-                total -= victim.size
-                evicted.append(victim.key)
-            survivors = [*entries, *kept]
-            self._drop_orphan_blobs({d for e in survivors for d in e.payloads}, bool(evicted))
-        for key in evicted:
-            log.info("evicted cache entry %s", key[:12])
-        if evicted:
-            self._count("evictions", len(evicted))
-        return evicted
-
-    def _drop_orphan_blobs(self, referenced: set[str], evicted: bool) -> None:
-        cutoff = time.time() - (0.0 if evicted else _ORPHAN_GRACE_S)
-        for base, _, files in os.walk(self._dirs["blobs"]):
-            for name in files:
-                path = os.path.join(base, name)
-                if name in referenced or name.startswith("."):
+        with self._gc_lock(exclusive=True):
+            scan = self.scan()
+            before = self.total_size()
+            blob_sizes = self._all_blobs()
+            holders: dict[str, int] = {}
+            for entry in scan.entries:
+                for digest in entry.blobs:
+                    holders[digest] = holders.get(digest, 0) + 1
+            stale = [
+                p
+                for p in self._temp_files()
+                if (mtime := files.mtime_of(p)) is not None and time.time() - mtime > _TEMP_GRACE_S
+            ]
+            size = before - sum(files.size_of(p) for p in stale)
+            orphans = {d for d in blob_sizes if d not in holders}
+            size -= sum(blob_sizes[d] for d in orphans)
+            evicted: list[CacheEntry] = []
+            for victim in sorted(scan.entries, key=lambda e: e.last_used):
+                if size <= limit:
+                    break
+                if victim.key == keep:
                     continue
-                try:
-                    if evicted or os.stat(path).st_mtime < cutoff:
-                        os.unlink(path)
-                except FileNotFoundError:
-                    pass
+                evicted.append(victim)
+                size -= files.size_of(victim.path)
+                for digest in victim.blobs:
+                    holders[digest] -= 1
+                    if holders[digest] == 0:
+                        orphans.add(digest)
+                        size -= blob_sizes.get(digest, 0)
+            plan = PrunePlan(
+                evicted=tuple(e.key for e in evicted),
+                blobs=tuple(sorted(orphans)),
+                temp_files=tuple(stale),
+                bytes_freed=before - size,
+                size_before=before,
+                size_limit=limit,
+                dry_run=dry_run,
+                problems=tuple(f"{path}: {reason}" for path, reason in scan.unreadable),
+            )
+            if dry_run:
+                return plan
+            for entry in evicted:
+                files.remove(entry.path)
+            for digest in orphans:
+                files.remove(self._blob_path(digest))
+            for path in stale:
+                files.remove(path)
+        for key in plan.evicted:
+            log.info("evicted cache entry %s", key[:12])
+        if plan.evicted:
+            self._count("evictions", len(plan.evicted))
+        return plan
 
     def verify(self) -> VerifyReport:
-        corrupt = []
-        entries = self.entries()
-        for entry in entries:
-            with self.lock(entry.key):
-                if self.get(entry.key) is None:
+        """Read every entry and blob in full; corrupt ones go to quarantine. Holds the gc
+        lock shared (where the cache is writable), so no eviction races the check."""
+        guard: contextlib.AbstractContextManager[None] = (
+            self._gc_lock(exclusive=False) if self.writable else contextlib.nullcontext()
+        )
+        with guard:
+            scan = self.scan()
+            corrupt: list[str] = []
+            unreadable = list(scan.unreadable)
+            for entry in scan.entries:
+                try:
+                    found = self.get(entry.key)
+                except (UntrustedArtifactError, OSError) as exc:
+                    unreadable.append((entry.path, f"{type(exc).__name__}: {exc}"))
+                    continue
+                if found is None:
                     corrupt.append(entry.key)
-        return VerifyReport(len(entries), tuple(corrupt))
+        return VerifyReport(len(scan.entries), tuple(corrupt), tuple(unreadable))
 
-    def clear(self) -> int:
-        with self.lock("gc"):
-            entries = self.entries()
-            for entry in entries:
-                with self.lock(entry.key):
-                    os.unlink(entry.path)
-            self._drop_orphan_blobs(set(), True)
-        return len(entries)
+    def clear(self, *, dry_run: bool = False) -> PrunePlan:
+        """Remove every entry and blob (``dry_run``: only say what would go)."""
+        return self.prune(0, dry_run=dry_run)
 
     def explain_miss(self, key: str, factors: Mapping[str, str]) -> MissExplanation:
         """Which key factors differ from the nearest entry (why ``key`` missed)."""
@@ -383,15 +524,21 @@ class ArtifactCache:
 
     # -- stats -------------------------------------------------------------------------
     def _count(self, field: str, amount: int = 1) -> None:
-        with self.lock("stats"):
-            self._counters.add(field, amount)
+        """Best effort: a read-only or full cache still serves, uncounted."""
+        if not self.writable:
+            return
+        try:
+            with locks.exclusive(self._lock_path("stats"), timeout=5.0):
+                self._counters.add(field, amount)
+        except (OSError, locks.Timeout) as exc:
+            log.debug("cache %s: counting a %s failed: %s", self.root, field, exc)
 
     def stats(self) -> CacheStats:
         counts = self._counters.read()
-        entries = self.entries()
         return CacheStats(
             **counts,
-            entries=len(entries),
+            entries=len(self.entries()),
             size=self.total_size(),
             size_limit=self.size_limit,
+            writable=self.writable,
         )

@@ -2,19 +2,21 @@
 
 from __future__ import annotations
 
-import contextlib
 import os
 import re
 
-from runtime._errors import InvalidOptionError
+from runtime._errors import CacheWriteError, InvalidOptionError
 from runtime._payloads import atomic_file
+
+from . import _files as files
 
 _NAME = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,99}")
 
 
 class Tags:
-    def __init__(self, directory: str) -> None:
+    def __init__(self, directory: str, trust_foreign: bool = False) -> None:
         self.directory = directory
+        self.trust_foreign = trust_foreign
 
     def _path(self, name: str) -> str:
         if not isinstance(name, str) or not _NAME.fullmatch(name):
@@ -25,22 +27,28 @@ class Tags:
         return os.path.join(self.directory, name)
 
     def set(self, name: str, key: str) -> None:
-        with atomic_file(self._path(name)) as handle:
-            handle.write(key.encode())
+        path = self._path(name)
+        try:
+            with atomic_file(path) as handle:
+                handle.write(key.encode())
+        except OSError as exc:
+            raise CacheWriteError(exc.errno or 0, f"cannot write tag {name!r}: {exc}") from exc
 
     def get(self, name: str) -> str | None:
         try:
-            with open(self._path(name), "rb") as handle:
-                return handle.read().decode("ascii", "replace").strip()
+            raw = files.read_checked(self._path(name), 1024, self.trust_foreign)
         except FileNotFoundError:
             return None
+        return raw.decode("ascii", "replace").strip()
 
     def all(self) -> dict[str, str]:
         found = {}
-        for name in sorted(os.listdir(self.directory)):
+        for name in files.listing(self.directory):
             if _NAME.fullmatch(name):
-                with contextlib.suppress(OSError):
+                try:
                     value = self.get(name)
-                    if value is not None:
-                        found[name] = value
+                except OSError:
+                    continue
+                if value is not None:
+                    found[name] = value
         return found

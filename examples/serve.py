@@ -77,9 +77,10 @@ class Model:
 
     def __init__(self, model_dir: str) -> None:
         began = time.perf_counter()
-        art = precompile.default_cache().load_tag(TAG)
-        if art is None:
-            raise SystemExit(f"no artifact tagged {TAG!r} in the cache: run --build first")
+        try:
+            art = precompile.CompiledArtifact.load(tag=TAG)
+        except precompile.ArtifactNotFoundError as exc:
+            raise SystemExit(f"{exc}: run --build first") from None
         self.art = art.warmup(background=True)
         self.constants = torch.load(os.path.join(model_dir, "weights.pt"))["constants"]
         self.loaded_s = time.perf_counter() - began
@@ -184,7 +185,7 @@ def _request(url: str, body: dict[str, Any] | None = None) -> dict[str, Any]:
 def demo(port: int, model_dir: str) -> None:
     """Build if needed, start a server process, send it requests, stop it."""
     cache = precompile.default_cache()
-    if cache.load_tag(TAG) is None or not os.path.exists(os.path.join(model_dir, "weights.pt")):
+    if cache.tagged(TAG) is None or not os.path.exists(os.path.join(model_dir, "weights.pt")):
         build(model_dir)
     else:
         print(f"[build] {TAG!r} is already in the cache at {cache.root}: nothing to compile")

@@ -1,16 +1,27 @@
-"""``python -m precompile cache ls|info|verify|prune|clear|stats|explain`` (or ``precompile``)."""
+"""The ``precompile`` command line (also ``python -m precompile``).
+
+    precompile cache ls|info|verify|prune|clear|stats|explain|tags|sign   the artifact cache
+    precompile keygen KEYFILE                 a new Ed25519 key pair (KEYFILE, KEYFILE.pub)
+    precompile sign --key KEYFILE PATH        sign a saved artifact (file or directory)
+    precompile verify [--key PUB ...] PATH    check a saved artifact's digests and signature
+
+It imports the cache and the artifact formats only: no Dynamo, no inductor compile
+modules. Errors are one line on stderr (exit 2); a failed check exits 1.
+"""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
 import json
+import os
 import sys
 import time
 from collections.abc import Sequence
 from typing import Any
 
 from cache import ArtifactCache, CacheEntry
+from runtime._errors import PrecompileError
 
 
 def _size(n: float) -> str:
@@ -42,19 +53,39 @@ def _find(store: ArtifactCache, prefix: str) -> CacheEntry:
     return matches[0]
 
 
+def _plan_text(plan: Any, verb: str) -> str:
+    action = f"would {verb}" if plan.dry_run else verb.replace("evict", "evicted")
+    lines = [
+        f"{action} {len(plan.evicted)} entries, {len(plan.blobs)} unreferenced blobs and "
+        f"{len(plan.temp_files)} stale temp files: {_size(plan.bytes_freed)} of "
+        f"{_size(plan.size_before)} (limit {_size(plan.size_limit)})"
+    ]
+    lines += [f"  entry {key[:16]}" for key in plan.evicted]
+    lines += [f"  could not read {problem}" for problem in plan.problems]
+    return "\n".join(lines)
+
+
 def _cache_command(args: argparse.Namespace) -> int:
-    store = ArtifactCache(args.root)
+    store = ArtifactCache(args.root, trust_foreign=args.trust_foreign)
+    if not store.writable and args.action in ("prune", "clear", "sign"):
+        raise SystemExit(
+            f"precompile: cache {store.root} is read-only: cannot {args.action} it "
+            "(entries can still be listed, verified and loaded)"
+        )
     if args.action == "ls":
-        entries = sorted(store.entries(), key=lambda e: e.last_used, reverse=True)
-        rows = [f"{'KEY':14} {'SIZE':>9} {'VARIANTS':>8} {'LAST USED':>10}  DEVICE"]
+        scan = store.scan()
+        entries = sorted(scan.entries, key=lambda e: e.last_used, reverse=True)
+        rows = [f"{'KEY':14} {'SIZE':>9} {'BLOBS':>5} {'LAST USED':>10}  DEVICE"]
         rows += [
-            f"{e.key[:12]:14} {_size(e.size):>9} {e.variants:>8} {_ago(e.last_used):>10}  "
-            f"{e.factors.get('device', '?')}"
+            f"{e.key[:12]:14} {_size(e.size):>9} {len(e.blobs):>5} {_ago(e.last_used):>10}  "
+            f"{e.factors.get('device', '?')}{'  signed' if e.signed else ''}"
             for e in entries
         ]
         rows.append(
             f"{len(entries)} entries, {_size(sum(e.size for e in entries))} in {store.root}"
+            + ("" if store.writable else " (read-only)")
         )
+        rows += [f"could not read {path}: {reason}" for path, reason in scan.unreadable]
         _emit([dataclasses.asdict(e) for e in entries], args.json, "\n".join(rows))
     elif args.action == "info":
         entry = _find(store, args.key)
@@ -62,7 +93,8 @@ def _cache_command(args: argparse.Namespace) -> int:
             [
                 f"key       {entry.key}",
                 f"size      {_size(entry.size)}",
-                f"variants  {entry.variants}",
+                f"blobs     {len(entry.blobs)}",
+                f"signed    {'yes' if entry.signed else 'no'}",
                 f"created   {_ago(entry.created)}",
                 f"last used {_ago(entry.last_used)}",
                 "factors:",
@@ -72,28 +104,29 @@ def _cache_command(args: argparse.Namespace) -> int:
         _emit(dataclasses.asdict(entry), args.json, text)
     elif args.action == "verify":
         report = store.verify()
+        problems = [f"  could not check {path}: {reason}" for path, reason in report.unreadable]
         text = f"checked {report.checked} entries: " + (
             "all intact"
-            if report.ok
+            if not report.corrupt
             else f"{len(report.corrupt)} corrupt, moved to quarantine: "
             + ", ".join(k[:12] for k in report.corrupt)
         )
-        _emit(dataclasses.asdict(report), args.json, text)
+        _emit(dataclasses.asdict(report), args.json, "\n".join([text, *problems]))
         return 0 if report.ok else 1
     elif args.action == "prune":
-        evicted = store.prune(args.max_size)
-        _emit({"evicted": evicted}, args.json, f"evicted {len(evicted)} entries")
+        plan = store.prune(args.max_size, dry_run=args.dry_run)
+        _emit(dataclasses.asdict(plan), args.json, _plan_text(plan, "evict"))
     elif args.action == "clear":
-        if not args.yes:
+        if not args.yes and not args.dry_run:
             raise SystemExit("precompile: 'cache clear' deletes every entry; add --yes")
-        removed = store.clear()
-        _emit({"removed": removed}, args.json, f"removed {removed} entries")
+        plan = store.clear(dry_run=args.dry_run)
+        _emit(dataclasses.asdict(plan), args.json, _plan_text(plan, "remove"))
     elif args.action == "stats":
         stats = store.stats()
         text = (
             f"{stats.entries} entries, {_size(stats.size)} of {_size(stats.size_limit)}; "
             f"hits {stats.hits}, misses {stats.misses}, evictions {stats.evictions}, "
-            f"corrupt {stats.corrupt}"
+            f"corrupt {stats.corrupt}" + ("" if stats.writable else "; read-only")
         )
         _emit(dataclasses.asdict(stats), args.json, text)
     elif args.action == "explain":
@@ -111,38 +144,122 @@ def _cache_command(args: argparse.Namespace) -> int:
             f"{n:30s} {k[:16]}{'' if k in present else '  (entry gone)'}" for n, k in tags.items()
         ]
         _emit(tags, args.json, "\n".join(lines) or "no tags")
+    elif args.action == "sign":
+        keys = [e.key for e in store.entries()] if not args.keys else [
+            _find(store, prefix).key for prefix in args.keys
+        ]  # fmt: skip
+        for key in keys:
+            store.sign(key, args.key)
+        _emit({"signed": keys}, args.json, f"signed {len(keys)} entries")
     return 0
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="precompile", description=__doc__)
+def _sign_command(args: argparse.Namespace) -> int:
+    from runtime._binary_format import sign_binary
+    from runtime._unpacked_format import sign_unpacked
+
+    path = args.path
+    signature = (
+        sign_unpacked(path, args.key) if os.path.isdir(path) else sign_binary(path, args.key)
+    )
+    print(f"signed {path} with key {signature.key_id}")
+    return 0
+
+
+def _verify_command(args: argparse.Namespace) -> int:
+    from runtime import _signing as signing
+    from runtime._binary_format import read_binary
+    from runtime._unpacked_format import read_unpacked
+
+    trusted = signing.trusted_keys(args.key or None)
+    path = args.path
+    if os.path.isdir(path):
+        manifest, payloads, signature = read_unpacked(path, trusted)
+    else:
+        manifest, payloads, signature = read_binary(path, trusted)
+    for digest in manifest.payload_digests:
+        payloads.read(digest)  # decompress and check every payload; nothing is unpickled
+    who = f"signed by key {signature.key_id}" if signature else "not signed"
+    checked = "signature checked against the trusted keys" if trusted else "no trusted keys given"
+    print(f"{path}: intact ({len(manifest.payload_digests)} payloads), {who}; {checked}")
+    return 0
+
+
+def _keygen_command(args: argparse.Namespace) -> int:
+    from runtime import _signing as signing
+
+    public = signing.generate(args.keyfile)
+    print(f"wrote private key {args.keyfile} (mode 0600) and public key {args.keyfile}.pub")
+    print(f"public key (hex, for PRECOMPILE_TRUSTED_KEYS): {public}")
+    return 0
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="precompile",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     commands = parser.add_subparsers(dest="command", required=True)
     cache_parser = commands.add_parser("cache", help="inspect and maintain the artifact cache")
     cache_parser.add_argument(
         "--root", help="cache directory (default: $PRECOMPILE_CACHE_DIR or the user cache dir)"
     )
+    cache_parser.add_argument(
+        "--trust-foreign", action="store_true", help="accept entries other users could write"
+    )
     actions = cache_parser.add_subparsers(dest="action", required=True)
     for name, text in [
         ("ls", "list entries"),
-        ("verify", "check every digest"),
+        ("verify", "check every digest (and signature, with trusted keys configured)"),
         ("stats", "hit/miss/eviction counts and size"),
         ("tags", "named entries (what servers load by name)"),
     ]:
         actions.add_parser(name, help=text).add_argument("--json", action="store_true")
-    info = actions.add_parser("info", help="one entry and its key factors")
-    info.add_argument("key", help="a key or unique prefix")
-    info.add_argument("--json", action="store_true")
-    explain = actions.add_parser("explain", help="which factors differ from the nearest entry")
-    explain.add_argument("key", help="a key or unique prefix")
-    explain.add_argument("--json", action="store_true")
+    for name, text in [
+        ("info", "one entry and its key factors"),
+        ("explain", "which factors differ from the nearest entry"),
+    ]:
+        sub = actions.add_parser(name, help=text)
+        sub.add_argument("key", help="a key or unique prefix")
+        sub.add_argument("--json", action="store_true")
     prune = actions.add_parser("prune", help="evict LRU entries down to the size limit")
     prune.add_argument("--max-size", type=int, help="bytes (default: the cache's limit)")
+    prune.add_argument("--dry-run", action="store_true", help="only say what would go")
     prune.add_argument("--json", action="store_true")
     clear = actions.add_parser("clear", help="delete every entry")
     clear.add_argument("--yes", action="store_true", help="confirm")
+    clear.add_argument("--dry-run", action="store_true", help="only say what would go")
     clear.add_argument("--json", action="store_true")
-    args = parser.parse_args(argv)
-    return _cache_command(args)
+    sign_entries = actions.add_parser("sign", help="sign entries (all, or the keys given)")
+    sign_entries.add_argument("--key", required=True, help="Ed25519 private key (PEM file)")
+    sign_entries.add_argument("keys", nargs="*", help="keys or unique prefixes")
+    sign_entries.add_argument("--json", action="store_true")
+    keygen = commands.add_parser("keygen", help="write a new Ed25519 key pair")
+    keygen.add_argument("keyfile", help="private key file to create (KEYFILE.pub beside it)")
+    sign = commands.add_parser("sign", help="sign a saved artifact")
+    sign.add_argument("--key", required=True, help="Ed25519 private key (PEM file)")
+    sign.add_argument("path", help="a binary artifact file or an unpacked directory")
+    verify = commands.add_parser("verify", help="check a saved artifact")
+    verify.add_argument("--key", action="append", help="a trusted public key (repeatable)")
+    verify.add_argument("path", help="a binary artifact file or an unpacked directory")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    handlers = {
+        "cache": _cache_command,
+        "keygen": _keygen_command,
+        "sign": _sign_command,
+        "verify": _verify_command,
+    }
+    try:
+        return handlers[args.command](args)
+    except (PrecompileError, OSError) as exc:
+        # A check that failed is an answer (exit 1); anything else is an error (exit 2).
+        print(f"precompile: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1 if args.command == "verify" else 2
 
 
 if __name__ == "__main__":

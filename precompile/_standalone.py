@@ -12,11 +12,18 @@ from typing import Any
 import sympy
 import torch
 
-from cache import ArtifactCache, resolve_root
+from cache import ArtifactCache, default_cache
 from runtime import CompiledArtifact
 from runtime import _torch_adapter as runtime_adapter
+from runtime._cached import load_cached, store_artifact
 from runtime._environment import current_environment
-from runtime._errors import InvalidOptionError, PrecompileError, UnsupportedGraphError
+from runtime._errors import (
+    CacheWriteError,
+    InvalidOptionError,
+    PrecompileError,
+    UnsupportedGraphError,
+    UntrustedArtifactError,
+)
 from runtime._manifest import (
     InputSpec,
     IntInput,
@@ -235,18 +242,6 @@ def _calibrate_arguments(calibrate: CalibrateOption) -> dict[str, Any] | None:
     return {"sizes": list(calibrate)}
 
 
-_default_cache: ArtifactCache | None = None
-
-
-def default_cache() -> ArtifactCache:
-    """The process-wide cache at ``$PRECOMPILE_CACHE_DIR`` or the user cache dir."""
-    global _default_cache
-    root = resolve_root(None)
-    if _default_cache is None or _default_cache.root != root:
-        _default_cache = ArtifactCache(root)
-    return _default_cache
-
-
 def _resolve_cache(cache: CacheOption) -> ArtifactCache | None:
     if cache is False:
         return None
@@ -351,14 +346,61 @@ def standalone_compile(
         _propagate_common_guards(graph, common)
         return artifact
 
-    def create() -> tuple[CompiledArtifact, dict[str, bytes]]:
-        log.info("cache miss: %s", store.explain_miss(key, factors))
-        artifact, common = _remembering_failure(key, build)
-        return artifact, {"caller_guards": pickle.dumps(common)}
-
-    artifact, aux, hit = store.get_or_create(key, factors, create)
-    # Trusted: the blob passed its sha256 and ownership checks, like the payloads beside it.
-    common = pickle.loads(aux["caller_guards"]) if "caller_guards" in aux else []
-    log.info("cache %s for %s", "hit" if hit else "miss (compiled and stored)", key[:12])
+    artifact, common = _cached_or_built(store, key, factors, build)
     _propagate_common_guards(graph, common)
     return artifact
+
+
+def _cached_or_built(
+    store: ArtifactCache,
+    key: str,
+    factors: Mapping[str, str],
+    build: Callable[[], tuple[CompiledArtifact, list[sympy.Expr]]],
+) -> tuple[CompiledArtifact, list[sympy.Expr]]:
+    """The artifact under ``key`` from the cache, else built once (single flight across
+    processes) and stored. A cache that cannot store (read-only, full) or whose entry is
+    untrusted costs the cache, never the compile: it is logged and the build returned."""
+    found = _cached(store, key)
+    if found is not None:
+        log.info("cache hit for %s", key[:12])
+        return found
+    try:
+        with store.lock(key):
+            found = _cached(store, key) if store.contains(key) else None
+            if found is not None:
+                return found  # another process built it while we waited
+            return _build_and_store(store, key, factors, build)
+    except CacheWriteError as exc:  # no lock file: a read-only cache
+        log.warning("cache %s cannot take a lock (%s); compiling without storing", store.root, exc)
+        return _remembering_failure(key, build)
+
+
+def _cached(store: ArtifactCache, key: str) -> tuple[CompiledArtifact, list[sympy.Expr]] | None:
+    try:
+        found = load_cached(store, key)
+    except UntrustedArtifactError as exc:
+        log.warning("%s; compiling instead", exc)
+        return None
+    if found is None:
+        return None
+    artifact, aux = found
+    # Trusted: the blob passed its sha256 and ownership checks, like the payloads beside it.
+    common = pickle.loads(aux["caller_guards"]) if "caller_guards" in aux else []
+    return artifact, common
+
+
+def _build_and_store(
+    store: ArtifactCache,
+    key: str,
+    factors: Mapping[str, str],
+    build: Callable[[], tuple[CompiledArtifact, list[sympy.Expr]]],
+) -> tuple[CompiledArtifact, list[sympy.Expr]]:
+    log.info("cache miss: %s", store.explain_miss(key, factors))
+    artifact, common = _remembering_failure(key, build)
+    try:
+        store_artifact(store, key, artifact, factors, {"caller_guards": pickle.dumps(common)})
+    except CacheWriteError as exc:
+        log.warning("compiled %s but could not store it: %s", key[:12], exc)
+    else:
+        log.info("cache miss for %s: compiled and stored", key[:12])
+    return artifact, common

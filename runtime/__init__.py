@@ -3,6 +3,9 @@
 from ._artifact import ArtifactFormat, CompiledArtifact
 from ._dispatch import Candidate, Explanation, log2_distance
 from ._errors import (
+    ArtifactAccessError,
+    ArtifactNotFoundError,
+    CacheWriteError,
     CorruptArtifactError,
     IncompatibleArtifactError,
     InputMismatchError,
@@ -11,6 +14,7 @@ from ._errors import (
     PrecompileError,
     UnsafeCacheError,
     UnsupportedGraphError,
+    UntrustedArtifactError,
 )
 from ._manifest import (
     Calibration,
@@ -27,7 +31,10 @@ from ._torch_adapter import import_runtime_modules as _import_runtime_modules
 _import_runtime_modules()
 
 __all__ = [
+    "ArtifactAccessError",
     "ArtifactFormat",
+    "ArtifactNotFoundError",
+    "CacheWriteError",
     "Calibration",
     "CalibrationEntry",
     "Candidate",
@@ -46,6 +53,7 @@ __all__ = [
     "SymbolSource",
     "UnsafeCacheError",
     "UnsupportedGraphError",
+    "UntrustedArtifactError",
     "Variant",
     "log2_distance",
 ]

@@ -19,7 +19,7 @@ from ._calibration import SizesSpec, Timer, default_timer, measure, normalize_si
 from ._contract import InputContract, Prepared
 from ._dispatch import Dispatcher, Explanation
 from ._environment import check_compatible, current_environment
-from ._errors import CorruptArtifactError, InvalidOptionError
+from ._errors import ArtifactNotFoundError, CorruptArtifactError, InvalidOptionError
 from ._manifest import Calibration, Manifest, Symbol, Variant
 from ._payloads import PayloadStore
 from ._signing import TrustedKeysOption
@@ -340,16 +340,21 @@ class CompiledArtifact:
 
     @staticmethod
     def load(
+        path: str | os.PathLike[str] | None = None,
         *,
-        path: str | os.PathLike[str],
         format: ArtifactFormat = "binary",
         warmup: bool | Literal["background"] = False,
         trusted_keys: TrustedKeysOption = None,
         run_edited_code: bool = False,
+        tag: str | None = None,
+        key: str | None = None,
+        cache: Any = None,
     ) -> CompiledArtifact:
         """Read and verify an artifact; variants load on first use unless ``warmup``.
 
-        ``trusted_keys`` (public keys: hex, PEM files or PEM bytes; default
+        From a file or directory (``path``), or from an ArtifactCache by ``tag`` or
+        ``key`` (``cache``: default the process's default cache; its own trusted keys
+        apply). ``trusted_keys`` (public keys: hex, PEM files or PEM bytes; default
         ``$PRECOMPILE_TRUSTED_KEYS``): when set, the artifact must be signed by one of
         them, checked before anything in it is unpickled or imported.
         ``run_edited_code``: run an edited ``output_code.py`` of an unpacked artifact
@@ -357,8 +362,47 @@ class CompiledArtifact:
         _check_format(format)
         if warmup not in (True, False, "background"):
             raise InvalidOptionError(f"warmup must be True, False or 'background', got {warmup!r}")
-        source = os.fspath(path)
-        trusted = signing.trusted_keys(trusted_keys)
+        if (path is None) == (tag is None and key is None) or (tag is not None and key is not None):
+            raise InvalidOptionError("load takes exactly one of path=, tag= or key=")
+        if path is None:
+            if trusted_keys is not None or run_edited_code:
+                raise InvalidOptionError(
+                    "loading by tag or key uses the cache's own trusted keys: pass "
+                    "trusted_keys to ArtifactCache(...), not to load()"
+                )
+            artifact = CompiledArtifact._from_cache(cache, tag, key)
+        else:
+            artifact = CompiledArtifact._from_path(
+                os.fspath(path), format, signing.trusted_keys(trusted_keys), run_edited_code
+            )
+        if warmup:
+            artifact.warmup(background=warmup == "background")
+        return artifact
+
+    @staticmethod
+    def _from_cache(cache: Any, tag: str | None, key: str | None) -> CompiledArtifact:
+        from cache import default_cache
+
+        from ._cached import load_cached
+
+        store = default_cache() if cache is None else cache
+        if tag is not None:
+            key = store.tagged(tag)
+            if key is None:
+                raise ArtifactNotFoundError(f"no entry is tagged {tag!r} in {store.root}")
+        assert key is not None
+        found = load_cached(store, key)
+        if found is None:
+            raise ArtifactNotFoundError(
+                f"cache {store.root} has no intact entry {key[:12]}"
+                + (f" (tagged {tag!r})" if tag else "")
+            )
+        return found[0]
+
+    @staticmethod
+    def _from_path(
+        source: str, format: str, trusted: tuple[bytes, ...] | None, run_edited_code: bool
+    ) -> CompiledArtifact:
         if format == "binary":
             if run_edited_code:
                 raise InvalidOptionError("run_edited_code applies to format='unpacked' only")
@@ -366,7 +410,4 @@ class CompiledArtifact:
         else:
             manifest, payloads, _ = read_unpacked(source, trusted, run_edited_code=run_edited_code)
         check_compatible(manifest.environment, f"artifact {source!r}")
-        artifact = CompiledArtifact(manifest, payloads)
-        if warmup:
-            artifact.warmup(background=warmup == "background")
-        return artifact
+        return CompiledArtifact(manifest, payloads)

@@ -40,6 +40,15 @@ class UnsafeCacheError(PrecompileError, PermissionError):
     code that someone else could have written."""
 
 
+class CacheWriteError(PrecompileError, OSError):
+    """The cache could not store an entry (a full or read-only disk, say); nothing partial
+    was left behind, and what was being stored is still returned to the caller."""
+
+
+class ArtifactNotFoundError(PrecompileError, FileNotFoundError):
+    """No artifact under that tag or key (or, offline, no cache entry to serve a compile)."""
+
+
 class ArtifactAccessError(PrecompileError, PermissionError):
     """An artifact (or a file or directory of one) exists but this user may not read it."""
 
@@ -51,6 +60,8 @@ class UntrustedArtifactError(PrecompileError, PermissionError):
 
 __all__ = [
     "ArtifactAccessError",
+    "ArtifactNotFoundError",
+    "CacheWriteError",
     "CorruptArtifactError",
     "IncompatibleArtifactError",
     "InputMismatchError",

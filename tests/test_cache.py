@@ -20,7 +20,11 @@ from precompile import _torch_adapter
 from precompile._cache_key import cache_factors, cache_key
 from runtime._environment import current_environment
 from runtime._manifest import Manifest, Symbol, SymbolSource, TensorInput, Variant
+from runtime._cached import load_cached, store_artifact
 from runtime._payloads import MemoryPayloads, sha256_hex
+
+put = store_artifact
+get = load_cached
 
 
 def fake_artifact(seed: int, size: int = 2000) -> precompile.CompiledArtifact:
@@ -43,7 +47,7 @@ def test_layout_is_private_tagged_and_versioned(tmp_path: object) -> None:
     root = os.path.join(str(tmp_path), "c")
     store = ArtifactCache(root)
     assert os.path.isfile(os.path.join(root, "CACHEDIR.TAG"))
-    for sub in ("v1", "v1/entries", "v1/blobs"):
+    for sub in ("v2", "v2/entries", "v2/blobs"):
         assert os.stat(os.path.join(root, sub)).st_mode & 0o777 == 0o700
     assert store.root == root
 
@@ -56,9 +60,9 @@ def test_root_from_environment(tmp_path: object, monkeypatch: pytest.MonkeyPatch
 def test_put_get_round_trip_and_stats(tmp_path: object) -> None:
     store = ArtifactCache(str(tmp_path))
     art = fake_artifact(1)
-    assert store.get(key_of(1)) is None
-    store.put(key_of(1), art, {"graph": "g"}, {"aux": b"extra"})
-    loaded, aux = store.get(key_of(1))  # type: ignore[misc]
+    assert get(store, key_of(1)) is None
+    put(store, key_of(1), art, {"graph": "g"}, {"aux": b"extra"})
+    loaded, aux = get(store, key_of(1))  # type: ignore[misc]
     assert loaded.variants == art.variants
     assert loaded.payload_bytes(art.variants[0].payload) == art.payload_bytes(
         art.variants[0].payload
@@ -70,24 +74,24 @@ def test_put_get_round_trip_and_stats(tmp_path: object) -> None:
 
 def test_shared_payloads_are_stored_once(tmp_path: object) -> None:
     store = ArtifactCache(str(tmp_path))
-    store.put(key_of(1), fake_artifact(1), {})
-    store.put(key_of(2), fake_artifact(1), {})
+    put(store, key_of(1), fake_artifact(1), {})
+    put(store, key_of(2), fake_artifact(1), {})
     blobs = [
-        f for _, _, files in os.walk(os.path.join(str(tmp_path), "v1", "blobs")) for f in files
+        f for _, _, files in os.walk(os.path.join(str(tmp_path), "v2", "blobs")) for f in files
     ]
     assert len(blobs) == 1
 
 
 def _blob_files(root: str) -> list[str]:
-    base = os.path.join(root, "v1", "blobs")
+    base = os.path.join(root, "v2", "blobs")
     return [os.path.join(d, f) for d, _, files in os.walk(base) for f in files]
 
 
 @pytest.mark.parametrize("damage", ["flip", "truncate-blob", "truncate-entry", "garbage-entry"])
 def test_corrupt_entries_are_quarantined_misses(tmp_path: object, damage: str) -> None:
     store = ArtifactCache(str(tmp_path))
-    store.put(key_of(1), fake_artifact(1), {})
-    entry = os.path.join(str(tmp_path), "v1", "entries", key_of(1) + ".json")
+    put(store, key_of(1), fake_artifact(1), {})
+    entry = os.path.join(str(tmp_path), "v2", "entries", key_of(1) + ".json")
     blob = _blob_files(str(tmp_path))[0]
     target = entry if damage.endswith("entry") else blob
     with open(target, "rb") as handle:
@@ -100,21 +104,21 @@ def test_corrupt_entries_are_quarantined_misses(tmp_path: object, damage: str) -
         data = bytearray(b'{"key": "not this one"}')
     with open(target, "wb") as handle:
         handle.write(bytes(data))
-    assert store.get(key_of(1)) is None
+    assert get(store, key_of(1)) is None
     assert not os.path.exists(entry)
-    assert os.listdir(os.path.join(str(tmp_path), "v1", "quarantine"))
+    assert os.listdir(os.path.join(str(tmp_path), "v2", "quarantine"))
     assert store.stats().corrupt == 1
-    store.put(key_of(1), fake_artifact(1), {})  # a miss can be refilled
-    assert store.get(key_of(1)) is not None
+    put(store, key_of(1), fake_artifact(1), {})  # a miss can be refilled
+    assert get(store, key_of(1)) is not None
 
 
 def test_entries_writable_by_others_are_refused_unless_trusted(tmp_path: object) -> None:
     store = ArtifactCache(str(tmp_path))
-    store.put(key_of(1), fake_artifact(1), {})
-    entry = os.path.join(str(tmp_path), "v1", "entries", key_of(1) + ".json")
+    put(store, key_of(1), fake_artifact(1), {})
+    entry = os.path.join(str(tmp_path), "v2", "entries", key_of(1) + ".json")
     os.chmod(entry, 0o666)
     with pytest.raises(precompile.UnsafeCacheError, match="writable by group/others") as info:
-        store.get(key_of(1))
+        get(store, key_of(1))
     assert isinstance(info.value, PermissionError)
     assert ArtifactCache(str(tmp_path), trust_foreign=True).get(key_of(1)) is not None
 
@@ -122,18 +126,18 @@ def test_entries_writable_by_others_are_refused_unless_trusted(tmp_path: object)
 def test_eviction_keeps_cache_under_limit_lru_first(tmp_path: object) -> None:
     store = ArtifactCache(str(tmp_path), size_limit=10**9)
     for n in range(4):
-        store.put(key_of(n), fake_artifact(n, size=50_000), {})
-    store.get(key_of(0))  # touch: 0 is now the most recently used
-    os.utime(os.path.join(str(tmp_path), "v1", "entries", key_of(0) + ".json"))
+        put(store, key_of(n), fake_artifact(n, size=50_000), {})
+    get(store, key_of(0))  # touch: 0 is now the most recently used
+    os.utime(os.path.join(str(tmp_path), "v2", "entries", key_of(0) + ".json"))
     per_entry = store.total_size() / 4
-    evicted = store.prune(int(per_entry * 2.5))
-    assert evicted == [key_of(1), key_of(2)]
+    evicted = store.prune(int(per_entry * 2.5)).evicted
+    assert evicted == (key_of(1), key_of(2))
     assert store.total_size() <= per_entry * 2.5
     assert {e.key for e in store.entries()} == {key_of(0), key_of(3)}
     assert len(_blob_files(str(tmp_path))) == 2  # evicted entries' blobs are gone too
     assert store.stats().evictions == 2
     small = ArtifactCache(str(tmp_path), size_limit=int(per_entry * 1.5))
-    small.put(key_of(9), fake_artifact(9, size=50_000), {})
+    put(small, key_of(9), fake_artifact(9, size=50_000), {})
     assert [e.key for e in small.entries()] == [key_of(9)]  # the new entry survives
 
 
@@ -213,7 +217,7 @@ def test_second_compile_is_a_hit_and_compiles_nothing(
         assert_close(second(*captured.flat(x)), captured.model(x))
     assert second.variants == first.variants
     assert ArtifactCache(str(tmp_path)).stats().hits == 1
-    with pytest.raises(AssertionError, match="compiled on a cache hit"):
+    with pytest.raises(precompile.UnsupportedGraphError, match="compiled on a cache hit"):
         precompile.standalone_compile(captured.gm, captured.example_inputs, hints=[16], cache=False)
 
 
@@ -301,14 +305,14 @@ KILL_SCRIPT = """
     import os, signal, sys
     sys.path.insert(0, "tests")
     from cache import ArtifactCache, _store
-    from test_cache import fake_artifact, key_of
+    from test_cache import fake_artifact, key_of, put
     store = ArtifactCache(sys.argv[1])
     original = _store.ArtifactCache._write_blob
-    def write_then_die(self, raw):
-        digest = original(self, raw)
+    def write_then_die(self, digest, raw):
+        original(self, digest, raw)
         os.kill(os.getpid(), signal.SIGKILL)
     _store.ArtifactCache._write_blob = write_then_die
-    store.put(key_of(7), fake_artifact(7), {})
+    put(store, key_of(7), fake_artifact(7), {})
 """
 
 
@@ -321,11 +325,11 @@ def test_process_killed_mid_save_leaves_no_entry_that_loads(tmp_path: object) ->
     )
     assert result.returncode == -signal.SIGKILL
     store = ArtifactCache(str(tmp_path))
-    assert store.get(key_of(7)) is None
+    assert get(store, key_of(7)) is None
     assert store.entries() == []
     assert len(_blob_files(str(tmp_path))) == 1  # an orphan, collected by prune later
-    store.put(key_of(7), fake_artifact(7), {})
-    assert store.get(key_of(7)) is not None
+    put(store, key_of(7), fake_artifact(7), {})
+    assert get(store, key_of(7)) is not None
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess[str]:
@@ -340,8 +344,8 @@ def _cli(*args: str) -> subprocess.CompletedProcess[str]:
 def test_cli_commands(tmp_path: object) -> None:
     root = str(tmp_path)
     store = ArtifactCache(root)
-    store.put(key_of(1), fake_artifact(1), {"graph": "a", "device": "cpu"})
-    store.put(key_of(2), fake_artifact(2), {"graph": "b", "device": "cpu"})
+    put(store, key_of(1), fake_artifact(1), {"graph": "a", "device": "cpu"})
+    put(store, key_of(2), fake_artifact(2), {"graph": "b", "device": "cpu"})
     listing = _cli("--root", root, "ls")
     assert listing.returncode == 0 and key_of(1)[:12] in listing.stdout
     entries = json.loads(_cli("--root", root, "ls", "--json").stdout)
@@ -352,6 +356,9 @@ def test_cli_commands(tmp_path: object) -> None:
     assert _cli("--root", root, "verify").returncode == 0
     stats = json.loads(_cli("--root", root, "stats", "--json").stdout)
     assert stats["entries"] == 2
+    planned = json.loads(_cli("--root", root, "prune", "--max-size", "1", "--dry-run", "--json").stdout)
+    assert planned["dry_run"] and len(planned["evicted"]) == 2 and planned["bytes_freed"] > 0
+    assert len(json.loads(_cli("--root", root, "ls", "--json").stdout)) == 2  # nothing went
     assert json.loads(_cli("--root", root, "prune", "--max-size", "1", "--json").stdout)["evicted"]
     assert _cli("--root", root, "clear").returncode != 0  # needs --yes
     assert _cli("--root", root, "clear", "--yes").returncode == 0
@@ -360,7 +367,7 @@ def test_cli_commands(tmp_path: object) -> None:
 
 def test_miss_explanation_names_the_differing_factor(tmp_path: object) -> None:
     store = ArtifactCache(str(tmp_path))
-    store.put(key_of(1), fake_artifact(1), {"graph": "a", "torch": "2.13"})
+    put(store, key_of(1), fake_artifact(1), {"graph": "a", "torch": "2.13"})
     explanation = store.explain_miss(key_of(2), {"graph": "a", "torch": "2.14"})
     assert explanation.nearest == key_of(1)
     assert explanation.differing == ("torch",)
@@ -386,11 +393,19 @@ def test_a_crashed_lock_holder_does_not_block_others(tmp_path: object) -> None:
         text=True,
     )
     assert "holding" in result.stdout and result.returncode == -signal.SIGKILL
+    from precompile._standalone import _cached_or_built
+
     store = ArtifactCache(str(tmp_path), lock_timeout=5)
     started = time.monotonic()
-    _, _, hit = store.get_or_create(key_of(3), {}, lambda: (fake_artifact(3), {}))
-    assert not hit and time.monotonic() - started < 5
-    assert store.get(key_of(3)) is not None
+    built = []
+
+    def build() -> tuple[precompile.CompiledArtifact, list[object]]:
+        built.append(1)
+        return fake_artifact(3), []
+
+    _cached_or_built(store, key_of(3), {}, build)  # type: ignore[arg-type]
+    assert built == [1] and time.monotonic() - started < 5
+    assert get(store, key_of(3)) is not None
 
 
 def test_kernel_blobs_are_kept_while_their_entry_lives(mlp: Compiled, tmp_path: object) -> None:
@@ -398,28 +413,31 @@ def test_kernel_blobs_are_kept_while_their_entry_lives(mlp: Compiled, tmp_path: 
     # as referenced, or the entry would lose its .so files and fail its next load.
     store = ArtifactCache(str(tmp_path))
     assert mlp.artifact.manifest.kernel_digests
-    store.put(key_of(1), mlp.artifact, {"graph": "mlp"})
-    store.put(key_of(2), fake_artifact(2), {"graph": "other"})
-    os.utime(store._entry_path(key_of(1)), (1e9, 1e9))
-    os.utime(store._entry_path(key_of(2)), (1e9 + 1, 1e9 + 1))  # 1 is least recent
+    put(store, key_of(1), mlp.artifact, {"graph": "mlp"})
+    put(store, key_of(2), fake_artifact(2), {"graph": "other"})
+    os.utime(store.entry_path(key_of(1)), (1e9, 1e9))
+    os.utime(store.entry_path(key_of(2)), (1e9 + 1, 1e9 + 1))  # 1 is least recent
     size_of_1 = next(e.size for e in store.entries() if e.key == key_of(1))
-    assert store.prune(size_limit=store.total_size() - 1, keep=key_of(1)) == [key_of(2)]
+    plan = store.prune(size_limit=store.total_size() - 1, keep=key_of(1))
+    assert plan.evicted == (key_of(2),)
     assert next(e.size for e in store.entries() if e.key == key_of(1)) == size_of_1
-    loaded, _ = store.get(key_of(1))  # type: ignore[misc]
+    loaded, _ = get(store, key_of(1))  # type: ignore[misc]
     for digest in mlp.artifact.manifest.kernel_digests:
         assert loaded.payload_bytes(digest) == mlp.artifact.payload_bytes(digest)
 
 
 def test_tags_name_entries_for_servers(tmp_path: object) -> None:
     store = ArtifactCache(str(tmp_path))
-    assert store.load_tag("model") is None
-    store.put(key_of(1), fake_artifact(1), {"graph": "g"})
+    with pytest.raises(precompile.ArtifactNotFoundError, match="tagged 'model'"):
+        precompile.CompiledArtifact.load(tag="model", cache=store)
+    put(store, key_of(1), fake_artifact(1), {"graph": "g"})
     store.tag("model", key_of(1))
     assert store.tags() == {"model": key_of(1)}
-    loaded = store.load_tag("model")
-    assert loaded is not None and loaded.cache_key == key_of(1)
+    loaded = precompile.CompiledArtifact.load(tag="model", cache=store)
+    assert loaded.cache_key == key_of(1)
     store.tag("model", key_of(2))  # retagging replaces; a tag of a missing entry misses
-    assert store.load_tag("model") is None
+    with pytest.raises(precompile.ArtifactNotFoundError, match="no intact entry"):
+        precompile.CompiledArtifact.load(tag="model", cache=store)
     for bad in ["", "../escape", ".hidden", "a/b", "x" * 101]:
         with pytest.raises(precompile.InvalidOptionError, match="tag name"):
             store.tag(bad, key_of(1))

@@ -1,0 +1,60 @@
+"""Artifacts in an ArtifactCache: the runtime turns entries into artifacts and back.
+
+The cache stores a document and blobs; here the document is the artifact's manifest and
+the blobs are its payloads (compiled graphs, built kernels), so an entry references
+exactly ``manifest.payload_digests`` plus its auxiliary blobs.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from typing import TYPE_CHECKING
+
+from ._environment import check_compatible
+from ._errors import CorruptArtifactError
+from ._manifest import Manifest
+from ._payloads import MemoryPayloads
+
+if TYPE_CHECKING:
+    from cache import ArtifactCache, StoredEntry
+
+    from ._artifact import CompiledArtifact
+
+log = logging.getLogger("precompile.runtime")
+
+
+def artifact_from_entry(entry: StoredEntry) -> CompiledArtifact:
+    from ._artifact import CompiledArtifact
+
+    where = f"cache entry {entry.key[:12]}"
+    manifest = Manifest.from_json(entry.document)
+    missing = [d for d in manifest.payload_digests if d not in entry.blobs]
+    if missing:
+        raise CorruptArtifactError(f"{where} lacks payload {missing[0][:12]}")
+    check_compatible(manifest.environment, where)
+    artifact = CompiledArtifact(manifest, MemoryPayloads(entry.blobs))
+    artifact.cache_key = entry.key
+    return artifact
+
+
+def load_cached(cache: ArtifactCache, key: str) -> tuple[CompiledArtifact, dict[str, bytes]] | None:
+    """The artifact stored under ``key`` and its auxiliary blobs, or None on a miss."""
+    entry = cache.get(key)
+    if entry is None:
+        return None
+    return artifact_from_entry(entry), dict(entry.aux)
+
+
+def store_artifact(
+    cache: ArtifactCache,
+    key: str,
+    artifact: CompiledArtifact,
+    factors: Mapping[str, str],
+    aux: Mapping[str, bytes] | None = None,
+) -> None:
+    """Store ``artifact`` under ``key`` (raises ``CacheWriteError`` if it cannot)."""
+    manifest = artifact.manifest
+    blobs = {d: artifact.payload_bytes(d) for d in manifest.payload_digests}
+    cache.put(key, manifest.to_json(), blobs, factors, aux)
+    artifact.cache_key = key
