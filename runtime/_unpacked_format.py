@@ -148,6 +148,10 @@ def _open_dir(name: str, dir_fd: int | None, where: str) -> int:
             raise InvalidOptionError(f"{where!r} does not exist") from None
         raise CorruptArtifactError(f"{where} is missing") from None
     except NotADirectoryError:
+        if dir_fd is not None and _is_link(name, dir_fd):
+            raise CorruptArtifactError(
+                f"{where} is a symbolic link; an artifact's files must be its own"
+            ) from None
         if dir_fd is None:
             raise InvalidOptionError(
                 f"{where!r} is not a directory; an unpacked artifact is a directory "
@@ -160,6 +164,13 @@ def _open_dir(name: str, dir_fd: int | None, where: str) -> int:
                 f"{where} is a symbolic link; an artifact's files must be its own"
             ) from None
         raise
+
+
+def _is_link(name: str, dir_fd: int) -> bool:
+    try:
+        return stat.S_ISLNK(os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode)
+    except OSError:
+        return False
 
 
 def _read_relative(root: int, relative: str, limit: int, where: str) -> bytes:

@@ -356,7 +356,9 @@ def test_cli_commands(tmp_path: object) -> None:
     assert _cli("--root", root, "verify").returncode == 0
     stats = json.loads(_cli("--root", root, "stats", "--json").stdout)
     assert stats["entries"] == 2
-    planned = json.loads(_cli("--root", root, "prune", "--max-size", "1", "--dry-run", "--json").stdout)
+    planned = json.loads(
+        _cli("--root", root, "prune", "--max-size", "1", "--dry-run", "--json").stdout
+    )
     assert planned["dry_run"] and len(planned["evicted"]) == 2 and planned["bytes_freed"] > 0
     assert len(json.loads(_cli("--root", root, "ls", "--json").stdout)) == 2  # nothing went
     assert json.loads(_cli("--root", root, "prune", "--max-size", "1", "--json").stdout)["evicted"]
