@@ -18,9 +18,9 @@ import precompile
 from cache import ArtifactCache
 from precompile import _torch_adapter
 from precompile._cache_key import cache_factors, cache_key
+from runtime._cached import load_cached, store_artifact
 from runtime._environment import current_environment
 from runtime._manifest import Manifest, Symbol, SymbolSource, TensorInput, Variant
-from runtime._cached import load_cached, store_artifact
 from runtime._payloads import MemoryPayloads, sha256_hex
 
 put = store_artifact

@@ -119,7 +119,7 @@ def _rename_symbol(manifest: dict[str, Any], old: str, new: str) -> None:
                     "min_gain": 0.0,
                     "entries": [{"point": [1], "times": {"²": 1.0}}],
                 },
-            ),  # fmt: skip
+            ),
             "names no variant",
         ),
         (
