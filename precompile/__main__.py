@@ -45,12 +45,21 @@ def _emit(data: Any, as_json: bool, text: str) -> None:
 
 
 def _find(store: ArtifactCache, prefix: str) -> CacheEntry:
-    matches = [e for e in store.entries() if e.key.startswith(prefix)]
-    if len(matches) != 1:
-        raise SystemExit(
-            f"precompile: key prefix {prefix!r} matches {len(matches)} entries; give more digits"
-        )
-    return matches[0]
+    scan = store.scan()
+    matches = [e for e in scan.entries if e.key.startswith(prefix)]
+    if len(matches) == 1:
+        return matches[0]
+    unreadable = [
+        (path, reason)
+        for path, reason in scan.unreadable
+        if os.path.basename(path).startswith(prefix)
+    ]
+    if not matches and len(unreadable) == 1:
+        path, reason = unreadable[0]
+        raise SystemExit(f"precompile: could not read entry {path}: {reason}")
+    raise SystemExit(
+        f"precompile: key prefix {prefix!r} matches {len(matches)} entries; give more digits"
+    )
 
 
 def _plan_text(plan: Any, verb: str) -> str:
