@@ -164,7 +164,7 @@ def test_a_read_only_cache_serves_hits(tmp_path: Any) -> None:
         "verify True",
     ]:
         assert line in out, out
-    cli = f"""
+    cli = """
 import subprocess, sys
 for args in (["ls"], ["verify"], ["stats"], ["prune"], ["clear", "--yes"]):
     r = subprocess.run([sys.executable, "-m", "precompile", "cache", "--root", sys.argv[1], *args],
@@ -224,7 +224,7 @@ def test_a_full_disk_returns_the_compiled_artifact_and_leaves_no_partial_entry(
 
 
 FILE_SIZE_LIMIT = """
-import resource, signal, sys
+import os, resource, signal, sys
 sys.path.insert(0, "tests")
 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
 import precompile
@@ -237,7 +237,8 @@ try:
     put(store, key_of(5), random_artifact(3_000_000), {})
 except precompile.CacheWriteError as exc:
     print("refused", exc.errno)
-print("entries", len(store.entries()), "blobs", sum(len(f) for _, _, f in __import__("os").walk(sys.argv[1] + "/v2/blobs")))
+blobs = sum(len(names) for _, _, names in os.walk(sys.argv[1] + "/v2/blobs"))
+print("entries", len(store.entries()), "blobs", blobs)
 """
 
 
@@ -401,7 +402,7 @@ def test_a_planted_kernel_in_a_shared_build_dir_is_replaced(
     )
     assert "correct" in out and "replaced 0" not in out, out
     os.chmod(build, 0o777)
-    with pytest.raises(AssertionError, match="UnsafeCacheError.*PRECOMPILE_BUILD_DIR"):
+    with pytest.raises(AssertionError, match=r"UnsafeCacheError.*PRECOMPILE_BUILD_DIR"):
         run_python(
             script.replace("sys.argv[1]", repr(saved["binary"])).replace(
                 "sys.argv[2]", repr(cases(mlp, str(tmp_path)))
