@@ -50,17 +50,7 @@ class Tiny(torch.nn.Module):
 
 def capture(model: torch.nn.Module, x: torch.Tensor, dim: int) -> tuple[Any, list[Any]]:
     """The graph and example inputs Dynamo hands a backend, ``x``'s ``dim`` dynamic."""
-    box: dict[str, Any] = {}
-
-    def backend(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
-        box["gm"], box["inputs"] = gm, list(example_inputs)
-        return gm.forward
-
-    torch._dynamo.reset()
-    torch._dynamo.mark_dynamic(x, dim)
-    with torch.no_grad():
-        torch.compile(model, backend=backend, fullgraph=True)(x)
-    return box["gm"], box["inputs"]
+    return precompile.capture_graph(model, x, dynamic={0: [dim]})
 
 
 def _noop(*args: Any) -> None:

@@ -389,6 +389,7 @@ class ArtifactCache:
         return CacheScan(tuple(found), tuple(unreadable))
 
     def entries(self) -> list[CacheEntry]:
+        """Every readable entry (``scan()`` also says what could not be read)."""
         return list(self.scan().entries)
 
     def _temp_files(self) -> list[str]:

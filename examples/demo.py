@@ -39,17 +39,8 @@ class MLP(torch.nn.Module):
 
 
 def capture(model: torch.nn.Module, x: torch.Tensor) -> tuple[torch.fx.GraphModule, list[Any]]:
-    """The graph Dynamo hands a torch.compile backend, with its example inputs."""
-    box: dict[str, Any] = {}
-
-    def backend(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
-        box["gm"], box["inputs"] = gm, example_inputs
-        return gm.forward
-
-    torch._dynamo.mark_dynamic(x, 0)
-    with torch.no_grad():
-        torch.compile(model, backend=backend, fullgraph=True)(x)
-    return box["gm"], box["inputs"]
+    """The graph Dynamo hands a torch.compile backend, batch dim dynamic."""
+    return precompile.capture_graph(model, x, dynamic={0: [0]})
 
 
 def compile_and_save(directory: str) -> None:

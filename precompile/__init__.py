@@ -4,7 +4,16 @@ art = precompile.standalone_compile(gm, example_inputs, hints=[16, 256, 4096])
 art.save(path="model.pt2c")
 art = precompile.CompiledArtifact.load(path="model.pt2c")
 out = art(*flat_inputs)
+
+Importing the package is cheap: the compile side (Dynamo, inductor) is imported when
+``standalone_compile`` or ``backend`` is first used, the runtime's torch modules when
+``CompiledArtifact`` is; the CLI needs neither.
 """
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 from cache import (
     ArtifactCache,
@@ -22,10 +31,7 @@ from runtime import (
     CacheWriteError,
     Calibration,
     CalibrationEntry,
-    Candidate,
-    CompiledArtifact,
     CorruptArtifactError,
-    Explanation,
     IncompatibleArtifactError,
     InputMismatchError,
     InvalidOptionError,
@@ -38,13 +44,36 @@ from runtime import (
     UnsupportedGraphError,
     UntrustedArtifactError,
     Variant,
+    __version__,
 )
 
-from ._backend import backend
-from ._standalone import standalone_compile
 from ._variant_plan import DEFAULT_MAX_VARIANTS
 
-__version__ = "0.1.0"
+if TYPE_CHECKING:
+    from runtime import Candidate, CompiledArtifact, Explanation
+
+    from ._backend import backend
+    from ._capture import capture_graph
+    from ._standalone import standalone_compile
+
+_LAZY = {
+    "CompiledArtifact": "runtime",
+    "Candidate": "runtime",
+    "Explanation": "runtime",
+    "backend": "precompile._backend",
+    "capture_graph": "precompile._capture",
+    "standalone_compile": "precompile._standalone",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'precompile' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
 
 __all__ = [
     "DEFAULT_MAX_VARIANTS",
@@ -71,12 +100,14 @@ __all__ = [
     "PrunePlan",
     "Symbol",
     "SymbolSource",
-    "UnsupportedGraphError",
     "UnsafeCacheError",
+    "UnsupportedGraphError",
     "UntrustedArtifactError",
     "Variant",
     "VerifyReport",
+    "__version__",
     "backend",
+    "capture_graph",
     "default_cache",
     "standalone_compile",
 ]

@@ -17,12 +17,11 @@ import torch
 from cache import LAYOUT
 from runtime._environment import current_environment
 from runtime._manifest import FORMAT_VERSION
+from runtime._version import __version__
 
 from . import _torch_adapter as adapter
 from ._graph import GraphDescription
 from ._variant_plan import VariantRequest
-
-LIBRARY_VERSION = "0.1.0"
 
 
 def _canonical(value: Any) -> str:
@@ -97,7 +96,7 @@ def cache_factors(
         "python": environment.python,
         "device": f"{environment.device_type}:{environment.device_name}:{environment.capability}",
         "platform": environment.platform,
-        "format": f"artifact {FORMAT_VERSION}, cache {LAYOUT}, precompile {LIBRARY_VERSION}",
+        "format": f"artifact {FORMAT_VERSION}, cache {LAYOUT}, precompile {__version__}",
     }
 
 

@@ -14,8 +14,8 @@ import torch
 
 from cache import ArtifactCache, default_cache
 from runtime import CompiledArtifact
-from runtime import _torch_adapter as runtime_adapter
 from runtime._cached import load_cached, store_artifact
+from runtime._dtypes import dtype_name
 from runtime._environment import current_environment
 from runtime._errors import (
     CacheWriteError,
@@ -87,7 +87,7 @@ def _input_specs(
         offset = item.storage_offset
         specs.append(
             TensorInput(
-                dtype=str(item.dtype).removeprefix("torch."),
+                dtype=dtype_name(item.dtype),
                 device=str(item.device),
                 shape=tuple(_size_text(s) for s in item.shape),
                 stride=tuple(_size_text(s) for s in item.stride),
@@ -183,7 +183,7 @@ def _compile_all(
         if request.kind == "static":
             guards = (*(sympy.Eq(s, v) for s, v in point.items()), *guards)
         all_guards.append(guards)
-        code = runtime_adapter.variant_code_digest(compiled.payload)
+        code = adapter.variant_code_digest(compiled.payload)
         shared = code in by_code
         if not shared:
             by_code[code] = sha256_hex(compiled.payload)

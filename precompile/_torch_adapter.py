@@ -8,11 +8,13 @@ Inductor, so guards that one variant's compile adds stay with that variant.
 from __future__ import annotations
 
 import copy
+import hashlib
 import logging
 import os
 import pickle
 import platform
 import shutil
+import threading
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
@@ -36,6 +38,11 @@ DYNAMIC_SHAPES = ("from_graph", "from_tracing_context", "from_example_inputs")
 
 
 # -- reading the caller's graph ----------------------------------------------------------
+def mark_dynamic(tensor: torch.Tensor, dim: int) -> None:
+    """Dynamo's ``mark_dynamic``: trace ``dim`` of ``tensor`` as a symbol."""
+    torch._dynamo.mark_dynamic(tensor, dim)
+
+
 def _resolve_fake_mode(gm: torch.fx.GraphModule, dynamic_shapes: str) -> Any | None:
     if dynamic_shapes == "from_example_inputs":
         return None
@@ -112,6 +119,10 @@ def _range(shape_env: Any, symbol: sympy.Symbol) -> tuple[int, int | None]:
 def describe_graph(
     gm: torch.fx.GraphModule, example_inputs: Sequence[Any], dynamic_shapes: str
 ) -> GraphDescription:
+    """Read the caller's graph once, into plain data the rest of the compile side uses:
+    each flat input's dtype, device, symbolic shape and strides, the symbols with their
+    hints and ranges, the floats Dynamo lifted, and the output structure. Nothing here
+    mutates the caller's graph or ShapeEnv."""
     fake_mode = _resolve_fake_mode(gm, dynamic_shapes)
     shape_env = getattr(fake_mode, "shape_env", None)
     if dynamic_shapes == "from_example_inputs":
@@ -298,6 +309,45 @@ def _fresh_inputs(
     return values, fake_mode, reverse
 
 
+# Compiling points TORCHINDUCTOR_CACHE_DIR at the build dir through the environment
+# (compile workers read it there); every such swap happens under this lock so that our
+# threads never see another's dir. Loads steer inductor per thread instead (see
+# runtime._torch_adapter.private_inductor_dir); runtime._build_dir owns the directory.
+INDUCTOR_LOCK = threading.RLock()
+
+
+def _after_fork_in_child() -> None:
+    global INDUCTOR_LOCK
+    INDUCTOR_LOCK = threading.RLock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+@contextmanager
+def inductor_cache_dir(directory: str) -> Iterator[None]:
+    """Point inductor's cache at ``directory`` for the duration (under INDUCTOR_LOCK)."""
+    from torch._inductor.runtime.cache_dir_utils import temporary_cache_dir
+
+    with INDUCTOR_LOCK, temporary_cache_dir(directory):
+        yield
+
+
+def wrapper_sources(payload: bytes) -> list[str]:
+    """The generated wrapper module of every graph (forward, backward) in a payload."""
+    entry, _, _ = runtime_adapter.unpickle_bundle(payload)
+    return [str(graph.source_code) for graph in runtime_adapter.compiled_graphs(entry)]
+
+
+def variant_code_digest(payload: bytes) -> str:
+    """sha256 over the generated code (forward, and backward if any): equal means same code."""
+    digest = hashlib.sha256()
+    for number, source in enumerate(wrapper_sources(payload)):
+        digest.update((b"\0backward\0" if number else b"") + source.encode())
+    return digest.hexdigest()
+
+
 @contextmanager
 def _compile_context(fake_mode: Any) -> Iterator[None]:
     import torch._functorch.config as functorch_config
@@ -308,7 +358,7 @@ def _compile_context(fake_mode: Any) -> Iterator[None]:
         patches["force_non_lazy_backward_lowering"] = True
     build = build_dir()
     with ExitStack() as stack:
-        stack.enter_context(runtime_adapter.inductor_cache_dir(build))
+        stack.enter_context(inductor_cache_dir(build))
         # Variants of one graph share an AOTAutograd key; drop earlier entries so a later
         # variant is compiled for its own hints instead of reusing an earlier one's code.
         shutil.rmtree(os.path.join(build, "aotautograd"), ignore_errors=True)
@@ -326,7 +376,10 @@ def compile_variant(
     dynamic: bool,
     options: Mapping[str, Any],
 ) -> CompiledVariant:
-    from torch._dynamo.aot_compile_types import BundledAOTAutogradSerializableCallable
+    """Compile one variant with inductor from a fresh ShapeEnv whose symbols mirror the
+    caller's, hinted at ``point`` (``dynamic=False``: fixed to it), so the guards this
+    compile adds are this variant's alone; returns its payload, those guards in the
+    caller's symbols, its built C++ kernels and how it uses its inputs."""
     from torch._inductor.compile_fx import compile_fx
 
     inputs, fake_mode, reverse = _fresh_inputs(graph, point, dynamic)
@@ -339,9 +392,7 @@ def compile_variant(
                 "cannot save)"
             )
         try:
-            payload = BundledAOTAutogradSerializableCallable.serialize_compile_artifacts(
-                BundledAOTAutogradSerializableCallable(compiled)
-            )
+            payload = runtime_adapter.serialize_variant(compiled)
         except (TypeError, AttributeError, pickle.PicklingError) as exc:
             raise UnsupportedGraphError(
                 "inductor compiled the graph but could not serialize it "
@@ -409,7 +460,7 @@ def _input_uses(payload: bytes, count: int) -> tuple[tuple[InputUse, ...], bool]
         else:
             mutation = "none"
         uses.append(InputUse(mutation, index in aliased))
-    training = getattr(getattr(entry, "compiled_bw", None), "result", None) is not None
+    training = len(runtime_adapter.compiled_graphs(entry)) > 1
     return tuple(uses), training
 
 
@@ -420,14 +471,12 @@ def _built_cpp_kernels(payload: bytes) -> tuple[tuple[NativeKernel, bytes], ...]
     asking inductor for it again returns the loaded module without compiling.
     """
     from torch._inductor.async_compile import AsyncCompile
-    from torch._inductor.cpu_vec_isa import pick_vec_isa
 
-    sources = runtime_adapter.wrapper_sources(payload)
+    sources = wrapper_sources(payload)
     calls = [kernel for source in sources for kernel in find_cpp_kernels(source)]
     if not calls:
         return ()
-    isa = pick_vec_isa()
-    flags = isa.build_arch_flags() if isa else ""
+    isa, flags = runtime_adapter.vec_isa()
     async_compile = AsyncCompile()
     built = []
     for argtypes, source in calls:
@@ -444,7 +493,7 @@ def _built_cpp_kernels(payload: bytes) -> tuple[tuple[NativeKernel, bytes], ...]
         kernel = NativeKernel(
             key=kernel_key(argtypes, source),
             binary=sha256_hex(data),
-            isa=str(isa),
+            isa=isa,
             cpu_features=cpu_features_for_flags(flags),
             machine=platform.machine(),
         )
@@ -479,7 +528,6 @@ def add_caller_guard(shape_env: Any, expr: sympy.Expr) -> None:
 # -- what the cache key needs from torch ---------------------------------------------
 def codegen_config_digest() -> str:
     """sha256 of the inductor and functorch configs, as upstream's FX cache keys them."""
-    import hashlib
     import json
 
     import torch._functorch.config as functorch_config

@@ -1,7 +1,16 @@
-"""Load precompiled artifacts and dispatch calls to their variants, never compiling."""
+"""Load precompiled artifacts and dispatch calls to their variants, never compiling.
 
-from ._artifact import ArtifactFormat, CompiledArtifact
-from ._dispatch import Candidate, Explanation, log2_distance
+Importing this package is cheap (errors, the manifest schema): a serving process pays
+for torch's compiler modules when it first touches ``CompiledArtifact`` (whose module
+imports what loading and running a variant needs, so that ``load()`` and the first call
+have short, predictable latency). The cache CLI never pays it.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from ._errors import (
     ArtifactAccessError,
     ArtifactNotFoundError,
@@ -26,9 +35,29 @@ from ._manifest import (
     SymbolSource,
     Variant,
 )
-from ._torch_adapter import import_runtime_modules as _import_runtime_modules
+from ._version import __version__
 
-_import_runtime_modules()
+if TYPE_CHECKING:
+    from ._artifact import ArtifactFormat, CompiledArtifact
+    from ._dispatch import Candidate, Explanation, log2_distance
+
+_LAZY = {
+    "ArtifactFormat": "._artifact",
+    "CompiledArtifact": "._artifact",
+    "Candidate": "._dispatch",
+    "Explanation": "._dispatch",
+    "log2_distance": "._dispatch",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'runtime' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module, __name__), name)
+    globals()[name] = value
+    return value
+
 
 __all__ = [
     "ArtifactAccessError",
@@ -55,5 +84,6 @@ __all__ = [
     "UnsupportedGraphError",
     "UntrustedArtifactError",
     "Variant",
+    "__version__",
     "log2_distance",
 ]

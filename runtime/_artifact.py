@@ -6,6 +6,7 @@ import dataclasses
 import logging
 import os
 import threading
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal
 
@@ -19,11 +20,16 @@ from ._calibration import SizesSpec, Timer, default_timer, measure, normalize_si
 from ._contract import InputContract, Prepared
 from ._dispatch import Dispatcher, Explanation
 from ._environment import check_compatible, current_environment
+from ._execution import DirectExecutor, Executor
 from ._errors import ArtifactNotFoundError, CorruptArtifactError, InvalidOptionError
 from ._manifest import Calibration, Manifest, Symbol, Variant
 from ._payloads import PayloadStore
 from ._signing import TrustedKeysOption
 from ._unpacked_format import read_unpacked, write_unpacked
+
+# The torch compiler modules that loading and running a variant import: paid here, once,
+# so that load() and the first call have the short latency a server's first request needs.
+adapter.import_runtime_modules()
 
 log = logging.getLogger("precompile.runtime")
 
@@ -59,6 +65,20 @@ def _usable_calibration(manifest: Manifest) -> Calibration | None:
     return table
 
 
+# Every artifact of this process, so that a forked child can reset what a thread of its
+# parent may have held at the fork (a lock, a warm-up thread that does not exist there).
+_live: weakref.WeakSet[CompiledArtifact] = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    for artifact in list(_live):
+        artifact._lock = threading.RLock()
+        artifact._warming = None
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
 ArtifactFormat = Literal["binary", "unpacked"]
 _FORMATS = ("binary", "unpacked")
 DEFAULT_MEMO_SIZE = 4096
@@ -89,6 +109,7 @@ class CompiledArtifact:
         self._payloads = payloads
         self._contract = InputContract(manifest)
         self._unflatten = _output_unflattener(manifest)
+        self._executor: Executor = DirectExecutor()
         self._dispatcher = Dispatcher(manifest, _usable_calibration(manifest))
         self._callables: dict[str, Callable[..., Any]] = dict(loaded or {})
         self._memo: dict[tuple[int, ...], Callable[..., Any]] = {}
@@ -98,6 +119,7 @@ class CompiledArtifact:
         self.cache_key: str | None = None
         self._warming: threading.Thread | None = None
         self._warm_error: BaseException | None = None
+        _live.add(self)
 
     # -- calling ---------------------------------------------------------------------
     def __call__(self, *args: Any) -> Any:
@@ -149,7 +171,8 @@ class CompiledArtifact:
             if function is not None:
                 return function
             index = self._dispatcher.choose(key)
-            function = self._variant_callable(self._manifest.variants[index])
+            variant = self._variant_callable(self._manifest.variants[index])
+            function = self._executor.runner(key, index, variant)
             if len(self._memo) >= self._memo_size:
                 del self._memo[next(iter(self._memo))]
             self._memo[key] = function

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from ._dtypes import dtype_of
 from ._errors import InvalidOptionError
 from ._manifest import Calibration, CalibrationEntry, Manifest, TensorInput
 
@@ -71,7 +72,7 @@ def synthesize_inputs(
         if isinstance(template, torch.Tensor) and list(template.shape) == shape:
             args.append(template)
             continue
-        dtype = getattr(torch, spec.dtype.removeprefix("torch."))
+        dtype = dtype_of(spec.dtype)
         device = torch.device(spec.device)
         if dtype.is_floating_point or dtype.is_complex:
             args.append(torch.randn(shape, dtype=dtype, device=device))

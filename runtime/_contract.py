@@ -31,6 +31,7 @@ from typing import Any
 import torch
 
 from . import _torch_adapter as adapter
+from ._dtypes import device_of, dtype_name, dtype_of
 from ._errors import CorruptArtifactError, InputMismatchError
 from ._expressions import NAMESPACE, SYMBOL_PREFIX, compile_function, to_python
 from ._manifest import IntInput, Manifest, TensorInput
@@ -39,20 +40,6 @@ log = logging.getLogger("precompile.runtime")
 KeyReader = Callable[[Sequence[Any]], "tuple[int, ...] | None"]
 TrustedReader = Callable[[Sequence[Any]], "tuple[int, ...]"]
 _PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
-
-
-def _dtype(name: str) -> torch.dtype:
-    value = getattr(torch, name, None)
-    if not isinstance(value, torch.dtype):
-        raise CorruptArtifactError(f"manifest names unknown dtype {name!r}")
-    return value
-
-
-def _device(name: str) -> torch.device:
-    try:
-        return torch.device(name)
-    except (RuntimeError, ValueError):
-        raise CorruptArtifactError(f"manifest names unknown device {name!r}") from None
 
 
 def _device_test(arg: str, index: int, device: torch.device) -> str:
@@ -92,8 +79,8 @@ class InputContract:
         self._tensors = {
             i: spec for i, spec in enumerate(self.inputs) if isinstance(spec, TensorInput)
         }
-        self._dtypes = {i: _dtype(spec.dtype) for i, spec in self._tensors.items()}
-        self._devices = {i: _device(spec.device) for i, spec in self._tensors.items()}
+        self._dtypes = {i: dtype_of(spec.dtype) for i, spec in self._tensors.items()}
+        self._devices = {i: device_of(spec.device) for i, spec in self._tensors.items()}
         self._mutated = tuple(i for i, s in self._tensors.items() if s.mutation != "none")
         names = self.symbols
         # Per tensor: its strides as a function of the symbols' values.
@@ -400,7 +387,7 @@ class InputContract:
             )
         if arg.dtype is not self._dtypes[index]:
             raise InputMismatchError(
-                f"input {index} should have dtype {spec.dtype}, got {str(arg.dtype)[6:]}"
+                f"input {index} should have dtype {spec.dtype}, got {dtype_name(arg.dtype)}"
             )
         if arg.device != self._devices[index]:
             raise InputMismatchError(

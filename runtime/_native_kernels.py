@@ -210,7 +210,7 @@ def load_cpp_pybinding(async_compile: Any, argtypes: list[str], source: str) -> 
         else:
             reason = "the artifact carries no binary for this source (edited or not bundled)"
     if entry is not None:
-        here = adapter.vec_isa_name()
+        here = adapter.vec_isa()[0]
         if here != entry.kernel.isa:
             raise IncompatibleArtifactError(
                 f"C++ kernel {key[:12]} cannot run here: {reason}; and it cannot be rebuilt "

@@ -29,9 +29,6 @@ from ._build_dir import build_dir
 
 log = logging.getLogger("precompile.runtime")
 
-# Compiling swaps TORCHINDUCTOR_CACHE_DIR (compile workers read it from the environment);
-# every such swap happens under this lock so that our threads never see another's dir.
-INDUCTOR_LOCK = threading.RLock()
 # Loads are serialized: upstream's deserialization mutates process-wide tables.
 LOAD_LOCK = threading.RLock()
 _redirect: ContextVar[str | None] = ContextVar("precompile_inductor_dir", default=None)
@@ -39,22 +36,12 @@ _redirect: ContextVar[str | None] = ContextVar("precompile_inductor_dir", defaul
 
 def _after_fork_in_child() -> None:
     """A lock held by another thread at fork would never be released in the child."""
-    global INDUCTOR_LOCK, LOAD_LOCK
-    INDUCTOR_LOCK = threading.RLock()
+    global LOAD_LOCK
     LOAD_LOCK = threading.RLock()
 
 
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_after_fork_in_child)
-
-
-@contextmanager
-def inductor_cache_dir(directory: str) -> Iterator[None]:
-    """Point inductor's cache at ``directory`` for the duration (under INDUCTOR_LOCK)."""
-    from torch._inductor.runtime.cache_dir_utils import temporary_cache_dir
-
-    with INDUCTOR_LOCK, temporary_cache_dir(directory):
-        yield
 
 
 # What loading a payload and importing its generated wrapper import. They are Python
@@ -131,12 +118,6 @@ def compiled_graphs(bundle_entry: Any) -> list[Any]:
     if backward is not None and hasattr(backward, "source_code"):
         graphs.append(backward)
     return graphs
-
-
-def wrapper_sources(payload: bytes) -> list[str]:
-    """The generated wrapper module of every graph in a payload."""
-    entry, _, _ = unpickle_bundle(payload)
-    return [str(graph.source_code) for graph in compiled_graphs(entry)]
 
 
 def _rekey(graph: Any) -> None:
@@ -229,19 +210,22 @@ def _first(flat: Any) -> Any:
     return flat[0]
 
 
-def vec_isa_name() -> str:
-    """The vector ISA inductor builds C++ kernels for on this machine (may run gcc once)."""
+def vec_isa() -> tuple[str, str]:
+    """The vector ISA inductor builds C++ kernels for on this machine and its compiler
+    flags (may run gcc once, to probe)."""
     from torch._inductor.cpu_vec_isa import pick_vec_isa
 
-    return str(pick_vec_isa())
+    isa = pick_vec_isa()
+    return str(isa), (isa.build_arch_flags() if isa else "")
 
 
-def variant_code_digest(payload: bytes) -> str:
-    """sha256 over the generated code (forward, and backward if any): equal means same code."""
-    entry, _, _ = unpickle_bundle(payload)
-    digest = hashlib.sha256(forward_graph(entry).source_code.encode())
-    backward = getattr(entry, "compiled_bw", None)
-    result = getattr(backward, "result", None)
-    if result is not None and hasattr(result, "source_code"):
-        digest.update(b"\0backward\0" + result.source_code.encode())
-    return digest.hexdigest()
+def serialize_variant(compiled: Any) -> bytes:
+    """The payload bytes of a compiled graph (upstream's bundled AOTAutograd entry): the
+    other direction of ``load_variant``. TypeError/AttributeError/PicklingError where the
+    graph cannot be serialized."""
+    from torch._dynamo.aot_compile_types import BundledAOTAutogradSerializableCallable
+
+    payload: bytes = BundledAOTAutogradSerializableCallable.serialize_compile_artifacts(
+        BundledAOTAutogradSerializableCallable(compiled)
+    )
+    return payload

@@ -13,7 +13,7 @@ import subprocess
 import sys
 import tempfile
 import textwrap
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -105,22 +105,15 @@ class Captured:
 
 def capture(model: torch.nn.Module, *user_inputs: torch.Tensor) -> Captured:
     """Trace ``model`` with Dynamo (all dims dynamic) and keep the graph it hands a backend."""
-    box: dict[str, Any] = {}
-
-    def backend(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
-        box["gm"], box["inputs"] = gm, list(example_inputs)
-        return gm.forward
-
-    torch._dynamo.reset()
     # dynamic=True would also turn float attributes (LayerNorm eps) into graph inputs.
-    with torch.no_grad(), torch._dynamo.config.patch(specialize_float=True):
-        torch.compile(model, backend=backend, dynamic=True, fullgraph=True)(*user_inputs)
+    with torch._dynamo.config.patch(specialize_float=True):
+        gm, inputs = precompile.capture_graph(model, *user_inputs, dynamic=True)
     positions = {}
-    for index, example in enumerate(box["inputs"]):
+    for index, example in enumerate(inputs):
         for position, user in enumerate(user_inputs):
             if example is user:
                 positions[index] = position
-    return Captured(box["gm"], box["inputs"], model, positions)
+    return Captured(gm, inputs, model, positions)
 
 
 @dataclass

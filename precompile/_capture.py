@@ -1,0 +1,40 @@
+"""``capture_graph``: the FX graph and example inputs Dynamo hands a backend, for
+compiling outside ``torch.compile`` (the demo, benchmarks, tests and users who want the
+artifact itself rather than a compiled model)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from . import _torch_adapter as adapter
+
+
+def capture_graph(
+    model: Any,
+    *args: Any,
+    dynamic: Mapping[int, Sequence[int]] | bool | None = None,
+    kwargs: Mapping[str, Any] | None = None,
+) -> tuple[torch.fx.GraphModule, list[Any]]:
+    """Trace ``model(*args, **kwargs)`` with Dynamo (one full graph) and return the graph
+    and example inputs its backend receives. ``dynamic``: ``{arg_position: [dims]}`` to
+    mark dynamic (``mark_dynamic``), ``True`` for ``torch.compile(dynamic=True)``, None
+    for Dynamo's default. Traced under ``torch.no_grad()``."""
+    box: dict[str, Any] = {}
+
+    def keep(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
+        box["gm"], box["inputs"] = gm, list(example_inputs)
+        return gm.forward
+
+    if isinstance(dynamic, Mapping):
+        for position, dims in dynamic.items():
+            for dim in dims:
+                adapter.mark_dynamic(args[position], dim)
+    torch.compiler.reset()
+    with torch.no_grad():
+        torch.compile(model, backend=keep, fullgraph=True, dynamic=dynamic is True or None)(
+            *args, **dict(kwargs or {})
+        )
+    return box["gm"], box["inputs"]
