@@ -12,8 +12,7 @@ Importing the package is cheap: the compile side (Dynamo, inductor) is imported 
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from cache import (
     ArtifactCache,
@@ -46,6 +45,7 @@ from runtime import (
     Variant,
     __version__,
 )
+from runtime._lazy import lazy_getattr
 
 from ._variant_plan import DEFAULT_MAX_VARIANTS
 
@@ -66,14 +66,7 @@ _LAZY = {
 }
 
 
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'precompile' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
+__getattr__ = lazy_getattr(__name__, _LAZY, globals())
 
 __all__ = [
     "DEFAULT_MAX_VARIANTS",

@@ -8,8 +8,7 @@ have short, predictable latency). The cache CLI never pays it.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from ._errors import (
     ArtifactAccessError,
@@ -25,6 +24,7 @@ from ._errors import (
     UnsupportedGraphError,
     UntrustedArtifactError,
 )
+from ._lazy import lazy_getattr
 from ._manifest import (
     Calibration,
     CalibrationEntry,
@@ -50,14 +50,7 @@ _LAZY = {
 }
 
 
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'runtime' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module, __name__), name)
-    globals()[name] = value
-    return value
-
+__getattr__ = lazy_getattr(__name__, _LAZY, globals())
 
 __all__ = [
     "ArtifactAccessError",

@@ -20,8 +20,8 @@ from ._calibration import SizesSpec, Timer, default_timer, measure, normalize_si
 from ._contract import InputContract, Prepared
 from ._dispatch import Dispatcher, Explanation
 from ._environment import check_compatible, current_environment
-from ._execution import DirectExecutor, Executor
 from ._errors import ArtifactNotFoundError, CorruptArtifactError, InvalidOptionError
+from ._execution import DirectExecutor, Executor
 from ._manifest import Calibration, Manifest, Symbol, Variant
 from ._payloads import PayloadStore
 from ._signing import TrustedKeysOption

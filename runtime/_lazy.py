@@ -1,0 +1,25 @@
+"""Lazy package attributes (PEP 562), so importing a package costs only what it uses."""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable, Mapping, MutableMapping
+from typing import Any
+
+
+def lazy_getattr(
+    package: str, table: Mapping[str, str], namespace: MutableMapping[str, Any]
+) -> Callable[[str], Any]:
+    """A module ``__getattr__`` importing ``table[name]`` (a module path, relative to
+    ``package`` if it starts with '.') on first use and keeping the value in
+    ``namespace`` (the package's globals), so later lookups cost nothing."""
+
+    def __getattr__(name: str) -> Any:
+        module = table.get(name)
+        if module is None:
+            raise AttributeError(f"module {package!r} has no attribute {name!r}")
+        value = getattr(importlib.import_module(module, package), name)
+        namespace[name] = value
+        return value
+
+    return __getattr__
