@@ -74,9 +74,7 @@ def main() -> None:
     rows = []
     for name, touch in ENTRY_POINTS.items():
         runs = [_run(args.repo, PROBE.format(touch=touch)) for _ in range(args.runs)]
-        rows.append(
-            [name, statistics.median(r[0] for r in runs), runs[0][1], runs[0][2]]
-        )
+        rows.append([name, statistics.median(r[0] for r in runs), runs[0][1], runs[0][2]])
     with tempfile.TemporaryDirectory() as root:
         seconds = [_cli(args.repo, root) for _ in range(args.runs)]
     rows.append(["CLI (whole command)", statistics.median(seconds), "-", "-"])

@@ -50,7 +50,7 @@ from runtime._lazy import lazy_getattr
 from ._variant_plan import DEFAULT_MAX_VARIANTS
 
 if TYPE_CHECKING:
-    from runtime import Candidate, CompiledArtifact, Explanation
+    from runtime import Candidate, CompiledArtifact, CudaGraphs, Explanation
 
     from ._backend import backend
     from ._capture import capture_graph
@@ -58,6 +58,7 @@ if TYPE_CHECKING:
 
 _LAZY = {
     "CompiledArtifact": "runtime",
+    "CudaGraphs": "runtime",
     "Candidate": "runtime",
     "Explanation": "runtime",
     "backend": "precompile._backend",
@@ -82,6 +83,7 @@ __all__ = [
     "Candidate",
     "CompiledArtifact",
     "CorruptArtifactError",
+    "CudaGraphs",
     "Explanation",
     "IncompatibleArtifactError",
     "InputMismatchError",

@@ -11,6 +11,8 @@ from typing import Any
 
 import torch
 
+from runtime._cudagraphs import CudaGraphsOption
+
 from ._standalone import CacheOption, CalibrateOption, standalone_compile
 from ._variant_plan import DEFAULT_MAX_VARIANTS, Hints, Sizes
 
@@ -23,6 +25,7 @@ def backend(
     cache: CacheOption = None,
     max_variants: int = DEFAULT_MAX_VARIANTS,
     calibrate: CalibrateOption = None,
+    cudagraphs: CudaGraphsOption = None,
 ) -> Callable[[torch.fx.GraphModule, list[Any]], Callable[..., Any]]:
     """``torch.compile(model, backend=precompile.backend(hints=[16, 256, 4096]))``.
 
@@ -31,7 +34,8 @@ def backend(
     requested variants. Dynamo calls what this returns only with inputs its guards
     accepted, so the per-call check is Dynamo's: the artifact reads the sizes and
     dispatches (``CompiledArtifact.trusting_caller``), at a cost that does not grow with
-    the number of inputs (a model's parameters among them).
+    the number of inputs (a model's parameters among them). ``cudagraphs``: replay a
+    CUDA graph per size (see ``CudaGraphs``), captured from the artifact, never compiled.
     """
 
     def compile_graph(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
@@ -45,6 +49,7 @@ def backend(
             max_variants=max_variants,
             cache=cache,
             calibrate=calibrate,
+            cudagraphs=cudagraphs,
         )
         return artifact.trusting_caller()
 

@@ -42,3 +42,5 @@ class GraphDescription:
     caller_shape_env: Any | None
     # upstream's pytree spec (JSON) of an output that is not a flat tuple/list, else None
     output_spec: str | None = None
+    # each flat output's symbolic shape (None where it is not a tensor or not known)
+    output_shapes: tuple[tuple[sympy.Expr, ...] | None, ...] | None = None

@@ -15,6 +15,7 @@ import torch
 from cache import ArtifactCache, default_cache
 from runtime import CompiledArtifact
 from runtime._cached import load_cached, store_artifact
+from runtime._cudagraphs import CudaGraphsOption, cudagraph_options
 from runtime._dtypes import dtype_name
 from runtime._environment import current_environment
 from runtime._errors import (
@@ -99,6 +100,19 @@ def _input_specs(
             )
         )
     return tuple(specs)
+
+
+def _output_shapes(graph: GraphDescription) -> tuple[tuple[int | str, ...] | None, ...] | None:
+    """Output shapes over the graph's symbols (a shape using any other symbol: None)."""
+    if graph.output_shapes is None:
+        return None
+    known = set(graph.symbols)
+    return tuple(
+        None
+        if shape is None or any(not s.free_symbols <= known for s in shape)
+        else tuple(_size_text(s) for s in shape)
+        for shape in graph.output_shapes
+    )
 
 
 def _device_of(graph: GraphDescription) -> str:
@@ -214,6 +228,7 @@ def _compile_all(
         variants=tuple(variants),
         training=training,
         output=graph.output_spec,
+        output_shapes=_output_shapes(graph),
     )
     artifact = CompiledArtifact(manifest, MemoryPayloads(payloads))
     return artifact, _common_guards(graph, requests, all_guards)
@@ -284,6 +299,7 @@ def standalone_compile(
     max_variants: int = DEFAULT_MAX_VARIANTS,
     cache: CacheOption = None,
     calibrate: CalibrateOption = None,
+    cudagraphs: CudaGraphsOption = None,
 ) -> CompiledArtifact:
     """Compile ``gm`` into one variant per hint point plus one per exact size.
 
@@ -294,6 +310,8 @@ def standalone_compile(
     ``cache``: None uses the default cache, False none, a path or ArtifactCache that one.
     ``calibrate``: sample sizes (or a dict of ``CompiledArtifact.calibrate`` arguments) to
     time every variant at on this device after compiling; the table is cached with it.
+    ``cudagraphs``: replay CUDA graphs captured per size (``True``, a dict or a
+    ``CudaGraphs``), kept as the artifact's default; capture never compiles anything.
     """
     if not isinstance(gm, torch.fx.GraphModule):
         raise InvalidOptionError(f"gm must be a torch.fx.GraphModule, got {type(gm).__name__}")
@@ -319,6 +337,7 @@ def standalone_compile(
     requests = plan_variants(
         names, dims, default_point, hints=hints, sizes=sizes, max_variants=max_variants
     )
+    graphs = cudagraph_options(cudagraphs)  # validated before any compile
     calibration = _calibrate_arguments(calibrate)
     if calibration is not None and not symbols:
         log.debug("graph has no dynamic dims: calibrate ignored (one variant, nothing to choose)")
@@ -343,12 +362,13 @@ def standalone_compile(
         raise UnsupportedGraphError(f"{failed} (failed earlier in this process; not retried)")
     if store is None:
         artifact, common = _remembering_failure(key, build)
-        _propagate_common_guards(graph, common)
-        return artifact
-
-    artifact, common = _cached_or_built(store, key, factors, build)
+    else:
+        artifact, common = _cached_or_built(store, key, factors, build)
+    if graphs is not None:
+        artifact.set_cudagraphs(graphs)
     _propagate_common_guards(graph, common)
     return artifact
+
 
 
 def _cached_or_built(

@@ -178,8 +178,33 @@ def describe_graph(
     hints = {s: _hint(shape_env, s) for s in symbols}
     ranges = {s: _range(shape_env, s) for s in symbols}
     return GraphDescription(
-        tuple(inputs), tuple(symbols), hints, ranges, shape_env, _output_spec(gm)
+        tuple(inputs),
+        tuple(symbols),
+        hints,
+        ranges,
+        shape_env,
+        _output_spec(gm),
+        _output_shapes(gm, shape_env),
     )
+
+
+def _output_shapes(
+    gm: torch.fx.GraphModule, shape_env: Any | None
+) -> tuple[tuple[sympy.Expr, ...] | None, ...] | None:
+    """Each flat output's symbolic shape, from the output node's fake values."""
+    from torch.utils import _pytree as pytree
+
+    output = next((n for n in reversed(gm.graph.nodes) if n.op == "output"), None)
+    if output is None:
+        return None
+    shapes: list[tuple[sympy.Expr, ...] | None] = []
+    for node in pytree.tree_leaves(output.args[0]):
+        value = getattr(node, "meta", {}).get("example_value", getattr(node, "meta", {}).get("val"))
+        if isinstance(value, torch.Tensor):
+            shapes.append(tuple(_expr(s, shape_env or _env_of(s)) for s in value.shape))
+        else:
+            shapes.append(None)
+    return tuple(shapes)
 
 
 def _float_scalar(value: Any, example: Any) -> tuple[float | None, Any]:

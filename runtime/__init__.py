@@ -39,9 +39,11 @@ from ._version import __version__
 
 if TYPE_CHECKING:
     from ._artifact import ArtifactFormat, CompiledArtifact
+    from ._cudagraphs import CudaGraphs
     from ._dispatch import Candidate, Explanation, log2_distance
 
 _LAZY = {
+    "CudaGraphs": "._cudagraphs",
     "ArtifactFormat": "._artifact",
     "CompiledArtifact": "._artifact",
     "Candidate": "._dispatch",
@@ -62,6 +64,7 @@ __all__ = [
     "Candidate",
     "CompiledArtifact",
     "CorruptArtifactError",
+    "CudaGraphs",
     "Environment",
     "Explanation",
     "IncompatibleArtifactError",

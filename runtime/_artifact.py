@@ -16,8 +16,16 @@ from . import _native_kernels as native_kernels
 from . import _signing as signing
 from . import _torch_adapter as adapter
 from ._binary_format import read_binary, write_binary
-from ._calibration import SizesSpec, Timer, default_timer, measure, normalize_sizes
+from ._calibration import (
+    SizesSpec,
+    Timer,
+    default_timer,
+    measure,
+    normalize_sizes,
+    synthesize_inputs,
+)
 from ._contract import InputContract, Prepared
+from ._cudagraphs import CudaGraphExecutor, CudaGraphs, CudaGraphsOption, cudagraph_options
 from ._dispatch import Dispatcher, Explanation
 from ._environment import check_compatible, current_environment
 from ._errors import ArtifactNotFoundError, CorruptArtifactError, InvalidOptionError
@@ -104,12 +112,14 @@ class CompiledArtifact:
         *,
         loaded: Mapping[str, Callable[..., Any]] | None = None,
         memo_size: int = DEFAULT_MEMO_SIZE,
+        cudagraphs: CudaGraphsOption = None,
     ) -> None:
         self._manifest = manifest
         self._payloads = payloads
         self._contract = InputContract(manifest)
         self._unflatten = _output_unflattener(manifest)
         self._executor: Executor = DirectExecutor()
+        self._templates: Sequence[Any] | None = None
         self._dispatcher = Dispatcher(manifest, _usable_calibration(manifest))
         self._callables: dict[str, Callable[..., Any]] = dict(loaded or {})
         self._memo: dict[tuple[int, ...], Callable[..., Any]] = {}
@@ -120,6 +130,7 @@ class CompiledArtifact:
         self._warming: threading.Thread | None = None
         self._warm_error: BaseException | None = None
         _live.add(self)
+        self.set_cudagraphs(manifest.cudagraphs if cudagraphs is None else cudagraphs)
 
     # -- calling ---------------------------------------------------------------------
     def __call__(self, *args: Any) -> Any:
@@ -257,16 +268,30 @@ class CompiledArtifact:
             )
         return table
 
-    def warmup(self, *, background: bool = False) -> CompiledArtifact:
-        """Load every variant now, so no call pays a first-use cost.
+    def warmup(
+        self, *, background: bool = False, inputs: Sequence[Any] | None = None
+    ) -> CompiledArtifact:
+        """Load every variant now, so no call pays a first-use cost; with CUDA graphs and
+        ``capture_sizes``, also capture those (``inputs``: the graph's flat inputs at any
+        size, whose fixed-shape tensors such as weights the graphs are captured with).
 
-        With ``background=True`` a daemon thread loads them while this thread goes on
+        With ``background=True`` a daemon thread does it while this thread goes on
         (a server can take requests meanwhile; a call that needs a variant still being
-        loaded waits for it). ``wait_warm()`` joins that thread and re-raises its error.
+        loaded waits for it, and a size not yet captured runs plainly). ``wait_warm()``
+        joins that thread and re-raises its error.
         """
+        if inputs is not None:
+            self._templates = list(inputs)
         if not background:
             for variant in self._manifest.variants:
                 self._variant_callable(variant)
+            executor = self._executor
+            if (
+                isinstance(executor, CudaGraphExecutor)
+                and executor.options.capture_sizes
+                and self._templates is not None
+            ):
+                self.capture()
             return self
         with self._lock:
             if self._warming is None:
@@ -275,6 +300,79 @@ class CompiledArtifact:
                 )
                 self._warming.start()
         return self
+
+    # -- CUDA graphs -----------------------------------------------------------------
+    def set_cudagraphs(self, cudagraphs: CudaGraphsOption) -> CompiledArtifact:
+        """Run calls from CUDA graphs captured per size (see ``CudaGraphs``), or not
+        (False). Kept as the artifact's default: ``save`` writes it."""
+        options = cudagraph_options(cudagraphs)
+        with self._lock:
+            if options is None:
+                self._executor = DirectExecutor()
+            else:
+                executor = CudaGraphExecutor(self._manifest, options)
+                if options.capture_sizes:
+                    executor.first_call = self._capture_on_first_call
+                self._executor = executor
+            stored = None if options is None else options.to_json()
+            self._manifest = dataclasses.replace(self._manifest, cudagraphs=stored)
+            self._memo.clear()
+        return self
+
+    @property
+    def cudagraphs(self) -> CudaGraphs | None:
+        executor = self._executor
+        return executor.options if isinstance(executor, CudaGraphExecutor) else None
+
+    @property
+    def captured_sizes(self) -> tuple[tuple[int, ...], ...]:
+        """The size tuples a CUDA graph is captured for, in this process."""
+        executor = self._executor
+        return executor.captured if isinstance(executor, CudaGraphExecutor) else ()
+
+    def _capture_on_first_call(self, args: Sequence[Any]) -> None:
+        if self._templates is None:
+            self._templates = list(args)
+            self.capture()
+
+    def capture(
+        self, sizes: SizesSpec | None = None, *, inputs: Sequence[Any] | None = None
+    ) -> tuple[tuple[int, ...], ...]:
+        """Capture CUDA graphs now at ``sizes`` (default: the options' ``capture_sizes``),
+        largest first so that smaller graphs reuse the pool, then check padding, if any,
+        against an unpadded run. ``inputs`` as for ``warmup``. Returns the sizes captured."""
+        executor = self._executor
+        if not isinstance(executor, CudaGraphExecutor):
+            raise InvalidOptionError("capture() needs cudagraphs on (set_cudagraphs(True))")
+        if inputs is not None:
+            self._templates = list(inputs)
+        wanted = sizes if sizes is not None else executor.options.capture_sizes
+        if not wanted or executor.reason is not None:
+            return ()
+        points = normalize_sizes(self._manifest, wanted, what="capture size")
+        with torch.no_grad():
+            for point in sorted(points, key=lambda p: (-sum(p), p)):
+                args = synthesize_inputs(self._manifest, point, self._templates)
+                function = self._variant_callable(
+                    self._manifest.variants[self._dispatcher.choose(point)]
+                )
+                executor.graph_for(point, function, args)
+            executor.verify_padding(self._plain_run, self._padded_replay)
+        return tuple(p for p in points if p in executor.captured)
+
+    def _plain_run(self, sizes: tuple[int, ...]) -> tuple[list[Any], list[Any]]:
+        args = synthesize_inputs(self._manifest, sizes, self._templates)
+        function = self._variant_callable(self._manifest.variants[self._dispatcher.choose(sizes)])
+        return args, list(function(*args))
+
+    def _padded_replay(self, sizes: tuple[int, ...], args: list[Any]) -> Any:
+        executor = self._executor
+        assert isinstance(executor, CudaGraphExecutor)
+        target = executor.padded_target(sizes)
+        if target is None:
+            return self._plain_run(sizes)[1]
+        function = self._variant_callable(self._manifest.variants[self._dispatcher.choose(sizes)])
+        return executor.padded_call(sizes, target, function, args)
 
     def _warm_in_background(self) -> None:
         try:
@@ -372,6 +470,7 @@ class CompiledArtifact:
         tag: str | None = None,
         key: str | None = None,
         cache: Any = None,
+        cudagraphs: CudaGraphsOption = None,
     ) -> CompiledArtifact:
         """Read and verify an artifact; variants load on first use unless ``warmup``.
 
@@ -381,7 +480,8 @@ class CompiledArtifact:
         ``$PRECOMPILE_TRUSTED_KEYS``): when set, the artifact must be signed by one of
         them, checked before anything in it is unpickled or imported.
         ``run_edited_code``: run an edited ``output_code.py`` of an unpacked artifact
-        (otherwise an edit is ignored, with a warning)."""
+        (otherwise an edit is ignored, with a warning). ``cudagraphs``: replay CUDA
+        graphs per size (see ``CudaGraphs``); None keeps the artifact's stored default."""
         _check_format(format)
         if warmup not in (True, False, "background"):
             raise InvalidOptionError(f"warmup must be True, False or 'background', got {warmup!r}")
@@ -398,6 +498,8 @@ class CompiledArtifact:
             artifact = CompiledArtifact._from_path(
                 os.fspath(path), format, signing.trusted_keys(trusted_keys), run_edited_code
             )
+        if cudagraphs is not None:
+            artifact.set_cudagraphs(cudagraphs)
         if warmup:
             artifact.warmup(background=warmup == "background")
         return artifact

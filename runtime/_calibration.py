@@ -26,32 +26,34 @@ Timer = Callable[[Callable[[], Any], int, tuple[int, ...]], float]
 SizesSpec = Sequence[int] | Sequence[Sequence[int]] | Sequence[Mapping[str, int]]
 
 
-def normalize_sizes(manifest: Manifest, sizes: SizesSpec) -> list[tuple[int, ...]]:
+def normalize_sizes(
+    manifest: Manifest, sizes: SizesSpec, what: str = "calibrate size"
+) -> list[tuple[int, ...]]:
     """Sample points as tuples in symbol order, from ints (one symbol), tuples or dicts."""
     names = manifest.symbol_names
     if not names:
-        raise InvalidOptionError("calibrate needs a graph with dynamic sizes; this one has none")
+        raise InvalidOptionError(f"{what}s need a graph with dynamic sizes; this one has none")
     if isinstance(sizes, (str, bytes)) or not isinstance(sizes, Sequence) or not sizes:
-        raise InvalidOptionError(f"calibrate sizes must be a non-empty list, got {sizes!r}")
+        raise InvalidOptionError(f"{what}s must be a non-empty list, got {sizes!r}")
     points = []
     for item in sizes:
         if isinstance(item, int) and not isinstance(item, bool):
             if len(names) != 1:
                 raise InvalidOptionError(
-                    f"calibrate size {item} is one int, but the graph has symbols {names}: "
+                    f"{what} {item} is one int, but the graph has symbols {names}: "
                     "give a dict or a tuple per sample"
                 )
             point: tuple[Any, ...] = (item,)
         elif isinstance(item, Mapping):
             if sorted(item) != sorted(names):
-                raise InvalidOptionError(f"calibrate size {item!r} must name exactly {names}")
+                raise InvalidOptionError(f"{what} {item!r} must name exactly {names}")
             point = tuple(item[n] for n in names)
         elif isinstance(item, Sequence) and len(item) == len(names):
             point = tuple(item)
         else:
-            raise InvalidOptionError(f"calibrate size {item!r} does not match symbols {names}")
+            raise InvalidOptionError(f"{what} {item!r} does not match symbols {names}")
         if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in point):
-            raise InvalidOptionError(f"calibrate size {item!r} must be non-negative ints")
+            raise InvalidOptionError(f"{what} {item!r} must be non-negative ints")
         points.append(point)
     return list(dict.fromkeys(points))
 

@@ -198,6 +198,11 @@ class Manifest:
     training: bool = False
     # pytree spec (upstream's JSON) of a graph whose output is not a flat tuple or list
     output: str | None = field(default=None)
+    # each flat output's shape (ints and expressions over the symbols; None: not a tensor
+    # or not known): what padded CUDA-graph replays slice their outputs by
+    output_shapes: tuple[tuple[int | str, ...] | None, ...] | None = None
+    # the CUDA-graph options a load uses unless it passes its own (CudaGraphs.to_json)
+    cudagraphs: Mapping[str, Any] | None = None
 
     @property
     def symbol_names(self) -> tuple[str, ...]:
@@ -257,6 +262,10 @@ class Manifest:
             ],
             "training": self.training,
             "output": self.output,
+            "cudagraphs": None if self.cudagraphs is None else dict(self.cudagraphs),
+            "output_shapes": None
+            if self.output_shapes is None
+            else [None if shape is None else list(shape) for shape in self.output_shapes],
             "calibration": None
             if self.calibration is None
             else {
@@ -397,7 +406,60 @@ class _Reader:
             calibration=self.calibration(data.get("calibration"), len(names), len(variants)),
             training=self.boolean(data.get("training"), "training"),
             output=None if output is None else self.text(output, "output", limit=1_000_000),
+            output_shapes=self.output_shapes(data.get("output_shapes"), names),
+            cudagraphs=self.cudagraphs(data.get("cudagraphs"), names),
         )
+
+    def cudagraphs(self, value: Any, names: Sequence[str]) -> dict[str, Any] | None:
+        if value is None:
+            return None
+        raw = self.expect(value, dict, "cudagraphs")
+        if set(raw) != {"capture_sizes", "max_graphs", "pad", "copy_outputs"}:
+            raise CorruptArtifactError("manifest field cudagraphs has unexpected keys")
+        sizes: list[int | list[int]] = []
+        for n, item in enumerate(
+            self.expect(raw["capture_sizes"], list, "cudagraphs.capture_sizes")
+        ):
+            where = f"cudagraphs.capture_sizes[{n}]"
+            if isinstance(item, list):
+                sizes.append([self.integer(v, where) for v in item])
+            else:
+                sizes.append(self.integer(item, where))
+        pad: bool | list[str]
+        if isinstance(raw["pad"], bool):
+            pad = raw["pad"]
+        else:
+            pad = [
+                self.text(p, "cudagraphs.pad", limit=64)
+                for p in self.expect(raw["pad"], list, "cudagraphs.pad")
+            ]
+            if not set(pad) <= set(names):
+                raise CorruptArtifactError("manifest field cudagraphs.pad names unknown symbols")
+        return {
+            "capture_sizes": sizes,
+            "max_graphs": self.integer(
+                raw["max_graphs"], "cudagraphs.max_graphs", low=1, high=1 << 20
+            ),
+            "pad": pad,
+            "copy_outputs": self.boolean(raw["copy_outputs"], "cudagraphs.copy_outputs"),
+        }
+
+    def output_shapes(
+        self, value: Any, names: Sequence[str]
+    ) -> tuple[tuple[int | str, ...] | None, ...] | None:
+        if value is None:
+            return None
+        shapes: list[tuple[int | str, ...] | None] = []
+        for n, shape in enumerate(self.expect(value, list, "output_shapes")):
+            where = f"output_shapes[{n}]"
+            if shape is None:
+                shapes.append(None)
+                continue
+            sizes = self.expect(shape, list, where)
+            if len(sizes) > 64:
+                raise CorruptArtifactError(f"manifest field {where} has {len(sizes)} dims")
+            shapes.append(tuple(self.size(v, names, f"{where}[{d}]") for d, v in enumerate(sizes)))
+        return tuple(shapes)
 
     def environment(self, value: Any) -> Environment:
         raw = self.expect(value, dict, "environment")

@@ -194,6 +194,17 @@ def tensor_guard(
     return check
 
 
+def data_ptrs_equal(tensors: list[Any], ptrs: list[int | None], indices: list[int]) -> bool:
+    """Whether ``tensors[i].data_ptr() == ptrs[i]`` for every i in ``indices`` (in C++,
+    as cudagraph trees check their static inputs)."""
+    import torch
+
+    check = getattr(torch._C, "_tensors_data_ptrs_at_indices_equal", None)
+    if check is not None:
+        return bool(check(tensors, ptrs, indices))
+    return all(tensors[i].data_ptr() == ptrs[i] for i in indices)
+
+
 def output_unflattener(spec_json: str) -> Callable[[Any], Any]:
     """A function rebuilding a graph's output structure from the flat list its compiled
     code returns (upstream's pytree spec, as ``treespec_dumps`` wrote it)."""
