@@ -300,9 +300,13 @@ class CudaGraphExecutor:
         ``run_plain(sizes)`` gives (args, outputs) of a plain run at ``sizes``."""
         if not self._pad_axes or self._padding_refused is not None or not self._graphs:
             return
-        smallest = min(self._graphs, key=lambda s: sum(s[a] for a in self._pad_axes))
-        probe = tuple(max(1, v - 1) if a in self._pad_axes else v for a, v in enumerate(smallest))
-        if probe in self._graphs or probe == smallest:
+        probe: Sizes | None = None
+        for target in sorted(self._graphs, key=lambda s: sum(s[a] for a in self._pad_axes)):
+            below = tuple(v - 1 if a in self._pad_axes else v for a, v in enumerate(target))
+            if min(below[a] for a in self._pad_axes) >= 1 and below not in self._graphs:
+                probe, smallest = below, target
+                break
+        if probe is None:
             return
         args, expected = run_plain(probe)
         got = replay(probe, args)
