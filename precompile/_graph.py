@@ -28,6 +28,7 @@ class GraphInput:
     # the variants are specialized to, and the caller's SymFloat for it (if any).
     scalar: float | None = None
     scalar_symbol: Any = None
+    static_address: bool = False  # Dynamo marked it static (a module parameter or buffer)
 
 
 @dataclass(frozen=True)

@@ -97,6 +97,7 @@ def _input_specs(
                 mutation=use.mutation,  # type: ignore[arg-type]
                 aliased=use.aliased,
                 value=item.scalar,
+                static_address=item.static_address,
             )
         )
     return tuple(specs)
@@ -368,7 +369,6 @@ def standalone_compile(
         artifact.set_cudagraphs(graphs)
     _propagate_common_guards(graph, common)
     return artifact
-
 
 
 def _cached_or_built(

@@ -129,6 +129,7 @@ def describe_graph(
         values = list(example_inputs)
     else:
         values = _placeholder_values(gm, example_inputs)
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     inputs: list[GraphInput] = []
     for index, value in enumerate(values):
         if isinstance(value, torch.Tensor):
@@ -142,6 +143,7 @@ def describe_graph(
                 stride = tuple(_expr(s, env) for s in value.stride())
                 offset = _expr(value.storage_offset(), env)
             scalar, scalar_symbol = _float_scalar(value, example_inputs[index])
+            static_address = _static_address(placeholders, index, example_inputs)
             inputs.append(
                 GraphInput(
                     "tensor",
@@ -153,6 +155,7 @@ def describe_graph(
                     storage_offset=offset,
                     scalar=scalar,
                     scalar_symbol=scalar_symbol,
+                    static_address=static_address,
                 )
             )
         elif isinstance(value, (int, torch.SymInt)) and not isinstance(value, bool):
@@ -205,6 +208,19 @@ def _output_shapes(
         else:
             shapes.append(None)
     return tuple(shapes)
+
+
+def _static_address(placeholders: Sequence[Any], index: int, examples: Sequence[Any]) -> bool:
+    """Whether Dynamo marked input ``index`` static (parameters and buffers of modules)."""
+    example = examples[index] if index < len(examples) else None
+    if getattr(example, "_dynamo_static_input_type", None) is not None:
+        return True
+    if isinstance(example, torch.nn.Parameter):
+        return True
+    if index < len(placeholders):
+        meta = placeholders[index].meta.get("tensor_dict", {})
+        return meta.get("_dynamo_static_input_type") is not None
+    return False
 
 
 def _float_scalar(value: Any, example: Any) -> tuple[float | None, Any]:

@@ -352,25 +352,29 @@ class CompiledArtifact:
         points = normalize_sizes(self._manifest, wanted, what="capture size")
         with torch.no_grad():
             for point in sorted(points, key=lambda p: (-sum(p), p)):
+                chosen = self._dispatcher.explain(point).chosen
+                if chosen is None:  # e.g. size 1, which Dynamo serves with a static graph
+                    log.info("capture size %s: no variant admits it; not captured", point)
+                    continue
                 args = synthesize_inputs(self._manifest, point, self._templates)
-                function = self._variant_callable(
-                    self._manifest.variants[self._dispatcher.choose(point)]
-                )
+                function = self._variant_callable(self._manifest.variants[chosen])
                 executor.graph_for(point, function, args)
             executor.verify_padding(self._plain_run, self._padded_replay)
         return tuple(p for p in points if p in executor.captured)
 
-    def _plain_run(self, sizes: tuple[int, ...]) -> tuple[list[Any], list[Any]]:
+    def _plain_run(self, sizes: tuple[int, ...]) -> tuple[list[Any], list[Any]] | None:
+        """A run at ``sizes`` without graphs (None where no variant admits them)."""
+        chosen = self._dispatcher.explain(sizes).chosen
+        if chosen is None:
+            return None
         args = synthesize_inputs(self._manifest, sizes, self._templates)
-        function = self._variant_callable(self._manifest.variants[self._dispatcher.choose(sizes)])
-        return args, list(function(*args))
+        return args, list(self._variant_callable(self._manifest.variants[chosen])(*args))
 
     def _padded_replay(self, sizes: tuple[int, ...], args: list[Any]) -> Any:
         executor = self._executor
         assert isinstance(executor, CudaGraphExecutor)
         target = executor.padded_target(sizes)
-        if target is None:
-            return self._plain_run(sizes)[1]
+        assert target is not None  # verify_padding picks sizes below a captured one
         function = self._variant_callable(self._manifest.variants[self._dispatcher.choose(sizes)])
         return executor.padded_call(sizes, target, function, args)
 

@@ -100,6 +100,9 @@ class TensorInput:
     mutation: Mutation = "none"
     aliased: bool = False
     value: float | None = None
+    # Dynamo marked it static (a module's parameter or buffer): its address is expected to
+    # stay put between calls, so a CUDA graph uses it in place (and checks it did)
+    static_address: bool = False
 
     def __post_init__(self) -> None:
         if self.stride is None:
@@ -300,6 +303,7 @@ def _input_to_json(spec: InputSpec) -> dict[str, Any]:
         "mutation": spec.mutation,
         "aliased": spec.aliased,
         "value": spec.value,
+        "static_address": spec.static_address,
     }
 
 
@@ -555,6 +559,9 @@ class _Reader:
             mutation=mutation,
             aliased=self.boolean(entry.get("aliased"), f"{where}.aliased"),
             value=None if value is None else self.number(value, f"{where}.value"),
+            static_address=self.boolean(
+                entry.get("static_address", False), f"{where}.static_address"
+            ),
         )
 
     def variants(self, value: Any, names: Sequence[str]) -> tuple[Variant, ...]:
