@@ -40,7 +40,15 @@ import torch  # noqa: E402
 SIZES = [1, 2, 3, 4, 8, 16, 32, 64, 100, 128, 200, 256, 512, 1024, 2048]
 PAD_SIZES = [2**k for k in range(10)]  # 1 .. 512
 HINTS = [16, 256, 2048]
-ROWS = ["eager", "dynamic", "reduce-overhead", "ours", "ours+cudagraphs", "ours+cudagraphs+pad"]
+ROWS = [
+    "eager",
+    "dynamic",
+    "reduce-overhead",
+    "ours",
+    "ours+cudagraphs",
+    "ours+cudagraphs+pad",
+    "ours+cudagraphs, no output copy",
+]
 
 
 def llama(smoke: bool, device: str) -> torch.nn.Module:
@@ -69,7 +77,7 @@ def entry_point(model: torch.nn.Module, tag: str) -> Callable[[torch.Tensor], An
     def call(ids: torch.Tensor) -> Any:
         return model(ids).logits
 
-    code = call.__code__.replace(co_name=f"row_{tag.replace('+', '_').replace('-', '_')}")
+    code = call.__code__.replace(co_name="row_" + "".join(c if c.isalnum() else "_" for c in tag))
     return types.FunctionType(code, call.__globals__, code.co_name, None, call.__closure__)
 
 
@@ -88,6 +96,8 @@ def _row(name: str, model: torch.nn.Module, cache: str) -> Callable[[torch.Tenso
         cudagraphs = True
     elif name == "ours+cudagraphs+pad":
         cudagraphs = {"capture_sizes": PAD_SIZES, "pad": True}
+    elif name == "ours+cudagraphs, no output copy":
+        cudagraphs = {"copy_outputs": False}
     return torch.compile(
         call, backend=precompile.backend(hints=HINTS, cache=cache, cudagraphs=cudagraphs)
     )
@@ -144,8 +154,10 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                 }
             line = "  ".join(f"{n}={results[n][str(size)]['ms']:.3f}" for n in ROWS)
             print(f"[serving] S={size}: {line}", flush=True)
+    warm = warm_start(args.smoke, cache)
     return {
         "environment": environment(device),
+        "warm_start": warm,
         "model": "smoke" if args.smoke else "llama-2048x4",
         "sizes": sizes,
         "rounds": args.rounds,
@@ -155,11 +167,61 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+WARM = """
+import sys, time
+started = time.perf_counter()
+import torch, precompile
+sys.path.insert(0, {here!r})
+from serving import PAD_SIZES, HINTS, llama
+model = llama({smoke}, "cuda")
+graphs = {graphs}
+compiled = torch.compile(
+    lambda ids: model(ids).logits,
+    backend=precompile.backend(hints=HINTS, cache={cache!r}, cudagraphs=graphs),
+)
+ids = torch.randint(0, 100, (1, 8), device="cuda")
+torch._dynamo.mark_dynamic(ids, 1)
+torch.cuda.synchronize()
+began = time.perf_counter()
+with torch.no_grad():
+    compiled(ids)
+    torch.cuda.synchronize()
+    ready = time.perf_counter() - began
+    began = time.perf_counter()
+    compiled(torch.randint(0, 100, (1, 37), device="cuda"))
+    torch.cuda.synchronize()
+    new_size = time.perf_counter() - began
+print("first_call_s", ready, "new_size_s", new_size, "model_built_s", began - started - ready - new_size)
+"""
+
+
+def warm_start(smoke: bool, cache: str) -> dict[str, Any]:
+    """Fresh processes on the warm artifact cache: time of the first call (Dynamo traces,
+    variants load, and with capture, every capture size is captured before it returns),
+    and of a call at a new size (37: padded to 64 with capture, a plain run without)."""
+    import subprocess
+
+    found: dict[str, Any] = {}
+    for label, graphs in (
+        ("no cudagraphs", None),
+        ("capture 1..512 at the first call", {"capture_sizes": PAD_SIZES, "pad": True}),
+    ):
+        code = WARM.format(here=HERE, smoke=smoke, graphs=repr(graphs), cache=cache)
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+        if out.returncode != 0:
+            found[label] = {"error": out.stderr[-1500:]}
+            continue
+        words = out.stdout.split()
+        found[label] = {words[i]: float(words[i + 1]) for i in range(0, len(words) - 1, 2)}
+        print(f"[serving] warm start, {label}: {found[label]}", flush=True)
+    return found
+
+
 def summarize(document: dict[str, Any]) -> str:
     from _common import table
 
     rows = document["rows"]
-    headers = ["S", *ROWS, "ours+cg vs reduce-overhead", "ours vs ours+cg"]
+    headers = ["S", *ROWS, "ours+cg / reduce-overhead", "ours / ours+cg"]
     body = []
     for size in document["sizes"]:
         ms = {name: rows[name][str(size)]["ms"] for name in ROWS}
@@ -176,6 +238,8 @@ def summarize(document: dict[str, Any]) -> str:
         f"{k} {v:.1f}" for k, v in document["compile_s"].items()))  # fmt: skip
     lines.append("GPU memory reserved during warm-up, MiB: " + ", ".join(
         f"{k} {v:.0f}" for k, v in document["memory_mb"].items()))  # fmt: skip
+    for label, numbers in document.get("warm_start", {}).items():
+        lines.append(f"fresh process, {label}: {numbers}")
     return "\n".join(lines)
 
 
