@@ -191,7 +191,8 @@ with torch.no_grad():
     compiled(torch.randint(0, 100, (1, 37), device="cuda"))
     torch.cuda.synchronize()
     new_size = time.perf_counter() - began
-print("first_call_s", ready, "new_size_s", new_size, "model_built_s", began - started - ready - new_size)
+built = began - started - ready - new_size
+print("first_call_s", ready, "new_size_s", new_size, "model_built_s", built)
 """
 
 
