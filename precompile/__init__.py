@@ -50,13 +50,17 @@ from runtime._lazy import lazy_getattr
 from ._variant_plan import DEFAULT_MAX_VARIANTS
 
 if TYPE_CHECKING:
-    from runtime import Candidate, CompiledArtifact, CudaGraphs, Explanation
+    from runtime import Candidate, CompiledArtifact, CompiledModel, CudaGraphs, Explanation
 
     from ._backend import backend
     from ._capture import capture_graph
+    from ._model import compile_model, load_model
     from ._standalone import standalone_compile
 
 _LAZY = {
+    "CompiledModel": "runtime",
+    "compile_model": "precompile._model",
+    "load_model": "precompile._model",
     "CompiledArtifact": "runtime",
     "CudaGraphs": "runtime",
     "Candidate": "runtime",
@@ -82,6 +86,7 @@ __all__ = [
     "CalibrationEntry",
     "Candidate",
     "CompiledArtifact",
+    "CompiledModel",
     "CorruptArtifactError",
     "CudaGraphs",
     "Explanation",
@@ -103,6 +108,8 @@ __all__ = [
     "__version__",
     "backend",
     "capture_graph",
+    "compile_model",
     "default_cache",
+    "load_model",
     "standalone_compile",
 ]

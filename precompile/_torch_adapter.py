@@ -580,3 +580,75 @@ def codegen_config_digest() -> str:
     }
     text = json.dumps(snapshot, sort_keys=True, default=repr)
     return hashlib.sha256(text.encode()).hexdigest()
+
+
+# -- tracing a whole model (compile_model) --------------------------------------------
+@dataclass
+class ModelTrace:
+    """One Dynamo trace of ``model(*args, **kwargs)`` with its one graph compiled."""
+
+    call: tuple[tuple[Any, ...], dict[str, Any]]
+    result: Any  # what the traced call returned
+    example_inputs: list[Any]  # what Dynamo handed the backend (real tensors, SymInts)
+    placeholder_names: list[str]
+    graph_outputs: list[Any]  # the flat outputs the compiled graph returned
+    traced_files: set[str]  # source files of every code object Dynamo traced
+    artifact: Any
+
+
+def trace_model(
+    model: torch.nn.Module,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    compile_graph: Any,
+) -> ModelTrace:
+    """Trace the call once with Dynamo (``fullgraph``: a graph break is an
+    ``UnsupportedGraphError`` quoting Dynamo's explanation), compile its graph with
+    ``compile_graph(gm, example_inputs)`` inside the backend, and run it once."""
+    from torch._guards import TracingContext
+
+    seen: list[dict[str, Any]] = []
+
+    def backend(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
+        context = TracingContext.try_get()
+        codes = list(getattr(context, "traced_code", None) or [])
+        record: dict[str, Any] = {
+            "inputs": list(example_inputs),
+            "names": [n.name for n in gm.graph.nodes if n.op == "placeholder"],
+            "files": {c.co_filename for c in codes if os.path.isfile(c.co_filename)},
+            "artifact": compile_graph(gm, list(example_inputs)),
+            "outputs": None,
+        }
+        seen.append(record)
+
+        def run(*flat: Any) -> Any:
+            outputs = record["artifact"](*flat)
+            record["outputs"] = list(outputs) if isinstance(outputs, (list, tuple)) else [outputs]
+            return outputs
+
+        return run
+
+    torch.compiler.reset()
+    try:
+        with torch._dynamo.config.patch(inline_inbuilt_nn_modules=True):
+            result = torch.compile(model, backend=backend, fullgraph=True)(*args, **kwargs)
+    except torch._dynamo.exc.Unsupported as exc:
+        raise UnsupportedGraphError(
+            f"the model does not trace as one graph (a graph break): {str(exc).strip()[:2000]}"
+        ) from None
+    finally:
+        torch.compiler.reset()
+    if len(seen) != 1:
+        raise UnsupportedGraphError(f"tracing the model gave {len(seen)} graphs; it needs one")
+    record = seen[0]
+    if record["outputs"] is None:
+        raise UnsupportedGraphError("the traced graph never ran; its outputs are unknown")
+    return ModelTrace(
+        call=(args, kwargs),
+        result=result,
+        example_inputs=record["inputs"],
+        placeholder_names=record["names"],
+        graph_outputs=record["outputs"],
+        traced_files=record["files"],
+        artifact=record["artifact"],
+    )

@@ -40,9 +40,12 @@ from ._version import __version__
 if TYPE_CHECKING:
     from ._artifact import ArtifactFormat, CompiledArtifact
     from ._cudagraphs import CudaGraphs
+    from ._model import CompiledModel, load_model
     from ._dispatch import Candidate, Explanation, log2_distance
 
 _LAZY = {
+    "CompiledModel": "._model",
+    "load_model": "._model",
     "CudaGraphs": "._cudagraphs",
     "ArtifactFormat": "._artifact",
     "CompiledArtifact": "._artifact",
@@ -63,6 +66,7 @@ __all__ = [
     "CalibrationEntry",
     "Candidate",
     "CompiledArtifact",
+    "CompiledModel",
     "CorruptArtifactError",
     "CudaGraphs",
     "Environment",
@@ -81,5 +85,6 @@ __all__ = [
     "UntrustedArtifactError",
     "Variant",
     "__version__",
+    "load_model",
     "log2_distance",
 ]

@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 import os
 import struct
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from ._errors import CorruptArtifactError, IncompatibleArtifactError, InvalidOptionError
@@ -44,8 +44,14 @@ _MAX_FILE = 1 << 40
 
 
 def write_binary(
-    path: str, manifest: Manifest, payloads: PayloadStore, signing_key: Any = None
+    path: str,
+    manifest: Manifest,
+    payloads: PayloadStore,
+    signing_key: Any = None,
+    model: Mapping[str, Any] | None = None,
 ) -> None:
+    """Write an artifact file; ``model`` (a compiled model's plan) rides in the index, so
+    the index digest, and a signature over it, cover it too."""
     if os.path.isdir(path):
         raise InvalidOptionError(
             f"path {path!r} is a directory; format='binary' writes one file (use "
@@ -65,10 +71,14 @@ def write_binary(
         }
         blobs.append(stored)
         offset += len(stored)
-    index = json.dumps(
-        {"manifest": manifest.to_json(), "payloads": table, "compression": "zstd"},
-        separators=(",", ":"),
-    ).encode()
+    document: dict[str, Any] = {
+        "manifest": manifest.to_json(),
+        "payloads": table,
+        "compression": "zstd",
+    }
+    if model is not None:
+        document["model"] = dict(model)
+    index = json.dumps(document, separators=(",", ":"), allow_nan=False).encode()
     index_digest = bytes.fromhex(sha256_hex(index))
     with atomic_file(path, 0o644) as handle:
         handle.write(_header(len(index), index_digest, signing_key))
@@ -160,6 +170,15 @@ def _check_table(
 def read_binary(
     path: str, trusted: tuple[bytes, ...] | None = None
 ) -> tuple[Manifest, PayloadStore, Signature | None]:
+    manifest, payloads, signature, _ = read_binary_with_model(path, trusted)
+    return manifest, payloads, signature
+
+
+def read_binary_with_model(
+    path: str, trusted: tuple[bytes, ...] | None = None
+) -> tuple[Manifest, PayloadStore, Signature | None, Any]:
+    """``read_binary`` plus the index's model plan (None for a graph artifact), not yet
+    validated (the runtime's model module validates it)."""
     where = f"artifact {path!r}"
     view, header = _open(path)
     _, _, index_length, index_digest, public, signature_bytes = header
@@ -184,4 +203,4 @@ def read_binary(
         stored = payload_view[entry["offset"] : entry["offset"] + entry["size"]]
         return decompress(stored, entry["raw_size"], digest, where)
 
-    return manifest, LazyPayloads(fetch), signature
+    return manifest, LazyPayloads(fetch), signature, index.get("model")

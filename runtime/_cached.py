@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from ._environment import check_compatible
 from ._errors import CorruptArtifactError
@@ -44,6 +44,43 @@ def load_cached(cache: ArtifactCache, key: str) -> tuple[CompiledArtifact, dict[
     if entry is None:
         return None
     return artifact_from_entry(entry), dict(entry.aux)
+
+
+MODEL_ENTRY = "precompile-model"
+
+
+def load_cached_model(cache: ArtifactCache | None, key: str) -> tuple[CompiledArtifact, Any] | None:
+    """The compiled graph and the raw model plan stored under ``key``, or None."""
+    from cache import default_cache
+
+    entry = (cache or default_cache()).get(key)
+    if entry is None:
+        return None
+    document = entry.document
+    if not isinstance(document, dict) or document.get("kind") != MODEL_ENTRY:
+        raise CorruptArtifactError(f"cache entry {key[:12]} is not a compiled model")
+    graph = _with_document(entry, document.get("manifest"))
+    return artifact_from_entry(graph), document.get("model")
+
+
+def store_model(
+    cache: ArtifactCache,
+    key: str,
+    artifact: CompiledArtifact,
+    plan: Mapping[str, Any],
+    factors: Mapping[str, str],
+) -> None:
+    manifest = artifact.manifest
+    blobs = {d: artifact.payload_bytes(d) for d in manifest.payload_digests}
+    document = {"kind": MODEL_ENTRY, "manifest": manifest.to_json(), "model": dict(plan)}
+    cache.put(key, document, blobs, factors)
+
+
+def _with_document(entry: StoredEntry, document: Any) -> StoredEntry:
+    """The same entry with ``document`` as its document (a model entry's manifest)."""
+    from cache import StoredEntry as Entry
+
+    return Entry(entry.key, document, entry.blobs, entry.aux, entry.factors)
 
 
 def store_artifact(

@@ -29,6 +29,21 @@ def _cpu_capability() -> str:
 
 
 @cache
+def _cpu_name() -> str:
+    """The CPU's model name from /proc/cpuinfo (``platform.processor()`` would start a
+    ``uname`` process: a serving process starts none), else the machine type."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as handle:
+            for line in handle:
+                key, _, value = line.partition(":")
+                if key.strip() == "model name" and value.strip():
+                    return value.strip()
+    except OSError:
+        pass
+    return platform.machine()
+
+
+@cache
 def current_environment(device: str) -> Environment:
     """The environment a graph compiled for ``device`` (a torch device string) would record."""
     dev = torch.device(device)
@@ -38,7 +53,7 @@ def current_environment(device: str) -> Environment:
         major, minor = torch.cuda.get_device_capability(index)
         capability = f"{major}.{minor}"
     else:
-        name = platform.processor() or platform.machine()
+        name = _cpu_name()
         capability = _cpu_capability()
     return Environment(
         torch=torch.__version__,

@@ -205,6 +205,41 @@ def data_ptrs_equal(tensors: list[Any], ptrs: list[int | None], indices: list[in
     return all(tensors[i].data_ptr() == ptrs[i] for i in indices)
 
 
+def tree_flatten(value: Any) -> tuple[list[Any], Any]:
+    """torch's pytree flatten (what ModelOutput and friends register with)."""
+    from torch.utils import _pytree as pytree
+
+    leaves, spec = pytree.tree_flatten(value)
+    return leaves, spec
+
+
+def tree_unflatten(leaves: list[Any], spec: Any) -> Any:
+    from torch.utils import _pytree as pytree
+
+    return pytree.tree_unflatten(leaves, spec)
+
+
+def treespec_to_json(spec: Any) -> str:
+    """A pytree spec as upstream's JSON; TypeError/NotImplementedError where a node type
+    has no serialized name."""
+    from torch.utils import _pytree as pytree
+
+    return str(pytree.treespec_dumps(spec))
+
+
+def treespec_from_json(text: str) -> Any:
+    """Upstream's spec reader, which only builds node types registered under their
+    serialized names (no arbitrary import); any failure is a CorruptArtifactError."""
+    from torch.utils import _pytree as pytree
+
+    from ._errors import CorruptArtifactError
+
+    try:
+        return pytree.treespec_loads(text)
+    except Exception as exc:  # the reader raises assorted errors on bad input
+        raise CorruptArtifactError(f"a pytree spec in the artifact does not load: {exc}") from None
+
+
 def output_unflattener(spec_json: str) -> Callable[[Any], Any]:
     """A function rebuilding a graph's output structure from the flat list its compiled
     code returns (upstream's pytree spec, as ``treespec_dumps`` wrote it)."""

@@ -38,7 +38,7 @@ def tiny_llama() -> torch.nn.Module:
 def tiny_gpt2() -> torch.nn.Module:
     torch.manual_seed(0)
     config = transformers.GPT2Config(
-        n_embd=32, n_layer=1, n_head=2, vocab_size=VOCAB, n_positions=256,
+        n_embd=32, n_layer=1, n_head=2, vocab_size=VOCAB, n_positions=512,
         bos_token_id=0, eos_token_id=0,
     )  # fmt: skip
     return transformers.GPT2LMHeadModel(config).eval()

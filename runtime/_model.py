@@ -1,0 +1,331 @@
+"""A whole model compiled as one graph, run with no Dynamo: ``CompiledModel``.
+
+The compile side traced the model once and recorded a plan: how a call's arguments (a
+pytree of args and kwargs) and the model's parameters and buffers map onto the graph's
+flat inputs, and how the model's output (a ``transformers`` ModelOutput, say) is rebuilt
+from the graph's flat outputs. Here a call is flattened, checked against that plan,
+run through the artifact (whose input contract checks every tensor), and rebuilt.
+
+What is checked per call, and what Dynamo would have checked that is not:
+- checked: the call's structure (the same args and kwarg names, nested the same way),
+  every non-tensor argument (equal to the traced value), every tensor argument and every
+  parameter/buffer (the artifact's contract: dtype, device, rank, static sizes, strides,
+  grad mode), that the sizes fit a variant, and that the model is in the mode (train or
+  eval) it was traced in;
+- dropped: Dynamo's guards on the model's Python state beyond that (attribute values
+  such as a config flag flipped after compiling, global flags, the identity of
+  submodules). The plan is keyed by the model's class, the sources of its modules, its
+  config and parameter shapes, and the traced source files are checked unchanged at
+  load, so a changed model is a miss; mutating a compiled model's Python attributes in
+  place is not detected. Recompile after such a change.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from . import _torch_adapter as adapter
+from ._artifact import CompiledArtifact
+from ._errors import (
+    CorruptArtifactError,
+    IncompatibleArtifactError,
+    InputMismatchError,
+    InvalidOptionError,
+)
+from ._manifest import Manifest, TensorInput
+from ._payloads import sha256_hex
+
+log = logging.getLogger("precompile.runtime")
+PLAN_FORMAT = "precompile-model-plan"
+PLAN_VERSION = 1
+_CONSTANT_TYPES = (bool, int, float, str, type(None))
+
+
+@dataclass(frozen=True)
+class ModelPlan:
+    """How a model's calls map onto one compiled graph (JSON both ways, validated)."""
+
+    model_class: str
+    in_spec: str  # pytree spec (upstream's JSON) of (args, kwargs)
+    bindings: tuple[tuple[str, Any], ...]  # per graph input: parameter|buffer|leaf|size
+    constants: Mapping[int, Any]  # non-tensor argument leaves and their traced values
+    out_spec: str  # pytree spec of the model's output
+    outputs: tuple[tuple[str, Any], ...]  # per output leaf: ("graph", i) | ("constant", v)
+    traced_files: Mapping[str, str]  # source file -> sha256, all Dynamo traced
+    training: bool
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "format": PLAN_FORMAT,
+            "version": PLAN_VERSION,
+            "model_class": self.model_class,
+            "in_spec": self.in_spec,
+            "bindings": [list(b) for b in self.bindings],
+            "constants": [[k, v] for k, v in sorted(self.constants.items())],
+            "out_spec": self.out_spec,
+            "outputs": [list(o) for o in self.outputs],
+            "traced_files": dict(self.traced_files),
+            "training": self.training,
+        }
+
+    @staticmethod
+    def from_json(value: Any, graph_inputs: int) -> ModelPlan:
+        where = "model plan"
+        if not isinstance(value, dict) or value.get("format") != PLAN_FORMAT:
+            raise CorruptArtifactError(f"{where} is missing or not a model plan")
+        if value.get("version") != PLAN_VERSION:
+            raise IncompatibleArtifactError(f"{where} version {value.get('version')!r} unknown")
+
+        def text(item: Any, field: str, limit: int = 1 << 20) -> str:
+            if not isinstance(item, str) or len(item) > limit:
+                raise CorruptArtifactError(f"{where} field {field} is not a string")
+            return item
+
+        bindings: list[tuple[str, Any]] = []
+        raw = value.get("bindings")
+        if not isinstance(raw, list) or len(raw) != graph_inputs:
+            raise CorruptArtifactError(f"{where} binds {len(raw or [])} of {graph_inputs} inputs")
+        for n, binding in enumerate(raw):
+            ok = isinstance(binding, list) and len(binding) == 2
+            kind, target = binding if ok else ("", None)
+            named = kind in ("parameter", "buffer") and isinstance(target, str)
+            if (named and len(str(target)) < 4096) or (
+                kind == "leaf" and type(target) is int and target >= 0
+            ):
+                bindings.append((str(kind), target))
+            elif (
+                kind == "size"
+                and isinstance(target, list)
+                and len(target) == 2
+                and all(type(t) is int and t >= 0 for t in target)
+            ):
+                bindings.append((kind, (target[0], target[1])))
+            else:
+                raise CorruptArtifactError(f"{where} field bindings[{n}] is malformed")
+        constants: dict[int, Any] = {}
+        for pair in value.get("constants", []):
+            if not (isinstance(pair, list) and len(pair) == 2 and type(pair[0]) is int):
+                raise CorruptArtifactError(f"{where} field constants is malformed")
+            if not isinstance(pair[1], _CONSTANT_TYPES):
+                raise CorruptArtifactError(f"{where} constant {pair[0]} has an unknown type")
+            constants[pair[0]] = pair[1]
+        outputs: list[tuple[str, Any]] = []
+        for n, output in enumerate(value.get("outputs") or []):
+            ok = isinstance(output, list) and len(output) == 2
+            kind, target = output if ok else ("", None)
+            graph = kind == "graph" and type(target) is int and target >= 0
+            if graph or (kind == "constant" and isinstance(target, _CONSTANT_TYPES)):
+                outputs.append((str(kind), target))
+            else:
+                raise CorruptArtifactError(f"{where} field outputs[{n}] is malformed")
+        files = value.get("traced_files")
+        if not isinstance(files, dict) or not all(
+            isinstance(k, str) and isinstance(v, str) and len(v) == 64 for k, v in files.items()
+        ):
+            raise CorruptArtifactError(f"{where} field traced_files is malformed")
+        if not isinstance(value.get("training"), bool):
+            raise CorruptArtifactError(f"{where} field training is not a bool")
+        return ModelPlan(
+            model_class=text(value.get("model_class"), "model_class", 4096),
+            in_spec=text(value.get("in_spec"), "in_spec"),
+            bindings=tuple(bindings),
+            constants=constants,
+            out_spec=text(value.get("out_spec"), "out_spec"),
+            outputs=tuple(outputs),
+            traced_files=files,
+            training=value["training"],
+        )
+
+
+def class_path(model: Any) -> str:
+    cls = type(model)
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def file_digest(path: str) -> str | None:
+    try:
+        with open(path, "rb") as handle:
+            return sha256_hex(handle.read())
+    except OSError:
+        return None
+
+
+def changed_files(plan: ModelPlan) -> list[str]:
+    """The traced source files that differ from (or are gone since) the trace."""
+    return [path for path, digest in plan.traced_files.items() if file_digest(path) != digest]
+
+
+class CompiledModel:
+    """``model`` compiled as one graph: call it like the model (same arguments, same
+    return value); no Dynamo frame is traced and nothing compiles."""
+
+    def __init__(self, model: torch.nn.Module, artifact: CompiledArtifact, plan: ModelPlan):
+        if class_path(model) != plan.model_class:
+            raise IncompatibleArtifactError(
+                f"the compiled plan is for {plan.model_class}, this model is {class_path(model)}"
+            )
+        self.model = model
+        self.artifact = artifact
+        self.plan = plan
+        self._in_spec = adapter.treespec_from_json(plan.in_spec)
+        self._out_spec = adapter.treespec_from_json(plan.out_spec)
+        self._weights = self._resolve_weights(model, plan, artifact.manifest)
+        self._symbol_reads = [b for b in plan.bindings if b[0] == "size"]
+        self.cache_key: str | None = None
+
+    @staticmethod
+    def _resolve_weights(
+        model: torch.nn.Module, plan: ModelPlan, manifest: Manifest
+    ) -> dict[int, tuple[dict[str, Any], str]]:
+        """Per graph input bound to a parameter or buffer: the dict it lives in and its
+        key there, so each call reads the module's current tensor (a parameter replaced
+        after compiling is what the call sees, and what the contract checks)."""
+        found: dict[int, tuple[dict[str, Any], str]] = {}
+        for index, (kind, name) in enumerate(plan.bindings):
+            if kind not in ("parameter", "buffer"):
+                continue
+            owner_name, _, leaf = name.rpartition(".")
+            try:
+                owner = model.get_submodule(owner_name)
+            except AttributeError:
+                raise IncompatibleArtifactError(
+                    f"this model has no submodule {owner_name!r}"
+                ) from None
+            table = owner._parameters if kind == "parameter" else owner._buffers
+            if leaf not in table or not isinstance(manifest.inputs[index], TensorInput):
+                raise IncompatibleArtifactError(f"this model has no {kind} {name!r}")
+            found[index] = (table, leaf)
+        return found
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        leaves, spec = adapter.tree_flatten((args, kwargs))
+        if spec != self._in_spec:
+            raise InputMismatchError(
+                f"this call's arguments are structured as {spec}, but the model was compiled "
+                f"for {self._in_spec}; compile again for this call structure"
+            )
+        for index, value in self.plan.constants.items():
+            if leaves[index] != value or type(leaves[index]) is not type(value):
+                raise InputMismatchError(
+                    f"argument leaf {index} is {leaves[index]!r}, but the model was compiled "
+                    f"for {value!r}; compile again for that value"
+                )
+        if self.model.training != self.plan.training:
+            mode = "train()" if self.model.training else "eval()"
+            raise InputMismatchError(
+                f"the model is in {mode} mode, but was compiled in the other; switch back"
+            )
+        flat: list[Any] = []
+        for index, (kind, target) in enumerate(self.plan.bindings):
+            if kind == "leaf":
+                flat.append(leaves[target])
+            elif kind == "size":
+                leaf, dim = target
+                tensor = leaves[leaf]
+                flat.append(int(tensor.shape[dim]) if isinstance(tensor, torch.Tensor) else -1)
+            else:
+                table, name = self._weights[index]
+                flat.append(table[name])
+        results = self.artifact(*flat)
+        outputs = [
+            results[target] if kind == "graph" else target for kind, target in self.plan.outputs
+        ]
+        return adapter.tree_unflatten(outputs, self._out_spec)
+
+    # -- warm-up ---------------------------------------------------------------------
+    def warmup(self, *, background: bool = False) -> CompiledModel:
+        """Load every variant now (``background=True``: in a daemon thread)."""
+        self.artifact.warmup(background=background)
+        return self
+
+    def wait_warm(self, timeout: float | None = None) -> bool:
+        return self.artifact.wait_warm(timeout)
+
+    def explain(self, *args: Any, **kwargs: Any) -> Any:
+        """Which variant a call with these arguments runs, and why."""
+        leaves, _ = adapter.tree_flatten((args, kwargs))
+        flat = []
+        for index, (kind, target) in enumerate(self.plan.bindings):
+            if kind == "leaf":
+                flat.append(leaves[target])
+            elif kind == "size":
+                flat.append(int(leaves[target[0]].shape[target[1]]))
+            else:
+                table, name = self._weights[index]
+                flat.append(table[name])
+        return self.artifact.explain(*flat)
+
+    # -- persistence -----------------------------------------------------------------
+    def save(self, path: str | os.PathLike[str], *, signing_key: Any = None) -> None:
+        """One file: the compiled graph's artifact with the plan in its index."""
+        from ._binary_format import write_binary
+
+        write_binary(
+            os.fspath(path),
+            self.artifact.manifest,
+            self.artifact._payloads,
+            signing_key,
+            model=self.plan.to_json(),
+        )
+
+    @staticmethod
+    def load(
+        model: torch.nn.Module,
+        path: str | os.PathLike[str] | None = None,
+        *,
+        cache: Any = None,
+        key: str | None = None,
+        trusted_keys: Any = None,
+        cudagraphs: Any = None,
+        warmup: bool | str = "background",
+    ) -> CompiledModel:
+        """Bind a saved model plan (a file from ``save``, or a cache entry by ``key``) to
+        ``model``. The traced source files must be unchanged; parameters and buffers must
+        exist with the compiled shapes and dtypes (checked again per call)."""
+        from . import _signing as signing
+        from ._binary_format import read_binary_with_model
+        from ._environment import check_compatible
+
+        if (path is None) == (key is None):
+            raise InvalidOptionError("load_model takes exactly one of path= or key=")
+        if path is not None:
+            source = os.fspath(path)
+            manifest, payloads, _, raw_plan = read_binary_with_model(
+                source, signing.trusted_keys(trusted_keys)
+            )
+            check_compatible(manifest.environment, f"artifact {source!r}")
+            artifact = CompiledArtifact(manifest, payloads)
+        else:
+            from ._cached import load_cached_model
+
+            found = load_cached_model(cache, key)  # type: ignore[arg-type]
+            if found is None:
+                from ._errors import ArtifactNotFoundError
+
+                raise ArtifactNotFoundError(f"no intact model entry {key}")
+            artifact, raw_plan = found
+        plan = ModelPlan.from_json(raw_plan, len(artifact.manifest.inputs))
+        changed = changed_files(plan)
+        if changed:
+            raise IncompatibleArtifactError(
+                f"source files changed since the model was compiled: {changed[:3]}; compile again"
+            )
+        compiled = CompiledModel(model, artifact, plan)
+        if cudagraphs is not None:
+            artifact.set_cudagraphs(cudagraphs)
+        if warmup:
+            compiled.warmup(background=warmup == "background")
+        return compiled
+
+
+def load_model(
+    model: torch.nn.Module, path: str | os.PathLike[str] | None = None, **options: Any
+) -> CompiledModel:
+    """``CompiledModel.load``: a saved compiled model bound to ``model``, no tracing."""
+    return CompiledModel.load(model, path, **options)

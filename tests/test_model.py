@@ -1,0 +1,209 @@
+"""Whole-model precompile: a tiny Llama and GPT-2 compiled once, then served by fresh
+processes with no Dynamo frame traced, no inductor compile and no compiler process; a
+changed source file is a miss; what cannot be one graph is refused clearly."""
+
+from __future__ import annotations
+
+import os
+import textwrap
+from typing import Any
+
+import pytest
+import torch
+from conftest import run_python
+from test_real_models import VOCAB, tiny_gpt2, tiny_llama
+from test_warm_start import AUDIT
+
+import precompile
+
+SEQUENCES = [1, 2, 7, 33, 100, 300]
+
+
+@pytest.fixture(scope="module")
+def llama_cache(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return str(tmp_path_factory.mktemp("model-cache"))
+
+
+@pytest.fixture(scope="module")
+def compiled_llama(llama_cache: str) -> tuple[Any, Any]:
+    model = tiny_llama()
+    ids = torch.randint(0, VOCAB, (1, 7))
+    with torch.no_grad():
+        compiled = precompile.compile_model(
+            model, (ids,), {"use_cache": False}, dynamic={0: [1]}, hints=[16], cache=llama_cache
+        )
+    return model, compiled
+
+
+def _matches_eager(model: Any, compiled: Any) -> None:
+    torch.manual_seed(3)
+    with torch.no_grad():
+        for seq in SEQUENCES:
+            ids = torch.randint(0, VOCAB, (1, seq))
+            ours, eager = compiled(ids, use_cache=False), model(ids, use_cache=False)
+            assert type(ours) is type(eager)  # the model's own output class, rebuilt
+            torch.testing.assert_close(ours.logits, eager.logits, rtol=1e-4, atol=1e-4)
+
+
+def test_llama_outputs_match_eager(compiled_llama: tuple[Any, Any]) -> None:
+    model, compiled = compiled_llama
+    _matches_eager(model, compiled)
+    assert compiled.wait_warm(timeout=120)
+
+
+def test_gpt2_outputs_match_eager(tmp_path: Any) -> None:
+    model = tiny_gpt2()
+    ids = torch.randint(0, VOCAB, (1, 5))
+    with torch.no_grad():
+        compiled = precompile.compile_model(
+            model, (ids,), {"use_cache": False}, dynamic={0: [1]}, hints=[16], cache=str(tmp_path)
+        )
+    _matches_eager(model, compiled)
+
+
+WARM = (
+    AUDIT
+    + """
+import sys, time, torch, precompile
+sys.path.insert(0, "tests")
+from test_real_models import VOCAB, tiny_llama
+import torch._inductor.compile_fx as compile_fx
+from torch._dynamo import convert_frame
+compiles, frames = [], []
+original_compile, original_frame = compile_fx.compile_fx, convert_frame._compile
+compile_fx.compile_fx = lambda *a, **k: (compiles.append(1), original_compile(*a, **k))[1]
+convert_frame._compile = lambda *a, **k: (frames.append(1), original_frame(*a, **k))[1]
+model = tiny_llama()
+torch.manual_seed(3)
+with torch.no_grad():
+    began = time.perf_counter()
+    {load}
+    ids = torch.randint(0, VOCAB, (1, 7))
+    out = compiled(ids, use_cache=False)
+    first = time.perf_counter() - began
+    worst = 0.0
+    for seq in {sequences}:
+        ids = torch.randint(0, VOCAB, (1, seq))
+        diff = compiled(ids, use_cache=False).logits - model(ids, use_cache=False).logits
+        worst = max(worst, diff.abs().max().item())
+print("frames", len(frames), "compiles", len(compiles), "spawned", len(spawned), spawned)
+print("first", round(first, 3), "worst", worst)
+"""
+)
+
+
+def test_a_fresh_process_finds_the_model_without_tracing(
+    compiled_llama: tuple[Any, Any], llama_cache: str
+) -> None:
+    load = (
+        "compiled = precompile.compile_model(model, (torch.randint(0, VOCAB, (1, 7)),), "
+        f"{{'use_cache': False}}, dynamic={{0: [1]}}, hints=[16], cache={llama_cache!r})"
+    )
+    out = run_python(WARM.replace("{load}", load).replace("{sequences}", repr(SEQUENCES)))
+    assert "frames 0 compiles 0 spawned 0 []" in out, out
+    assert float(out.split("worst")[1]) < 1e-4, out
+
+
+def test_save_and_load_model_in_a_fresh_process(
+    compiled_llama: tuple[Any, Any], tmp_path: Any
+) -> None:
+    _, compiled = compiled_llama
+    path = os.path.join(str(tmp_path), "llama.pt2c")
+    compiled.save(path)
+    load = f"compiled = precompile.load_model(model, path={path!r})"
+    out = run_python(WARM.replace("{load}", load).replace("{sequences}", repr(SEQUENCES)))
+    assert "frames 0 compiles 0 spawned 0 []" in out, out
+    assert float(out.split("worst")[1]) < 1e-4, out
+    other = tiny_gpt2()
+    with pytest.raises(precompile.IncompatibleArtifactError, match="LlamaForCausalLM"):
+        precompile.load_model(other, path=path)
+
+
+def test_calls_outside_the_compiled_structure_are_refused(compiled_llama: tuple[Any, Any]) -> None:
+    model, compiled = compiled_llama
+    ids = torch.randint(0, VOCAB, (1, 7))
+    with torch.no_grad():
+        with pytest.raises(precompile.InputMismatchError, match="structured as"):
+            compiled(ids)  # use_cache missing
+        with pytest.raises(precompile.InputMismatchError, match="compiled for False"):
+            compiled(ids, use_cache=True)
+        with pytest.raises(precompile.InputMismatchError, match="dtype int64, got int32"):
+            compiled(ids.int(), use_cache=False)
+        model.train()
+        try:
+            with pytest.raises(precompile.InputMismatchError, match="train"):
+                compiled(ids, use_cache=False)
+        finally:
+            model.eval()
+
+
+MODEL_SOURCE = """
+import torch
+
+class Scaler(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        return torch.relu(self.proj(x)) * {factor}
+"""
+
+CHANGED = """
+import logging, sys, torch, precompile
+sys.path.insert(0, {directory!r})
+records = []
+class Keep(logging.Handler):
+    def emit(self, record): records.append(record.getMessage())
+logging.getLogger("precompile").addHandler(Keep())
+logging.getLogger("precompile").setLevel(logging.INFO)
+from scaler_model import Scaler
+torch.manual_seed(0)
+model = Scaler().eval()
+x = torch.randn(5, 8)
+with torch.no_grad():
+    compiled = precompile.compile_model(
+        model, (x,), dynamic={{0: [0]}}, cache={cache!r}, warmup=False
+    )
+    y = torch.randn(6, 8)
+    torch.testing.assert_close(compiled(y), model(y))
+print("hit" if any("model cache hit" in r for r in records) else "miss")
+print([r for r in records if "model cache miss" in r])
+"""
+
+
+def test_a_changed_source_file_is_a_miss_never_a_stale_hit(tmp_path: Any) -> None:
+    directory = str(tmp_path / "models")
+    os.makedirs(directory)
+    source = os.path.join(directory, "scaler_model.py")
+    cache = str(tmp_path / "cache")
+    script = textwrap.dedent(CHANGED.format(directory=directory, cache=cache))
+    with open(source, "w") as handle:
+        handle.write(MODEL_SOURCE.format(factor=2))
+    assert run_python(script).splitlines()[-2] == "miss"  # cold
+    assert run_python(script).splitlines()[-2] == "hit"  # warm, no tracing
+    with open(source, "w") as handle:
+        handle.write(MODEL_SOURCE.format(factor=3))  # forward changed: outputs differ
+    out = run_python(script)
+    assert out.splitlines()[-2] == "miss", out
+    assert "model_sources" in out.splitlines()[-1], out  # the explanation names it
+
+
+class _Breaks(torch.nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.sum() > 0:  # data-dependent control flow: Dynamo breaks the graph here
+            return x * 2
+        return x - 1
+
+
+def test_a_graph_break_is_refused_with_dynamos_explanation(tmp_path: Any) -> None:
+    with pytest.raises(precompile.UnsupportedGraphError, match="graph break") as info:
+        precompile.compile_model(_Breaks(), (torch.randn(4, 8),), cache=str(tmp_path))
+    assert "data-dependent" in str(info.value) or "Data-dependent" in str(info.value)
+
+
+def test_a_kv_cache_output_is_refused_clearly(tmp_path: Any) -> None:
+    model = tiny_llama()
+    ids = torch.randint(0, VOCAB, (1, 5))
+    with torch.no_grad(), pytest.raises(precompile.UnsupportedGraphError, match="DynamicCache"):
+        precompile.compile_model(model, (ids,), {"use_cache": True}, cache=str(tmp_path))
