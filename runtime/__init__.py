@@ -40,8 +40,8 @@ from ._version import __version__
 if TYPE_CHECKING:
     from ._artifact import ArtifactFormat, CompiledArtifact
     from ._cudagraphs import CudaGraphs
-    from ._model import CompiledModel, load_model
     from ._dispatch import Candidate, Explanation, log2_distance
+    from ._model import CompiledModel, load_model
 
 _LAZY = {
     "CompiledModel": "._model",
