@@ -1,15 +1,18 @@
-"""A small HTTP model server that warm-starts from the precompile cache.
+"""A small HTTP model server that warm-starts a whole compiled model.
 
-    python examples/serve.py --build        # compile the demo MLP into the cache, tag it
+    python examples/serve.py --build        # compile the demo MLP (compile_model), save it
     python examples/serve.py                # serve it on http://127.0.0.1:8765
     python examples/serve.py --demo         # build if needed, start a server process,
                                             # send requests of varying batch size, stop
 
-The server never traces or compiles: it loads the artifact tagged ``demo-mlp`` from the
-cache (no Dynamo, no gcc: the built kernels are in the artifact), warms every variant up
-in the background, and answers ``POST /infer`` with ``{"batch": n}`` (a seeded random
-input of n rows) or ``{"x": [[...256 floats], ...]}``. Each answer says which variant
-served it and why. ``GET /health`` reports time-to-ready and the loaded variants.
+The build step runs ``precompile.compile_model`` once (it traces the model and compiles
+its variants, or finds them in the cache without tracing) and saves the compiled model
+as one file beside the weights. The server builds the model, loads its weights, and binds
+the saved file to it with ``precompile.load_model``: no Dynamo frame, no compile, no gcc
+(the built kernels are in the file). Variants warm up in the background while it answers
+``POST /infer`` with ``{"batch": n}`` (a seeded random input of n rows) or
+``{"x": [[...256 floats], ...]}``; each answer says which variant served it and why.
+``GET /health`` reports time-to-ready and the loaded variants.
 """
 
 from __future__ import annotations
@@ -21,7 +24,6 @@ import os
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 import urllib.request
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -36,9 +38,8 @@ import precompile  # noqa: E402
 PRECOMPILE_IMPORTED = time.perf_counter()
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from demo import EXACT_SIZES, HINTS, MLP, capture, flat_inputs  # noqa: E402
+from demo import EXACT_SIZES, HINTS, MLP  # noqa: E402
 
-TAG = "demo-mlp"
 WIDTH = 256
 DEFAULT_PORT = 8765
 DEFAULT_MODEL_DIR = os.path.join(tempfile.gettempdir(), "precompile-demo-model")
@@ -46,54 +47,45 @@ DEMO_BATCHES = [1, 8, 5, 16, 100, 256, 1000, 3000, 5]
 
 
 def build(model_dir: str) -> None:
-    """The build step: compile every variant into the cache and tag the entry."""
-    cache = precompile.default_cache()
+    """The build step: compile the model (or find it in the cache) and save it beside its
+    weights, as one shippable file."""
     torch.manual_seed(0)
     model = MLP().eval()
-    x = torch.randn(4, WIDTH)
-    gm, example_inputs = capture(model, x)
     started = time.perf_counter()
     with torch.no_grad():
-        art = precompile.standalone_compile(
-            gm, example_inputs, hints=HINTS, sizes=EXACT_SIZES, cache=cache
-        )
-    assert art.cache_key is not None
-    cache.tag(TAG, art.cache_key)
-    constants = {
-        i: t.detach()
-        for i, t in enumerate(example_inputs)
-        if isinstance(t, torch.Tensor) and t is not x
-    }
+        compiled = precompile.compile_model(
+            model, (torch.randn(4, WIDTH),), dynamic={0: [0]}, hints=HINTS, sizes=EXACT_SIZES,
+            warmup=False,
+        )  # fmt: skip
     os.makedirs(model_dir, exist_ok=True)
-    torch.save({"constants": constants}, os.path.join(model_dir, "weights.pt"))
+    torch.save(model.state_dict(), os.path.join(model_dir, "weights.pt"))
+    compiled.save(os.path.join(model_dir, "mlp.pt2c"))
     print(
-        f"[build] {art} ready in {time.perf_counter() - started:.1f} s, tagged {TAG!r} "
-        f"in {cache.root}; weights in {model_dir}"
+        f"[build] {compiled.artifact} ready in {time.perf_counter() - started:.1f} s "
+        f"(cache {precompile.default_cache().root}); saved to {model_dir}"
     )
 
 
 class Model:
-    """The served model: the tagged artifact plus the weights it is called with."""
+    """The served model: the demo MLP with its weights, bound to the saved compiled file."""
 
     def __init__(self, model_dir: str) -> None:
         began = time.perf_counter()
-        try:
-            art = precompile.CompiledArtifact.load(tag=TAG)
-        except precompile.ArtifactNotFoundError as exc:
-            raise SystemExit(f"{exc}: run --build first") from None
-        self.art = art.warmup(background=True)
-        self.constants = torch.load(os.path.join(model_dir, "weights.pt"))["constants"]
+        model = MLP().eval()
+        model.load_state_dict(torch.load(os.path.join(model_dir, "weights.pt")))
+        path = os.path.join(model_dir, "mlp.pt2c")
+        if not os.path.exists(path):
+            raise SystemExit(f"no compiled model at {path}: run --build first")
+        self.compiled = precompile.load_model(model, path=path, warmup="background")
         self.loaded_s = time.perf_counter() - began
-        self.lock = threading.Lock()
 
     def infer(self, x: torch.Tensor) -> dict[str, Any]:
-        args = flat_inputs(self.art, self.constants, x)
-        explanation = self.art.explain(*args)
+        explanation = self.compiled.explain(x)
         began = time.perf_counter()
         with torch.no_grad():
-            out = self.art(*args)[0]
+            out = self.compiled(x)
         elapsed = time.perf_counter() - began
-        variant = self.art.variants[explanation.chosen or 0]
+        variant = self.compiled.artifact.variants[explanation.chosen or 0]
         return {
             "rows": int(out.shape[0]),
             "variant": variant.index,
@@ -119,8 +111,12 @@ def make_handler(model: Model, timings: dict[str, float]) -> type[BaseHTTPReques
             if self.path != "/health":
                 self._reply(404, {"error": f"no route {self.path}"})
                 return
-            loaded = model.art.loaded_variants
-            body = {**timings, "loaded_variants": list(loaded), "variants": len(model.art.variants)}
+            art = model.compiled.artifact
+            body = {
+                **timings,
+                "loaded_variants": list(art.loaded_variants),
+                "variants": len(art.variants),
+            }
             self._reply(200, body)
 
         def do_POST(self) -> None:
@@ -166,7 +162,7 @@ def serve(port: int, model_dir: str) -> None:
         f"[server] ready on http://127.0.0.1:{port} {timings['ready_s']:.2f} s after start "
         f"(import torch {timings['import_torch_s']:.2f} s, import precompile "
         f"{timings['import_precompile_s']:.2f} s, load {timings['load_s'] * 1e3:.1f} ms); "
-        f"{model.art}",
+        f"{model.compiled.artifact}",
         flush=True,
     )
     try:
@@ -184,11 +180,7 @@ def _request(url: str, body: dict[str, Any] | None = None) -> dict[str, Any]:
 
 def demo(port: int, model_dir: str) -> None:
     """Build if needed, start a server process, send it requests, stop it."""
-    cache = precompile.default_cache()
-    if cache.tagged(TAG) is None or not os.path.exists(os.path.join(model_dir, "weights.pt")):
-        build(model_dir)
-    else:
-        print(f"[build] {TAG!r} is already in the cache at {cache.root}: nothing to compile")
+    build(model_dir)  # a cache hit when it was built before: no tracing, no compile
     command = [sys.executable, __file__, "--port", str(port), "--model-dir", model_dir]
     began = time.perf_counter()
     server = subprocess.Popen(command)

@@ -630,8 +630,7 @@ def trace_model(
 
     torch.compiler.reset()
     try:
-        with torch._dynamo.config.patch(inline_inbuilt_nn_modules=True):
-            result = torch.compile(model, backend=backend, fullgraph=True)(*args, **kwargs)
+        result = torch.compile(model, backend=backend, fullgraph=True)(*args, **kwargs)
     except torch._dynamo.exc.Unsupported as exc:
         raise UnsupportedGraphError(
             f"the model does not trace as one graph (a graph break): {str(exc).strip()[:2000]}"
