@@ -3,6 +3,7 @@ inductor cache: import, load, first output, and how many processes (compilers) s
 
     python benchmarks/warmstart.py                 # CPU, 3 fresh processes per row
     python benchmarks/warmstart.py --device cuda   # on a GPU machine
+    python benchmarks/warmstart.py --model [--device cuda]   # a Llama: see _warmstart_model
 
 Rows: ``ours cold`` (trace + compile every variant + first call), ``ours warm``
 (``CompiledArtifact.load`` of our saved artifact + first call), ``upstream cold``
@@ -190,11 +191,23 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--plot", metavar="JSON", help="only redraw the plot of a result file")
+    parser.add_argument(
+        "--model", action="store_true", help="the model level: a Llama, compile_model and rivals"
+    )
     parser.add_argument("--child", help=argparse.SUPPRESS)
+    parser.add_argument("--model-child", help=argparse.SUPPRESS)
     parser.add_argument("--workdir", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         print(json.dumps(_child(args.child, args.workdir, args.device)))
+        return
+    if args.model_child:
+        import _warmstart_model
+
+        print(json.dumps(_warmstart_model.child(args.model_child, args.workdir, args.device)))
+        return
+    if args.model:
+        _model_level(args.device)
         return
     if args.plot:
         with open(args.plot, encoding="utf-8") as handle:
@@ -259,6 +272,17 @@ def main() -> None:
     name = "warmstart-cuda.json" if args.device.startswith("cuda") else "warmstart-cpu.json"
     print(f"wrote {write_json(name, document)}")
     plot(document, name.replace(".json", ".png"))
+
+
+def _model_level(device: str) -> None:
+    import _warmstart_model as model_level
+    from _common import RESULTS, environment, write_json
+
+    document = {**environment(device), "rows": model_level.run_all(device)}
+    print(model_level.report(document))
+    name = f"warmstart-model-{'cuda' if device.startswith('cuda') else 'cpu'}.json"
+    print(f"wrote {write_json(name, document)}")
+    model_level.plot(document, os.path.join(RESULTS, name.replace(".json", ".png")))
 
 
 def plot(document: dict[str, Any], name: str) -> None:
