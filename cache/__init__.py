@@ -4,7 +4,7 @@ It stores documents and blobs and names them (tags); building an artifact from a
 is the runtime's job (``CompiledArtifact.load(key=..., tag=...)``).
 """
 
-from ._default import default_cache
+from ._default import CacheOption, default_cache, resolve_cache
 from ._entry import (
     CacheEntry,
     CacheScan,
@@ -22,6 +22,7 @@ __all__ = [
     "LAYOUT",
     "ArtifactCache",
     "CacheEntry",
+    "CacheOption",
     "CacheScan",
     "CacheStats",
     "MissExplanation",
@@ -29,5 +30,6 @@ __all__ = [
     "StoredEntry",
     "VerifyReport",
     "default_cache",
+    "resolve_cache",
     "resolve_root",
 ]

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import threading
+
+from runtime._errors import InvalidOptionError
 
 from ._root import resolve_root
 from ._store import ArtifactCache
@@ -20,3 +23,22 @@ def default_cache() -> ArtifactCache:
         if _default is None or _default.root != root:
             _default = ArtifactCache(root)
         return _default
+
+
+CacheOption = ArtifactCache | str | os.PathLike[str] | bool | None
+
+
+def resolve_cache(cache: CacheOption) -> ArtifactCache | None:
+    """``cache=`` as the compile functions take it: None or True the default cache,
+    False none, a path or an ArtifactCache that one."""
+    if cache is False:
+        return None
+    if cache is None or cache is True:
+        return default_cache()
+    if isinstance(cache, ArtifactCache):
+        return cache
+    if isinstance(cache, (str, os.PathLike)):
+        return ArtifactCache(cache)
+    raise InvalidOptionError(
+        f"cache must be None (the default cache), False, a path or an ArtifactCache, got {cache!r}"
+    )

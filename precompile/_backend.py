@@ -11,9 +11,10 @@ from typing import Any
 
 import torch
 
+from cache import CacheOption
 from runtime._cudagraphs import CudaGraphsOption
 
-from ._standalone import CacheOption, CalibrateOption, standalone_compile
+from ._standalone import CalibrateOption, standalone_compile
 from ._variant_plan import DEFAULT_MAX_VARIANTS, Hints, Sizes
 
 

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from cache import ArtifactCache
+from cache import ArtifactCache, CacheOption, resolve_cache
 from runtime import _torch_adapter as runtime_adapter
 from runtime._cached import load_cached_model, store_model
 from runtime._cudagraphs import CudaGraphsOption, cudagraph_options
@@ -41,8 +41,6 @@ from runtime._manifest import FORMAT_VERSION
 from runtime._model import CompiledModel, ModelPlan, changed_files, class_path, file_digest
 from runtime._version import __version__
 
-from . import _torch_adapter as adapter
-from ._standalone import CacheOption, _resolve_cache, standalone_compile
 from ._variant_plan import Hints, Sizes
 
 log = logging.getLogger("precompile.compile")
@@ -210,7 +208,7 @@ def compile_model(
     dims = _dynamic_dims(leaves, _leaf_paths(args, kwargs), dynamic, len(args))
     if dims and sizes is None:
         sizes = [1]
-    store = _resolve_cache(cache)
+    store = resolve_cache(cache)
     factors = model_factors(model, args, kwargs, dims, hints, sizes, options or {})
     key = hashlib.sha256(json.dumps(factors, sort_keys=True).encode()).hexdigest()
     if store is not None:
@@ -274,6 +272,11 @@ def _trace_and_compile(
     sizes: Sizes,
     options: Mapping[str, Any] | None,
 ) -> CompiledModel:
+    # The compile side (Dynamo, inductor, sympy) is imported only on a miss: a hit costs
+    # none of it.
+    from . import _torch_adapter as adapter
+    from ._standalone import standalone_compile
+
     started = time.perf_counter()
     for index, wanted in dims.items():
         for dim in wanted:
@@ -296,7 +299,7 @@ def _trace_and_compile(
     return CompiledModel(model, trace.artifact, plan)
 
 
-def _plan(model: torch.nn.Module, leaves: list[Any], trace: adapter.ModelTrace) -> ModelPlan:
+def _plan(model: torch.nn.Module, leaves: list[Any], trace: Any) -> ModelPlan:
     """How the traced call maps onto the graph: found by identity, since Dynamo hands the
     backend the real parameters, buffers and argument tensors."""
     names: dict[int, tuple[str, str]] = {}

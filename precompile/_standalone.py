@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import os
 import pickle
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -12,7 +11,7 @@ from typing import Any
 import sympy
 import torch
 
-from cache import ArtifactCache, default_cache
+from cache import ArtifactCache, CacheOption, resolve_cache
 from runtime import CompiledArtifact
 from runtime._cached import load_cached, store_artifact
 from runtime._cudagraphs import CudaGraphsOption, cudagraph_options
@@ -42,7 +41,6 @@ from ._graph import GraphDescription
 from ._variant_plan import DEFAULT_MAX_VARIANTS, Hints, Sizes, VariantRequest, plan_variants
 
 log = logging.getLogger("precompile.compile")
-CacheOption = ArtifactCache | str | os.PathLike[str] | bool | None
 
 
 def _symbols(graph: GraphDescription) -> tuple[Symbol, ...]:
@@ -258,20 +256,6 @@ def _calibrate_arguments(calibrate: CalibrateOption) -> dict[str, Any] | None:
     return {"sizes": list(calibrate)}
 
 
-def _resolve_cache(cache: CacheOption) -> ArtifactCache | None:
-    if cache is False:
-        return None
-    if cache is None or cache is True:
-        return default_cache()
-    if isinstance(cache, ArtifactCache):
-        return cache
-    if isinstance(cache, (str, os.PathLike)):
-        return ArtifactCache(cache)
-    raise InvalidOptionError(
-        f"cache must be None (the default cache), False, a path or an ArtifactCache, got {cache!r}"
-    )
-
-
 # Cache keys whose compile raised UnsupportedGraphError in this process (bounded).
 _FAILED: dict[str, UnsupportedGraphError] = {}
 _FAILED_LIMIT = 256
@@ -343,7 +327,7 @@ def standalone_compile(
     if calibration is not None and not symbols:
         log.debug("graph has no dynamic dims: calibrate ignored (one variant, nothing to choose)")
         calibration = None
-    store = _resolve_cache(cache)
+    store = resolve_cache(cache)
 
     def build() -> tuple[CompiledArtifact, list[sympy.Expr]]:
         artifact, common = _compile_all(gm, graph, symbols, requests, options or {})
