@@ -148,8 +148,13 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             print(f"[serving] {name}: ready in {compile_s[name]:.1f} s, "
                   f"+{memory_mb[name]:.0f} MiB in CUDA-graph pools", flush=True)  # fmt: skip
         if args.memory_only:
-            return {"environment": environment(device), "compile_s": compile_s,
-                    "memory_mb": memory_mb, "warm_start": warm_start(args.smoke, cache)}  # fmt: skip
+            warm = warm_start(args.smoke, cache)
+            return {
+                "environment": environment(device),
+                "compile_s": compile_s,
+                "memory_mb": memory_mb,
+                "warm_start": warm,
+            }
         results: dict[str, dict[str, dict[str, float]]] = {name: {} for name in ROWS}
         for size in sizes:
             inputs = [_ids(size, vocab, device, False) for _ in range(4)]
