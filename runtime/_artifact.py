@@ -271,9 +271,10 @@ class CompiledArtifact:
     def warmup(
         self, *, background: bool = False, inputs: Sequence[Any] | None = None
     ) -> CompiledArtifact:
-        """Load every variant now, so no call pays a first-use cost; with CUDA graphs and
-        ``capture_sizes``, also capture those (``inputs``: the graph's flat inputs at any
-        size, whose fixed-shape tensors such as weights the graphs are captured with).
+        """Load every variant now, so no call pays a first-use cost. With ``inputs`` (the
+        graph's flat inputs at any size; tensors of a fixed shape, such as weights, are
+        used as given, the rest made up), also run each variant once at its own point,
+        and with CUDA graphs and ``capture_sizes``, capture those.
 
         With ``background=True`` a daemon thread does it while this thread goes on
         (a server can take requests meanwhile; a call that needs a variant still being
@@ -285,6 +286,8 @@ class CompiledArtifact:
         if not background:
             for variant in self._manifest.variants:
                 self._variant_callable(variant)
+            if self._templates is not None:
+                self._run_each_variant()
             executor = self._executor
             if (
                 isinstance(executor, CudaGraphExecutor)
@@ -300,6 +303,19 @@ class CompiledArtifact:
                 )
                 self._warming.start()
         return self
+
+    def _run_each_variant(self) -> None:
+        """Run every variant once at its own point, on inputs made from the templates:
+        what a first run does lazily (kernel modules loaded onto the device, library
+        handles and heuristics) is then done before a request needs it."""
+        with torch.no_grad():
+            for variant in self._manifest.variants:
+                point = tuple(variant.point[n] for n in self._manifest.symbol_names)
+                try:
+                    args = synthesize_inputs(self._manifest, point, self._templates)
+                    self._variant_callable(variant)(*args)
+                except Exception as exc:  # warm-up never fails a server; calls still work
+                    log.warning("warm-up run of variant %d failed: %s", variant.index, exc)
 
     # -- CUDA graphs -----------------------------------------------------------------
     def set_cudagraphs(self, cudagraphs: CudaGraphsOption) -> CompiledArtifact:

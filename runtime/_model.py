@@ -240,8 +240,13 @@ class CompiledModel:
 
     # -- warm-up ---------------------------------------------------------------------
     def warmup(self, *, background: bool = False) -> CompiledModel:
-        """Load every variant now (``background=True``: in a daemon thread)."""
-        self.artifact.warmup(background=background)
+        """Load every variant and run each once at its own point, with the model's own
+        weights and made-up arguments (``background=True``: in a daemon thread), so
+        that no size pays a first-use cost once warm-up is done."""
+        templates: list[Any] = [None] * len(self.plan.bindings)
+        for index, (table, name) in self._weights.items():
+            templates[index] = table[name]
+        self.artifact.warmup(background=background, inputs=templates)
         return self
 
     def wait_warm(self, timeout: float | None = None) -> bool:
