@@ -328,6 +328,9 @@ def test_an_artifact_the_user_cannot_enter_says_so(saved: dict[str, str], tmp_pa
     try:
         code = f"""
 import os, precompile
+# Import everything a load needs first: an interpreter installed under /root cannot be
+# read by the user the test becomes.
+precompile.CompiledArtifact.load(path={saved["unpacked"]!r}, format="unpacked")
 if os.getuid() == 0:
     os.setgid(65534); os.setuid(65534)  # nobody: root ignores mode bits
 try:

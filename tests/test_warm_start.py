@@ -141,7 +141,7 @@ def test_rebuild_is_refused_where_inductor_would_generate_another_vector_width(
     out = in_fresh_process(
         "from runtime import _native_kernels, _torch_adapter\n"
         "_native_kernels.cpu_features = lambda: frozenset()\n"
-        "_torch_adapter.vec_isa_name = lambda: 'some-other-isa'\n",
+        "_torch_adapter.vec_isa = lambda: ('some-other-isa', '')\n",
         saved["binary"],
         cases(mlp, str(tmp_path), [5]),
         """
@@ -215,7 +215,7 @@ def test_artifact_lists_its_kernels_and_the_binary_is_what_was_built(mlp: Compil
         assert mlp.artifact.payload_bytes(kernel.binary)[:4] == b"\x7fELF"
         assert native.why_unusable(kernel) is None  # built here, usable here
     # Every kernel the wrappers build is bundled, under the key the loader computes.
-    from runtime import _torch_adapter as adapter
+    from precompile import _torch_adapter as adapter
 
     for variant in manifest.variants:
         sources = adapter.wrapper_sources(mlp.artifact.payload_bytes(variant.payload))
