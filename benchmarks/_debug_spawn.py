@@ -34,10 +34,18 @@ if __name__ == "__main__":
     shared_triton = tempfile.mkdtemp()
     for label in ("cold", "warm, empty triton cache", "warm, warm triton cache"):
         triton = tempfile.mkdtemp() if label == "cold" else shared_triton
-        env = {**os.environ, "PRECOMPILE_CACHE_DIR": cache,
-               "TORCHINDUCTOR_CACHE_DIR": tempfile.mkdtemp(), "TRITON_CACHE_DIR": triton}
+        env = {
+            **os.environ,
+            "PRECOMPILE_CACHE_DIR": cache,
+            "TORCHINDUCTOR_CACHE_DIR": tempfile.mkdtemp(),
+            "TRITON_CACHE_DIR": triton,
+        }
         out = subprocess.run([sys.executable, "-c", CHILD], env=env, capture_output=True, text=True)
         print("=====", label, out.returncode)
-        print("\n".join(l for l in out.stdout.splitlines() if "SPAWN" in l or "first" in l)[:6000])
+        print(
+            "\n".join(
+                line for line in out.stdout.splitlines() if "SPAWN" in line or "first" in line
+            )[:6000]
+        )
         if out.returncode:
             print(out.stderr[-2000:])

@@ -6,7 +6,16 @@ import json
 
 from runtime._payloads import atomic_file
 
-FIELDS = ("hits", "misses", "evictions", "corrupt")
+FIELDS = (
+    "hits",
+    "misses",
+    "evictions",
+    "corrupt",
+    "remote_hits",
+    "remote_misses",
+    "remote_errors",
+    "remote_uploads",
+)
 
 
 class Counters:

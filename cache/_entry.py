@@ -56,6 +56,10 @@ class CacheStats:
     size: int
     size_limit: int
     writable: bool = True
+    remote_hits: int = 0
+    remote_misses: int = 0
+    remote_errors: int = 0
+    remote_uploads: int = 0
 
 
 @dataclass(frozen=True)

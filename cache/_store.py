@@ -20,11 +20,12 @@ a plain miss. Stats and LRU touches are best effort, so a read-only cache serves
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import logging
 import os
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -51,6 +52,7 @@ from ._entry import (
     StoredEntry,
     VerifyReport,
 )
+from ._remote import RemoteTier, remote_from_env
 from ._root import LAYOUT, prepare, resolve_root
 from ._tags import Tags
 
@@ -87,6 +89,17 @@ def _signed_digest(document: Mapping[str, Any]) -> bytes:
     return bytes.fromhex(sha256_hex(text.encode()))
 
 
+def _stored(key: str, document: Mapping[str, Any], blobs: Mapping[str, bytes]) -> StoredEntry:
+    aux_digests = set(document["aux"].values())
+    return StoredEntry(
+        key=key,
+        document=document.get("document"),
+        blobs={d: blobs[d] for d in document["blobs"] if d not in aux_digests},
+        aux={name: blobs[d] for name, d in document["aux"].items()},
+        factors=document.get("factors", {}),
+    )
+
+
 class ArtifactCache:
     """A directory of compiled artifacts keyed by everything that changes their code.
 
@@ -96,6 +109,10 @@ class ArtifactCache:
     wait for another process's lock. ``trusted_keys``: public keys an entry must be
     signed by (default ``$PRECOMPILE_TRUSTED_KEYS``; none: signatures not required).
     ``signing_key``: a private key that signs every entry this cache writes.
+    ``remote``: a second tier, any fsspec URL (``s3://bucket/precompile``, ``file://``
+    on a shared mount; default ``$PRECOMPILE_REMOTE_CACHE``), with ``remote_options``
+    for fsspec (default ``$PRECOMPILE_REMOTE_CACHE_OPTIONS``, JSON): a local miss is
+    looked up there and copied in, and every write is uploaded.
     """
 
     def __init__(
@@ -107,6 +124,8 @@ class ArtifactCache:
         lock_timeout: float = 3600.0,
         trusted_keys: TrustedKeysOption = None,
         signing_key: Any = None,
+        remote: str | RemoteTier | None = None,
+        remote_options: Mapping[str, Any] | None = None,
     ) -> None:
         self.root = resolve_root(root)
         self.size_limit = _size_limit_from_env() if size_limit is None else size_limit
@@ -126,10 +145,15 @@ class ArtifactCache:
         for role in ("base", "entries", "blobs", "tags"):
             files.check_directory(self._dirs[role], trust_foreign)
         self._counters = Counters(os.path.join(self._dirs["base"], "stats.json"))
+        if remote is None:
+            remote, env_options = remote_from_env()
+            remote_options = env_options if remote_options is None else remote_options
+        self.remote = RemoteTier(remote, remote_options) if isinstance(remote, str) else remote
         self._tags = Tags(self._dirs["tags"], trust_foreign)
 
     def __repr__(self) -> str:
         state = "" if self.writable else ", read-only"
+        state += "" if self.remote is None else f", remote={self.remote.url!r}"
         return f"ArtifactCache({self.root!r}, size_limit={self.size_limit}{state})"
 
     # -- paths and locks -------------------------------------------------------------
@@ -148,7 +172,17 @@ class ArtifactCache:
         ``lock_timeout``. See ``_locks`` for the order locks are taken in."""
         self.entry_path(name)  # a key, nothing else
         with locks.exclusive(self._lock_path(name), self.lock_timeout):
-            yield
+            if self.remote is None:
+                yield
+                return
+            remote = self.remote
+            lease = remote.compile_lease(name, self.lock_timeout)
+            entered = self._remote("lease", lease.__enter__, default=False) is not False
+            try:
+                yield
+            finally:
+                if entered:
+                    self._remote("lease release", lambda: lease.__exit__(None, None, None))
 
     def _lock_path(self, name: str) -> str:
         return os.path.join(self._dirs["locks"], name + ".lock")
@@ -215,8 +249,9 @@ class ArtifactCache:
         another user could have written it."""
         document = self._read_document(key)
         if document is None:
-            self._count("misses")
-            return None
+            fetched = self._fetch(key) if self.remote is not None else None
+            self._count("misses" if fetched is None else "hits")
+            return fetched
         try:
             blobs = {d: self._read_blob(d, size, key) for d, size in document["blobs"].items()}
         except FileNotFoundError:
@@ -231,13 +266,7 @@ class ArtifactCache:
         with contextlib.suppress(OSError):  # approximate LRU: last use is the entry's mtime
             os.utime(self.entry_path(key))
         self._count("hits")
-        return StoredEntry(
-            key=key,
-            document=document.get("document"),
-            blobs={d: blobs[d] for d in document["blobs"] if d not in document["aux"].values()},
-            aux={name: blobs[d] for name, d in document["aux"].items()},
-            factors=document.get("factors", {}),
-        )
+        return _stored(key, document, blobs)
 
     def contains(self, key: str) -> bool:
         return os.path.exists(self.entry_path(key))
@@ -280,8 +309,9 @@ class ArtifactCache:
                     entry["signature"] = signing.sign(
                         _signed_digest(entry), self.signing_key
                     ).to_json()
+                entry_bytes = json.dumps(entry, indent=1, allow_nan=False).encode()
                 with atomic_file(path) as handle:
-                    handle.write(json.dumps(entry, indent=1, allow_nan=False).encode())
+                    handle.write(entry_bytes)
         except OSError as exc:
             for digest in created:  # ours alone: no entry references them yet
                 files.remove(self._blob_path(digest))
@@ -291,6 +321,8 @@ class ArtifactCache:
                 exc.errno or 0, f"cache {self.root} could not store {key[:12]}: {exc}"
             ) from exc
         log.info("cached %s (%d blobs)", key[:12], len(everything))
+        if self.remote is not None:
+            self.upload(key)
         try:
             self.prune(keep=key)
         except (OSError, locks.Timeout) as exc:
@@ -318,11 +350,140 @@ class ArtifactCache:
         with self._gc_lock(exclusive=False), atomic_file(path) as handle:
             handle.write(json.dumps(document, indent=1, allow_nan=False).encode())
 
+    # -- the remote tier -------------------------------------------------------------
+    def _remote(self, what: str, action: Callable[[], Any], default: Any = None) -> Any:
+        """Run a remote operation; any failure (network, permissions, throttling, a
+        vanished server) is logged, counted, and answered with ``default``."""
+        try:
+            return action()
+        except Exception as exc:  # a remote must never fail a call we can serve locally
+            log.warning("remote cache %s: %s failed: %s: %s", self.remote, what,
+                        type(exc).__name__, str(exc)[:200])  # fmt: skip
+            self._count("remote_errors")
+            return default
+
+    def _fetch(self, key: str) -> StoredEntry | None:
+        """The remote entry under ``key``, verified and copied into the local cache (a
+        read-only local cache still serves it, from memory)."""
+        remote = self.remote
+        assert remote is not None
+        raw = self._remote(
+            "read entry", lambda: remote.read(remote.entry_path(key), _MAX_ENTRY_BYTES)
+        )
+        if raw is None:
+            self._count("remote_misses")
+            return None
+        where = f"remote entry {key[:12]}"
+        try:
+            document = decode_json(raw, where)
+            self._validate(key, document)
+            signature = None
+            if "signature" in document:
+                signature = Signature.from_json(document["signature"], where)
+            signing.check(_signed_digest(document), signature, self.trusted_keys, where)
+        except (CorruptArtifactError, UntrustedArtifactError) as exc:
+            log.warning("%s refused: %s", where, exc)
+            self._count("remote_errors")
+            return None
+        stored: dict[str, bytes] = {}
+        raws: dict[str, bytes] = {}
+        for digest, size in document["blobs"].items():
+            path = remote.blob_path(digest)
+            data = self._remote("read blob", functools.partial(remote.read, path, size * 2 + 4096))
+            if data is None:
+                self._count("remote_misses")
+                return None
+            try:
+                raws[digest] = decompress(data, size, digest, f"remote blob {digest[:12]}")
+            except CorruptArtifactError as exc:
+                # Content-addressed: remove it, so the next upload replaces it.
+                log.warning("%s; removing it from the remote", exc)
+                self._remote("remove corrupt blob", functools.partial(remote.remove, path))
+                self._count("remote_errors")
+                return None
+            stored[digest] = data
+        self._count("remote_hits")
+        log.info("fetched %s from the remote cache %s", key[:12], remote.url)
+        if self.writable:
+            try:
+                with self._gc_lock(exclusive=False):
+                    for digest, data in stored.items():
+                        self._write_stored_blob(digest, data)
+                    with atomic_file(self.entry_path(key)) as handle:
+                        handle.write(raw)
+            except (OSError, locks.Timeout) as exc:
+                log.warning("could not keep remote entry %s locally: %s", key[:12], exc)
+        return _stored(key, document, raws)
+
+    def _write_stored_blob(self, digest: str, stored: bytes) -> None:
+        path = self._blob_path(digest)
+        if os.path.exists(path):
+            return
+        os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
+        with atomic_file(path) as handle:
+            handle.write(stored)
+
+    def upload(self, key: str) -> bool:
+        """Copy a local entry to the remote: blobs first, the entry last. False (logged)
+        where the remote failed; the local entry is untouched either way."""
+        remote = self.remote
+        if remote is None:
+            raise InvalidOptionError("this cache has no remote tier")
+        raw = files.read_checked(self.entry_path(key), _MAX_ENTRY_BYTES, self.trust_foreign)
+        document = decode_json(raw, f"cache entry {key[:12]}")
+        self._validate(key, document)
+
+        def push() -> bool:
+            for digest in document["blobs"]:
+                target = remote.blob_path(digest)
+                if not remote.exists(target):
+                    local = files.read_checked(self._blob_path(digest), 1 << 40, self.trust_foreign)
+                    remote.write(target, local)
+            remote.write(remote.entry_path(key), raw)
+            for name, tagged in self._tags.all().items():  # tags after what they name
+                if tagged == key:
+                    remote.write(remote.tag_path(name), key.encode())
+            return True
+
+        done = bool(self._remote(f"upload of {key[:12]}", push, default=False))
+        if done:
+            self._count("remote_uploads")
+        return done
+
+    def pull(self, key: str) -> bool:
+        """Copy a remote entry into the local cache (verified), and the remote's tags that
+        name it. False if absent or bad."""
+        remote = self.remote
+        if remote is None:
+            raise InvalidOptionError("this cache has no remote tier")
+        if not (self.contains(key) or self._fetch(key) is not None):
+            return False
+        tags: dict[str, str] = self._remote("tag listing", remote.tags, default={})
+        for name, tagged in tags.items():
+            if tagged == key and self._tags.get(name) != key:
+                try:
+                    self._tags.set(name, key)  # validates the name
+                except (ValueError, OSError) as exc:
+                    log.warning("remote tag %r not taken: %s", name, exc)
+        return True
+
+    def remote_entries(self) -> list[str]:
+        """The keys the remote holds."""
+        remote = self.remote
+        if remote is None:
+            raise InvalidOptionError("this cache has no remote tier")
+        found: list[str] = self._remote("listing", remote.entries, default=[])
+        return found
+
     # -- tags ------------------------------------------------------------------------
     def tag(self, name: str, key: str) -> None:
-        """Name an entry, so that a server can load it without tracing its model again."""
+        """Name an entry, so that a server can load it without tracing its model again
+        (the remote tier gets the tag too)."""
         self.entry_path(key)  # validates the key
         self._tags.set(name, key)
+        remote = self.remote
+        if remote is not None:
+            self._remote("tag", lambda: remote.write(remote.tag_path(name), key.encode()))
         log.info("tagged %s as %r", key[:12], name)
 
     def tags(self) -> dict[str, str]:
@@ -330,8 +491,13 @@ class ArtifactCache:
         return self._tags.all()
 
     def tagged(self, name: str) -> str | None:
-        """The key a tag names, or None (no such tag, or not a key)."""
+        """The key a tag names (here, else on the remote), or None."""
         key = self._tags.get(name)
+        remote = self.remote
+        if key is None and remote is not None:
+            self._tags._path(name)  # validates the name before it goes into a remote path
+            raw = self._remote("tag", lambda: remote.read(remote.tag_path(name), 1024))
+            key = None if raw is None else raw.decode("ascii", "replace").strip()
         if key is not None and not _is_digest(key):
             log.warning("tag %r names %r, which is not a cache key; ignoring it", name, key)
             return None

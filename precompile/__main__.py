@@ -1,6 +1,6 @@
 """The ``precompile`` command line (also ``python -m precompile``).
 
-    precompile cache ls|info|verify|prune|clear|stats|explain|tags|sign   the artifact cache
+    precompile cache ls|info|verify|prune|clear|stats|explain|tags|sign|push|pull   the cache
     precompile keygen KEYFILE                 a new Ed25519 key pair (KEYFILE, KEYFILE.pub)
     precompile sign --key KEYFILE PATH        sign a saved artifact (file or directory)
     precompile verify [--key PUB ...] PATH    check a saved artifact's digests and signature
@@ -74,8 +74,55 @@ def _plan_text(plan: Any, verb: str) -> str:
     return "\n".join(lines)
 
 
+def _remote_options(text: str | None) -> dict[str, Any] | None:
+    if not text:
+        return None
+    try:
+        value = json.loads(text)
+    except ValueError:
+        raise SystemExit(f"precompile: --remote-options must be JSON, got {text!r}") from None
+    if not isinstance(value, dict):
+        raise SystemExit("precompile: --remote-options must be a JSON object")
+    return value
+
+
+def _sync_command(store: ArtifactCache, args: argparse.Namespace) -> int:
+    """push / pull: copy entries (and tags) between this cache and its remote."""
+    if args.action == "push":
+        keys = [store.tagged(args.tag)] if args.tag else [e.key for e in store.entries()]
+        done = [k for k in keys if k is not None and store.upload(k)]
+        if args.tag and done:
+            store.tag(args.tag, done[0])
+    else:
+        keys = [store.tagged(args.tag)] if args.tag else store.remote_entries()
+        done = [k for k in keys if k is not None and store.pull(k)]
+        if args.tag and done:
+            store.tag(args.tag, done[0])
+    verb = "pushed" if args.action == "push" else "pulled"
+    failed = len([k for k in keys if k is not None]) - len(done)
+    text = f"{verb} {len(done)} entries {'to' if verb == 'pushed' else 'from'} {args.remote}"
+    _emit(
+        {verb: done, "failed": failed}, args.json, text + (f"; {failed} failed" if failed else "")
+    )
+    return 0 if not failed and keys and keys[0] is not None else 1
+
+
 def _cache_command(args: argparse.Namespace) -> int:
-    store = ArtifactCache(args.root, trust_foreign=args.trust_foreign)
+    remote = getattr(args, "remote", None)
+    store = ArtifactCache(
+        args.root,
+        trust_foreign=args.trust_foreign,
+        remote=remote or None,
+        remote_options=_remote_options(getattr(args, "remote_options", None)),
+    )
+    if args.action in ("push", "pull"):
+        return _sync_command(store, args)
+    if args.action == "ls" and remote:
+        keys = store.remote_entries()
+        _emit(
+            keys, args.json, "\n".join(k[:12] for k in keys) + f"\n{len(keys)} entries in {remote}"
+        )
+        return 0
     if not store.writable and args.action in ("prune", "clear", "sign"):
         raise SystemExit(
             f"precompile: cache {store.root} is read-only: cannot {args.action} it "
@@ -218,8 +265,20 @@ def _parser() -> argparse.ArgumentParser:
         "--trust-foreign", action="store_true", help="accept entries other users could write"
     )
     actions = cache_parser.add_subparsers(dest="action", required=True)
+    listing = actions.add_parser("ls", help="list entries (--remote URL: the remote's)")
+    listing.add_argument("--json", action="store_true")
+    listing.add_argument("--remote", help="list this remote tier's entries instead")
+    listing.add_argument("--remote-options", help="fsspec storage options, JSON")
     for name, text in [
-        ("ls", "list entries"),
+        ("push", "upload entries (all, or --tag's) to a remote tier"),
+        ("pull", "download entries (all, or --tag's) from a remote tier, verified"),
+    ]:
+        sync = actions.add_parser(name, help=text)
+        sync.add_argument("remote", help="fsspec URL: s3://bucket/path, file:///shared/dir, ...")
+        sync.add_argument("--tag", help="only the entry this tag names (and the tag)")
+        sync.add_argument("--remote-options", help="fsspec storage options, JSON")
+        sync.add_argument("--json", action="store_true")
+    for name, text in [
         ("verify", "check every digest (and signature, with trusted keys configured)"),
         ("stats", "hit/miss/eviction counts and size"),
         ("tags", "named entries (what servers load by name)"),

@@ -27,6 +27,7 @@ def backend(
     max_variants: int = DEFAULT_MAX_VARIANTS,
     calibrate: CalibrateOption = None,
     cudagraphs: CudaGraphsOption = None,
+    compile: bool = True,
 ) -> Callable[[torch.fx.GraphModule, list[Any]], Callable[..., Any]]:
     """``torch.compile(model, backend=precompile.backend(hints=[16, 256, 4096]))``.
 
@@ -37,6 +38,8 @@ def backend(
     dispatches (``CompiledArtifact.trusting_caller``), at a cost that does not grow with
     the number of inputs (a model's parameters among them). ``cudagraphs``: replay a
     CUDA graph per size (see ``CudaGraphs``), captured from the artifact, never compiled.
+    ``compile=False`` (or ``PRECOMPILE_OFFLINE=1``): a graph not in the cache raises
+    ``ArtifactNotFoundError`` instead of compiling (a server that must never compile).
     """
 
     def compile_graph(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
@@ -51,6 +54,7 @@ def backend(
             cache=cache,
             calibrate=calibrate,
             cudagraphs=cudagraphs,
+            compile=compile,
         )
         return artifact.trusting_caller()
 

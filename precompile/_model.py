@@ -41,6 +41,7 @@ from runtime._manifest import FORMAT_VERSION
 from runtime._model import CompiledModel, ModelPlan, changed_files, class_path, file_digest
 from runtime._version import __version__
 
+from ._offline import is_offline, refuse
 from ._variant_plan import Hints, Sizes
 
 log = logging.getLogger("precompile.compile")
@@ -188,6 +189,7 @@ def compile_model(
     cache: CacheOption = None,
     cudagraphs: CudaGraphsOption = None,
     warmup: bool | str = "background",
+    compile: bool = True,
 ) -> CompiledModel:
     """Compile ``model`` for calls shaped like ``model(*example_args, **example_kwargs)``.
 
@@ -198,7 +200,9 @@ def compile_model(
     ``cudagraphs`` as for ``standalone_compile``. ``cache``: a later process with the same
     model and call finds the compiled model there without tracing. ``warmup``: load every
     variant ("background" by default, so a new size never waits once warm-up is done).
+    ``compile=False`` (or ``PRECOMPILE_OFFLINE=1``): a miss raises ``ArtifactNotFoundError``.
     """
+    offline = is_offline(compile)
     if not isinstance(model, torch.nn.Module):
         raise InvalidOptionError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     cudagraph_options(cudagraphs)  # validate early
@@ -216,13 +220,30 @@ def compile_model(
         if found is not None:
             return _finish(found, cudagraphs, warmup)
         log.info("model cache miss: %s", store.explain_miss(key, factors))
-    compiled = _trace_and_compile(model, args, kwargs, leaves, dims, hints, sizes, options)
-    compiled.cache_key = key
-    if store is not None:
+    if offline:
+        refuse(store, key, factors)
+    if store is None:
+        compiled = _trace_and_compile(model, args, kwargs, leaves, dims, hints, sizes, options)
+        return _finish(compiled, cudagraphs, warmup)
+    try:
+        lock = store.lock(key)
+        lock.__enter__()
+    except CacheWriteError as exc:  # a read-only cache: no single flight, nothing stored
+        log.warning("cache %s cannot take a lock (%s); compiling without storing", store.root, exc)
+        compiled = _trace_and_compile(model, args, kwargs, leaves, dims, hints, sizes, options)
+        return _finish(compiled, cudagraphs, warmup)
+    try:
+        found = _cached_model(store, key, model)  # built by another process meanwhile?
+        if found is not None:
+            return _finish(found, cudagraphs, warmup)
+        compiled = _trace_and_compile(model, args, kwargs, leaves, dims, hints, sizes, options)
+        compiled.cache_key = key
         try:
             store_model(store, key, compiled.artifact, compiled.plan.to_json(), factors)
         except CacheWriteError as exc:
             log.warning("compiled the model but could not store it: %s", exc)
+    finally:
+        lock.__exit__(None, None, None)
     return _finish(compiled, cudagraphs, warmup)
 
 

@@ -38,6 +38,7 @@ from runtime._payloads import MemoryPayloads, sha256_hex
 from . import _torch_adapter as adapter
 from ._cache_key import cache_factors, cache_key
 from ._graph import GraphDescription
+from ._offline import is_offline, refuse
 from ._variant_plan import DEFAULT_MAX_VARIANTS, Hints, Sizes, VariantRequest, plan_variants
 
 log = logging.getLogger("precompile.compile")
@@ -285,6 +286,7 @@ def standalone_compile(
     cache: CacheOption = None,
     calibrate: CalibrateOption = None,
     cudagraphs: CudaGraphsOption = None,
+    compile: bool = True,
 ) -> CompiledArtifact:
     """Compile ``gm`` into one variant per hint point plus one per exact size.
 
@@ -297,7 +299,10 @@ def standalone_compile(
     time every variant at on this device after compiling; the table is cached with it.
     ``cudagraphs``: replay CUDA graphs captured per size (``True``, a dict or a
     ``CudaGraphs``), kept as the artifact's default; capture never compiles anything.
+    ``compile=False`` (or ``PRECOMPILE_OFFLINE=1``): never compile; a cache miss raises
+    ``ArtifactNotFoundError`` naming the key and the nearest entry's differing factors.
     """
+    offline = is_offline(compile)
     if not isinstance(gm, torch.fx.GraphModule):
         raise InvalidOptionError(f"gm must be a torch.fx.GraphModule, got {type(gm).__name__}")
     if dynamic_shapes not in adapter.DYNAMIC_SHAPES:
@@ -346,9 +351,11 @@ def standalone_compile(
         # Dynamo retries a failed backend on every call; the compile would fail again.
         raise UnsupportedGraphError(f"{failed} (failed earlier in this process; not retried)")
     if store is None:
+        if offline:
+            refuse(None, key, factors)
         artifact, common = _remembering_failure(key, build)
     else:
-        artifact, common = _cached_or_built(store, key, factors, build)
+        artifact, common = _cached_or_built(store, key, factors, build, offline)
     if graphs is not None:
         artifact.set_cudagraphs(graphs)
     _propagate_common_guards(graph, common)
@@ -360,6 +367,7 @@ def _cached_or_built(
     key: str,
     factors: Mapping[str, str],
     build: Callable[[], tuple[CompiledArtifact, list[sympy.Expr]]],
+    offline: bool = False,
 ) -> tuple[CompiledArtifact, list[sympy.Expr]]:
     """The artifact under ``key`` from the cache, else built once (single flight across
     processes) and stored. A cache that cannot store (read-only, full) or whose entry is
@@ -368,9 +376,13 @@ def _cached_or_built(
     if found is not None:
         log.info("cache hit for %s", key[:12])
         return found
+    if offline:
+        refuse(store, key, factors)
     try:
         with store.lock(key):
-            found = _cached(store, key) if store.contains(key) else None
+            # another process (or, with a remote tier, machine) may have built it meanwhile
+            recheck = store.contains(key) or store.remote is not None
+            found = _cached(store, key) if recheck else None
             if found is not None:
                 return found  # another process built it while we waited
             return _build_and_store(store, key, factors, build)

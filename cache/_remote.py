@@ -1,0 +1,234 @@
+"""A second tier behind the local cache: any fsspec filesystem (``s3://``, ``gs://``,
+``file://`` on a shared mount, ...), so a fleet compiles each artifact once.
+
+The remote holds the same layout as the local ``v2`` tree (entries, blobs, tags) plus
+``leases/``. Nothing read from it is trusted: an entry is validated like a local one
+(and its signature checked where trusted keys are configured), each blob is checked
+against its sha256 and size before it is written into the local cache, and reads are
+bounded. Writes go blobs first, entry last (an object store's PUT is atomic; on a
+filesystem, temp file and rename), so a reader never sees an entry whose blobs are
+missing. A remote that fails (network, permissions, throttling) never fails a call
+that can be served or compiled locally: every remote error is logged, counted, and
+treated as a miss.
+
+Single flight across machines: before compiling a key, a process takes a lease object
+(``leases/<key>.json`` with its owner and an expiry) by creating it only if absent:
+``O_EXCL`` on a filesystem, a conditional PUT (``If-None-Match: *``) on S3. Others wait
+for the entry (or for the lease to expire). Where the store offers no create-if-absent,
+a lease is a plain write and two machines can both compile: both results are valid, the
+later upload wins, and both processes serve their own.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import socket
+import time
+import uuid
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from runtime._errors import InvalidOptionError
+
+from ._root import LAYOUT
+
+log = logging.getLogger("precompile.cache")
+_MAX_ENTRY_BYTES = 64 << 20
+LEASE_SECONDS = 1800.0
+
+
+def remote_from_env() -> tuple[str | None, dict[str, Any]]:
+    """``$PRECOMPILE_REMOTE_CACHE`` and ``$PRECOMPILE_REMOTE_CACHE_OPTIONS`` (JSON)."""
+    url = os.environ.get("PRECOMPILE_REMOTE_CACHE") or None
+    text = os.environ.get("PRECOMPILE_REMOTE_CACHE_OPTIONS")
+    options: dict[str, Any] = {}
+    if text:
+        try:
+            options = json.loads(text)
+        except ValueError:
+            raise InvalidOptionError(
+                f"PRECOMPILE_REMOTE_CACHE_OPTIONS must be a JSON object, got {text!r:.80}"
+            ) from None
+        if not isinstance(options, dict):
+            raise InvalidOptionError("PRECOMPILE_REMOTE_CACHE_OPTIONS must be a JSON object")
+    return url, options
+
+
+@dataclass
+class Lease:
+    path: str
+    owner: str
+
+
+class RemoteTier:
+    """Entries, blobs, tags and leases on an fsspec filesystem."""
+
+    def __init__(self, url: str, options: Mapping[str, Any] | None = None) -> None:
+        try:
+            import fsspec
+        except ImportError:  # pragma: no cover - fsspec comes with torch
+            raise InvalidOptionError("a remote cache needs fsspec: pip install fsspec") from None
+        if not isinstance(url, str) or "://" not in url:
+            raise InvalidOptionError(f"remote must be a URL such as s3://bucket/path, got {url!r}")
+        try:
+            self.fs, root = fsspec.core.url_to_fs(url, **dict(options or {}))
+        except (ImportError, ValueError) as exc:
+            raise InvalidOptionError(f"remote {url!r} cannot be opened: {exc}") from None
+        self.url = url
+        self.root = root.rstrip("/") + "/" + LAYOUT
+        self.protocol = (
+            self.fs.protocol if isinstance(self.fs.protocol, str) else self.fs.protocol[0]
+        )
+        self.owner = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+
+    def __repr__(self) -> str:
+        return f"RemoteTier({self.url!r})"
+
+    # -- paths -------------------------------------------------------------------------
+    def entry_path(self, key: str) -> str:
+        return f"{self.root}/entries/{key}.json"
+
+    def blob_path(self, digest: str) -> str:
+        return f"{self.root}/blobs/{digest[:2]}/{digest}"
+
+    def tag_path(self, name: str) -> str:
+        return f"{self.root}/tags/{name}"
+
+    def lease_path(self, key: str) -> str:
+        return f"{self.root}/leases/{key}.json"
+
+    # -- bytes -------------------------------------------------------------------------
+    def read(self, path: str, limit: int) -> bytes | None:
+        """The object's bytes, None if absent; refused past ``limit`` bytes."""
+        try:
+            size = self.fs.size(path)
+        except FileNotFoundError:
+            return None
+        if size is not None and size > limit:
+            raise ValueError(f"remote object {path} is {size} bytes, over {limit}")
+        with self.fs.open(path, "rb") as handle:
+            data: bytes = handle.read(limit + 1)
+        if len(data) > limit:
+            raise ValueError(f"remote object {path} is over {limit} bytes")
+        return data
+
+    def exists(self, path: str) -> bool:
+        return bool(self.fs.exists(path))
+
+    def write(self, path: str, data: bytes) -> None:
+        """Whole or not at all: a temp object renamed on filesystems, a PUT on stores."""
+        parent = path.rsplit("/", 1)[0]
+        if self.protocol in ("file", "local"):
+            self.fs.makedirs(parent, exist_ok=True)
+            tmp = f"{parent}/.precompile-{uuid.uuid4().hex}.tmp"
+            self.fs.pipe_file(tmp, data)
+            self.fs.mv(tmp, path)
+        else:
+            self.fs.pipe_file(path, data)
+
+    def remove(self, path: str) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            self.fs.rm_file(path)
+
+    def entries(self) -> list[str]:
+        try:
+            names = self.fs.ls(f"{self.root}/entries", detail=False)
+        except FileNotFoundError:
+            return []
+        keys = [str(n).rsplit("/", 1)[-1] for n in names]
+        return sorted(k[:-5] for k in keys if k.endswith(".json") and len(k) == 69)
+
+    def tags(self) -> dict[str, str]:
+        """Every tag the remote holds and the text it names (checked by the caller)."""
+        try:
+            names = self.fs.ls(f"{self.root}/tags", detail=False)
+        except FileNotFoundError:
+            return {}
+        found: dict[str, str] = {}
+        for path in names:
+            name = str(path).rsplit("/", 1)[-1]
+            raw = self.read(self.tag_path(name), 1024)
+            if raw is not None:
+                found[name] = raw.decode("ascii", "replace").strip()
+        return found
+
+    # -- leases ------------------------------------------------------------------------
+    def _create_exclusive(self, path: str, data: bytes) -> bool | None:
+        """Create ``path`` only if absent: True if we did, False if it exists, None where
+        the store cannot do that atomically."""
+        if self.protocol in ("file", "local"):
+            self.fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
+            try:
+                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            except FileExistsError:
+                return False
+            with os.fdopen(fd, "wb") as handle:
+                handle.write(data)
+            return True
+        if self.protocol in ("s3", "s3a"):
+            try:
+                self.fs.pipe_file(path, data, IfNoneMatch="*")
+            except FileExistsError:
+                return False
+            return True
+        return None
+
+    def try_lease(self, key: str, seconds: float = LEASE_SECONDS) -> Lease | bool | None:
+        """Take the compile lease of ``key``: a Lease, False where another process holds
+        it, or None where this store cannot make leases exclusive (compile regardless)."""
+        path = self.lease_path(key)
+        body = json.dumps({"owner": self.owner, "expires": time.time() + seconds}).encode()
+        created = self._create_exclusive(path, body)
+        if created is None:
+            return None
+        if created:
+            return Lease(path, self.owner)
+        holder = self._read_lease(path)
+        if holder is None or holder.get("expires", 0) < time.time():
+            log.info("remote lease of %s expired or unreadable; taking it over", key[:12])
+            self.remove(path)
+            created = self._create_exclusive(path, body)
+            return Lease(path, self.owner) if created else False
+        return False
+
+    def _read_lease(self, path: str) -> dict[str, Any] | None:
+        try:
+            raw = self.read(path, 4096)
+            value = json.loads(raw) if raw is not None else None
+        except ValueError:
+            return None
+        return value if isinstance(value, dict) else None
+
+    def release(self, lease: Lease) -> None:
+        holder = self._read_lease(lease.path)
+        if holder is not None and holder.get("owner") == lease.owner:
+            self.remove(lease.path)
+
+    @contextlib.contextmanager
+    def compile_lease(self, key: str, timeout: float) -> Iterator[None]:
+        """Hold the key's lease while compiling, or wait for the entry another process is
+        compiling (up to ``timeout``, then go on: compiling twice is only wasteful)."""
+        deadline = time.monotonic() + timeout
+        lease: Lease | bool | None = False
+        delay = 0.05
+        while lease is False:
+            if self.exists(self.entry_path(key)):
+                break
+            lease = self.try_lease(key)
+            if lease is False:
+                if time.monotonic() > deadline:
+                    log.warning(
+                        "waited %.0f s for another machine's compile of %s", timeout, key[:12]
+                    )
+                    break
+                time.sleep(delay)
+                delay = min(delay * 2, 1.0)
+        try:
+            yield
+        finally:
+            if isinstance(lease, Lease):
+                self.release(lease)

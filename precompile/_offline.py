@@ -1,0 +1,29 @@
+"""Never compile in production: ``compile=False`` or ``PRECOMPILE_OFFLINE=1`` (like
+huggingface_hub's ``local_files_only``) turns a cache miss into an error that names the
+key and what differs from the nearest entry, instead of a compile on a serving machine."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import NoReturn
+
+from cache import ArtifactCache
+from runtime._errors import ArtifactNotFoundError, InvalidOptionError
+
+
+def is_offline(compile: bool) -> bool:
+    if not isinstance(compile, bool):
+        raise InvalidOptionError(f"compile must be True or False, got {compile!r}")
+    return not compile or os.environ.get("PRECOMPILE_OFFLINE", "") not in ("", "0")
+
+
+def refuse(store: ArtifactCache | None, key: str, factors: Mapping[str, str]) -> NoReturn:
+    where = "no cache" if store is None else f"cache {store.root}"
+    if store is not None and store.remote is not None:
+        where += f" (and its remote {store.remote.url})"
+    explanation = "" if store is None else f"; {store.explain_miss(key, factors)}"
+    raise ArtifactNotFoundError(
+        f"compiling is off (compile=False or PRECOMPILE_OFFLINE=1) and {where} has no entry "
+        f"{key[:12]}{explanation}"
+    )

@@ -1,0 +1,279 @@
+"""The remote tier against real servers on localhost: an S3 API server (moto in server
+mode, over HTTP, used through s3fs as with real S3) and a shared directory (file://).
+Several processes with their own local caches share one remote: one compiles, all serve;
+a remote that vanishes or holds a corrupt blob never fails a call; offline mode never
+compiles."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+from conftest import ROOT, Compiled
+from test_cache import fake_artifact, get, key_of, put
+
+import precompile
+from cache import ArtifactCache
+
+s3fs = pytest.importorskip("s3fs")
+moto_server = pytest.importorskip("moto.server")
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+class S3Server:
+    """moto's S3 server on a loopback port, with one bucket."""
+
+    def __init__(self) -> None:
+        self.port = _free_port()
+        self.server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=self.port)
+        self.server.start()
+        self.endpoint = f"http://127.0.0.1:{self.port}"
+        self.options = {
+            "key": "testing",
+            "secret": "testing",
+            "client_kwargs": {"endpoint_url": self.endpoint, "region_name": "us-east-1"},
+            # a vanished server must answer fast: one attempt, short timeouts
+            "config_kwargs": {
+                "connect_timeout": 1,
+                "read_timeout": 5,
+                "retries": {"max_attempts": 1},
+            },
+            "skip_instance_cache": True,
+        }
+        fs = s3fs.S3FileSystem(**self.options)
+        fs.call_s3("create_bucket", Bucket="fleet")
+
+    def url(self) -> str:
+        return f"s3://fleet/{uuid.uuid4().hex[:8]}"
+
+    def stop(self) -> None:
+        self.server.stop()
+
+
+@pytest.fixture(scope="module")
+def s3() -> Iterator[S3Server]:
+    server = S3Server()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(params=["s3", "file"])
+def remote(request: pytest.FixtureRequest, s3: S3Server, tmp_path: Any) -> dict[str, Any]:
+    if request.param == "s3":
+        return {"url": s3.url(), "options": s3.options}
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    return {"url": f"file://{shared}", "options": {}}
+
+
+def _cache(tmp_path: Any, name: str, remote: dict[str, Any], **kwargs: Any) -> ArtifactCache:
+    return ArtifactCache(
+        str(tmp_path / name), remote=remote["url"], remote_options=remote["options"], **kwargs
+    )
+
+
+def test_a_local_miss_is_served_from_the_remote_and_kept(
+    tmp_path: Any, remote: dict[str, Any]
+) -> None:
+    machine_a = _cache(tmp_path, "a", remote)
+    put(machine_a, key_of(1), fake_artifact(1), {"graph": "g"})
+    machine_a.tag("model", key_of(1))
+    assert machine_a.stats().remote_uploads == 1
+    machine_b = _cache(tmp_path, "b", remote)
+    assert not machine_b.contains(key_of(1))
+    found = get(machine_b, key_of(1))
+    assert found is not None and found[0].variants == fake_artifact(1).variants
+    assert machine_b.contains(key_of(1))  # copied into the local cache
+    assert machine_b.stats().remote_hits == 1
+    assert machine_b.tagged("model") == key_of(1)  # tags travel too
+    assert get(machine_b, key_of(2)) is None and machine_b.stats().remote_misses >= 1
+
+
+def test_a_remote_entry_is_checked_like_a_local_one(tmp_path: Any, remote: dict[str, Any]) -> None:
+    pytest.importorskip("cryptography")
+    from runtime import _signing
+
+    keyfile = str(tmp_path / "key.pem")
+    public = _signing.generate(keyfile)
+    put(_cache(tmp_path, "a", remote), key_of(1), fake_artifact(1), {})  # unsigned
+    strict = _cache(tmp_path, "b", remote, trusted_keys=public)
+    assert get(strict, key_of(1)) is None  # refused, not imported
+    assert strict.stats().remote_errors == 1 and not strict.contains(key_of(1))
+    put(_cache(tmp_path, "c", remote, signing_key=keyfile), key_of(2), fake_artifact(2), {})
+    assert get(strict, key_of(2)) is not None
+
+
+def test_a_corrupt_remote_blob_is_refused_removed_and_replaced(
+    tmp_path: Any, remote: dict[str, Any]
+) -> None:
+    machine_a = _cache(tmp_path, "a", remote)
+    put(machine_a, key_of(1), fake_artifact(1), {})
+    tier = machine_a.remote
+    assert tier is not None
+    digest = fake_artifact(1).variants[0].payload
+    tier.write(tier.blob_path(digest), b"\x28\xb5\x2f\xfd garbage")
+    machine_b = _cache(tmp_path, "b", remote)
+    assert get(machine_b, key_of(1)) is None  # refused: never written locally
+    assert not machine_b.contains(key_of(1)) and not tier.exists(tier.blob_path(digest))
+    put(machine_b, key_of(1), fake_artifact(1), {})  # recompiled and uploaded again
+    assert get(_cache(tmp_path, "c", remote), key_of(1)) is not None
+
+
+def test_a_remote_that_disappears_never_fails_a_call(tmp_path: Any) -> None:
+    server = S3Server()
+    remote = {"url": server.url(), "options": server.options}
+    cache = _cache(tmp_path, "a", remote)
+    put(cache, key_of(1), fake_artifact(1), {})
+    server.stop()
+    started = time.monotonic()
+    put(cache, key_of(2), fake_artifact(2), {})  # stored locally, upload fails
+    assert get(cache, key_of(2)) is not None
+    assert get(cache, key_of(3)) is None  # a miss, not an exception
+    with cache.lock(key_of(4)):  # the lease fails: single flight is local only
+        pass
+    cache.tag("model", key_of(2))
+    assert cache.stats().remote_errors >= 3
+    assert time.monotonic() - started < 60
+
+
+FLEET = """
+import os, sys, time
+sys.path.insert(0, "tests")
+import json, torch, precompile
+from precompile import _torch_adapter
+from cache import ArtifactCache
+from conftest import MLP, capture
+compiles = []
+original = _torch_adapter.compile_variant
+def counting(*a, **k):
+    compiles.append(1)
+    return original(*a, **k)
+_torch_adapter.compile_variant = counting
+torch.manual_seed(0)
+model = MLP(width=32, hidden=64).eval()
+captured = capture(model, torch.randn(6, 32))
+cache = ArtifactCache(sys.argv[2], remote=sys.argv[3], remote_options=json.loads(sys.argv[4]))
+open(os.path.join(sys.argv[1], str(os.getpid())), "w").close()
+while len(os.listdir(sys.argv[1])) < 4:  # all four start together
+    time.sleep(0.01)
+with torch.no_grad():
+    art = precompile.standalone_compile(
+        captured.gm, captured.example_inputs, hints=[64], cache=cache
+    )
+    x = torch.randn(50, 32)
+    torch.testing.assert_close(art(*captured.flat(x))[0], model(x), rtol=1e-4, atol=1e-4)
+print("compiles", len(compiles), "remote_hits", cache.stats().remote_hits)
+"""
+
+
+def test_four_machines_share_one_remote_and_exactly_one_compiles(
+    tmp_path: Any, remote: dict[str, Any]
+) -> None:
+    """Four processes, four local caches, one remote: the compile lease (an O_EXCL file,
+    or a conditional PUT on S3) lets one compile; the others wait and fetch its entry."""
+    barrier = tmp_path / "ready"
+    barrier.mkdir()
+    options = json.dumps(remote["options"])
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-c",
+                textwrap.dedent(FLEET),
+                str(barrier),
+                str(tmp_path / f"machine-{n}"),
+                remote["url"],
+                options,
+            ],
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for n in range(4)
+    ]
+    outputs = [p.communicate(timeout=600) for p in procs]
+    for proc, (_, err) in zip(procs, outputs, strict=True):
+        assert proc.returncode == 0, err[-3000:]
+    counts = sorted(int(out.split()[1]) for out, _ in outputs)
+    assert counts == [0, 0, 0, 1], outputs  # one process compiled
+    assert sum(int(out.split()[3]) for out, _ in outputs) == 3  # three fetched them
+
+
+def test_offline_mode_never_compiles(mlp: Compiled, tmp_path: Any, monkeypatch: Any) -> None:
+    captured = mlp.captured
+    empty = ArtifactCache(str(tmp_path / "empty"))
+    put(empty, key_of(1), fake_artifact(1), {"graph": "other", "torch": "x"})
+    with pytest.raises(precompile.ArtifactNotFoundError, match="compiling is off") as info:
+        precompile.standalone_compile(
+            captured.gm, captured.example_inputs, hints=[16], cache=empty, compile=False
+        )
+    assert "differs in" in str(info.value) and isinstance(info.value, FileNotFoundError)
+    monkeypatch.setenv("PRECOMPILE_OFFLINE", "1")
+    with pytest.raises(precompile.ArtifactNotFoundError, match="PRECOMPILE_OFFLINE"):
+        precompile.standalone_compile(captured.gm, captured.example_inputs, hints=[16], cache=empty)
+    monkeypatch.delenv("PRECOMPILE_OFFLINE")
+    with torch.no_grad():
+        built = precompile.standalone_compile(
+            captured.gm, captured.example_inputs, hints=[16], cache=empty
+        )
+        again = precompile.standalone_compile(
+            captured.gm, captured.example_inputs, hints=[16], cache=empty, compile=False
+        )
+    assert again.variants == built.variants  # a hit serves, offline or not
+    # Outside no_grad the key differs: the refusal names the factor, not just "missing".
+    with pytest.raises(precompile.ArtifactNotFoundError, match="differs in: grad_mode"):
+        precompile.standalone_compile(
+            captured.gm, captured.example_inputs, hints=[16], cache=empty, compile=False
+        )
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "precompile", "cache", *args], cwd=ROOT, capture_output=True,
+        text=True,
+    )  # fmt: skip
+
+
+def test_cli_push_pull_and_list_the_remote(tmp_path: Any, s3: S3Server) -> None:
+    url, options = s3.url(), json.dumps(s3.options)
+    here, there = str(tmp_path / "here"), str(tmp_path / "there")
+    store = ArtifactCache(here)
+    for n in (1, 2):
+        put(store, key_of(n), fake_artifact(n), {})
+    store.tag("model", key_of(2))
+    pushed = _cli("--root", here, "push", url, "--remote-options", options, "--json")
+    assert pushed.returncode == 0, pushed.stderr
+    assert sorted(json.loads(pushed.stdout)["pushed"]) == sorted([key_of(1), key_of(2)])
+    listing = _cli("--root", there, "ls", "--remote", url, "--remote-options", options, "--json")
+    assert sorted(json.loads(listing.stdout)) == sorted([key_of(1), key_of(2)])
+    pulled = _cli("--root", there, "pull", url, "--tag", "model", "--remote-options", options)
+    assert pulled.returncode == 0, pulled.stderr
+    local = ArtifactCache(there)
+    assert local.contains(key_of(2)) and not local.contains(key_of(1))
+    assert local.tagged("model") == key_of(2)
+    assert os.path.isdir(there)
+    # Pulling everything brings the remote's tags for what it pulled.
+    third = str(tmp_path / "third")
+    everything = _cli("--root", third, "pull", url, "--remote-options", options)
+    assert everything.returncode == 0, everything.stderr
+    copy = ArtifactCache(third)
+    assert copy.contains(key_of(1)) and copy.tags() == {"model": key_of(2)}
+    dry = _cli("--root", third, "prune", "--max-size", "0", "--dry-run")
+    assert dry.returncode == 0 and "would evict 2 entries" in dry.stdout, dry.stdout + dry.stderr
+    assert copy.contains(key_of(1)) and copy.contains(key_of(2))  # a dry run deletes nothing
