@@ -87,6 +87,15 @@ def _after_fork_in_child() -> None:
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_after_fork_in_child)
 
+
+def _exiting() -> bool:
+    """The interpreter is shutting down (its main thread has finished). A background
+    warm-up stops at its next step then: it is not a daemon, so the interpreter waits for
+    the step it is in, and neither torch's nor our exit handlers (the private build
+    directory's removal) run under a thread still inside a kernel."""
+    return not threading.main_thread().is_alive()
+
+
 ArtifactFormat = Literal["binary", "unpacked"]
 _FORMATS = ("binary", "unpacked")
 DEFAULT_MEMO_SIZE = 4096
@@ -276,7 +285,7 @@ class CompiledArtifact:
         used as given, the rest made up), also run each variant once at its own point,
         and with CUDA graphs and ``capture_sizes``, capture those.
 
-        With ``background=True`` a daemon thread does it while this thread goes on
+        With ``background=True`` a thread does it while this thread goes on
         (a server can take requests meanwhile; a call that needs a variant still being
         loaded waits for it, and a size not yet captured runs plainly). ``wait_warm()``
         joins that thread and re-raises its error.
@@ -285,6 +294,8 @@ class CompiledArtifact:
             self._templates = list(inputs)
         if not background:
             for variant in self._manifest.variants:
+                if _exiting():
+                    return self
                 self._variant_callable(variant)
             if self._templates is not None:
                 self._run_each_variant()
@@ -299,7 +310,7 @@ class CompiledArtifact:
         with self._lock:
             if self._warming is None:
                 self._warming = threading.Thread(
-                    target=self._warm_in_background, name="precompile-warmup", daemon=True
+                    target=self._warm_in_background, name="precompile-warmup", daemon=False
                 )
                 self._warming.start()
         return self
@@ -310,6 +321,8 @@ class CompiledArtifact:
         handles and heuristics) is then done before a request needs it."""
         with torch.no_grad():
             for variant in self._manifest.variants:
+                if _exiting():
+                    return
                 point = tuple(variant.point[n] for n in self._manifest.symbol_names)
                 try:
                     args = synthesize_inputs(self._manifest, point, self._templates)
@@ -368,6 +381,8 @@ class CompiledArtifact:
         points = normalize_sizes(self._manifest, wanted, what="capture size")
         with torch.no_grad():
             for point in sorted(points, key=lambda p: (-sum(p), p)):
+                if _exiting():
+                    return ()
                 chosen = self._dispatcher.explain(point).chosen
                 if chosen is None:  # e.g. size 1, which Dynamo serves with a static graph
                     log.info("capture size %s: no variant admits it; not captured", point)
@@ -398,6 +413,9 @@ class CompiledArtifact:
         try:
             self.warmup()
         except BaseException as exc:  # surfaced by wait_warm()
+            if _exiting():  # e.g. a thread pool torch shut down at exit; nobody waits
+                log.debug("background warm-up stopped at exit: %s", exc)
+                return
             log.warning("background warm-up failed: %s", exc)
             self._warm_error = exc
 

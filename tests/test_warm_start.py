@@ -282,3 +282,32 @@ def test_manifests_of_earlier_formats_are_refused_with_the_reason(mlp: Compiled)
             precompile.IncompatibleArtifactError, match=f"version {version}.*recompile"
         ):
             Manifest.from_json(decode_json(json.dumps(document).encode(), "manifest"))
+
+
+def test_a_process_that_exits_during_background_warm_up_exits_cleanly(
+    mlp: Compiled, saved: dict[str, str], tmp_path: object
+) -> None:
+    """Exit while the warm-up thread loads variants (each made to take 1 s): the process
+    waits for the step in progress, then the thread stops; no C++ abort ("terminate
+    called"), no warning, exit status 0 (run_python checks)."""
+    out = in_fresh_process(
+        "import time\n"
+        "from runtime import _artifact\n"
+        "original = _artifact.CompiledArtifact._variant_callable\n"
+        "def slow(self, variant):\n"
+        "    time.sleep(1)\n"
+        "    found = original(self, variant)\n"
+        "    print('step done', flush=True)\n"
+        "    return found\n"
+        "_artifact.CompiledArtifact._variant_callable = slow\n",
+        saved["binary"],
+        cases(mlp, str(tmp_path), [5]),
+        """
+import atexit
+atexit.register(lambda: print("warm-up records", [r for r in records if "warm" in r]))
+art.warmup(background=True, inputs=c["args"][0])
+print("exiting", flush=True)
+""",
+    )
+    assert "warm-up records []" in out, out
+    assert out.split("exiting")[1].count("step done") == 1, out  # the step it was in
