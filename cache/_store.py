@@ -387,12 +387,14 @@ class ArtifactCache:
             return None
         stored: dict[str, bytes] = {}
         raws: dict[str, bytes] = {}
-        for digest, size in document["blobs"].items():
-            path = remote.blob_path(digest)
-            data = self._remote("read blob", functools.partial(remote.read, path, size * 2 + 4096))
-            if data is None:
-                self._count("remote_misses")
-                return None
+        blobs = list(document["blobs"].items())
+        # A stored blob is zstd of the raw bytes: never much larger than them.
+        wanted = [(remote.blob_path(digest), size * 2 + 4096) for digest, size in blobs]
+        datas = self._remote("read blobs", functools.partial(remote.read_many, wanted))
+        if datas is None or any(data is None for data in datas):
+            self._count("remote_misses")
+            return None
+        for (digest, size), (path, _), data in zip(blobs, wanted, datas, strict=True):
             try:
                 raws[digest] = decompress(data, size, digest, f"remote blob {digest[:12]}")
             except CorruptArtifactError as exc:

@@ -7,6 +7,7 @@ compiles."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 import socket
 import subprocess
@@ -19,7 +20,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import ROOT, Compiled
+from conftest import ROOT, Compiled, run_python
 from test_cache import fake_artifact, get, key_of, put
 
 import precompile
@@ -39,6 +40,7 @@ class S3Server:
     """moto's S3 server on a loopback port, with one bucket."""
 
     def __init__(self) -> None:
+        logging.getLogger("werkzeug").setLevel(logging.ERROR)  # one line per request
         self.port = _free_port()
         self.server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=self.port)
         self.server.start()
@@ -277,3 +279,25 @@ def test_cli_push_pull_and_list_the_remote(tmp_path: Any, s3: S3Server) -> None:
     dry = _cli("--root", third, "prune", "--max-size", "0", "--dry-run")
     assert dry.returncode == 0 and "would evict 2 entries" in dry.stdout, dry.stdout + dry.stderr
     assert copy.contains(key_of(1)) and copy.contains(key_of(2))  # a dry run deletes nothing
+
+
+def test_a_remote_is_opened_at_first_use_and_a_bad_url_is_refused_at_once(
+    tmp_path: Any,
+) -> None:
+    out = run_python(
+        f"""
+import sys
+from cache import ArtifactCache
+from runtime._errors import InvalidOptionError
+store = ArtifactCache({str(tmp_path / "a")!r}, remote="s3://bucket/path")
+print("s3fs imported:", "s3fs" in sys.modules)  # a local hit never needs the client
+for bad in ("nosuchprotocol://x", "no-scheme"):
+    try:
+        ArtifactCache({str(tmp_path / "b")!r}, remote=bad)
+    except InvalidOptionError as exc:
+        print("refused:", exc)
+"""
+    )
+    assert "s3fs imported: False" in out, out
+    assert "refused: remote 'nosuchprotocol://x' cannot be opened" in out, out
+    assert "refused: remote must be a URL" in out, out
