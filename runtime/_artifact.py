@@ -6,6 +6,7 @@ import dataclasses
 import logging
 import os
 import threading
+import time
 import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal
@@ -82,6 +83,8 @@ def _after_fork_in_child() -> None:
     for artifact in list(_live):
         artifact._lock = threading.RLock()
         artifact._warming = None
+        artifact._foreground = 0
+        artifact._foreground_lock = threading.Lock()
 
 
 if hasattr(os, "register_at_fork"):
@@ -138,6 +141,8 @@ class CompiledArtifact:
         self.cache_key: str | None = None
         self._warming: threading.Thread | None = None
         self._warm_error: BaseException | None = None
+        self._foreground = 0  # first calls in progress (a warm-up waits for them)
+        self._foreground_lock = threading.Lock()
         _live.add(self)
         self.set_cudagraphs(manifest.cudagraphs if cudagraphs is None else cudagraphs)
 
@@ -148,16 +153,41 @@ class CompiledArtifact:
             return self._call_prepared(self._contract.coerce(args))
         function = self._memo.get(key)
         if function is None:
-            function = self._resolve(key)
+            return self._first_call(key, args)
         result = function(*args)
         return result if self._unflatten is None else self._unflatten(result)
+
+    def _first_call(self, key: tuple[int, ...], args: Sequence[Any]) -> Any:
+        """A call at sizes not seen yet: it may load its variant and pays first-run costs,
+        so a background warm-up gives way (between its steps) until it is done."""
+        with self._foreground_lock:
+            self._foreground += 1
+        try:
+            result = self._resolve(key)(*args)
+        finally:
+            with self._foreground_lock:
+                self._foreground -= 1
+        return result if self._unflatten is None else self._unflatten(result)
+
+    def _give_way_to_calls(self) -> None:
+        """Wait (up to 60 s) while a first call is in progress: a request is never queued
+        behind warm-up work beyond the one step already running."""
+        deadline = time.monotonic() + 60.0
+        while self._foreground and time.monotonic() < deadline and not _exiting():
+            time.sleep(0.002)
 
     def _call_prepared(self, prepared: Prepared) -> Any:
         """A call whose inputs needed the slow path (and maybe copies into the compiled
         layout, written back after the call where the graph writes them)."""
         function = self._memo.get(prepared.key)
         if function is None:
-            function = self._resolve(prepared.key)
+            with self._foreground_lock:
+                self._foreground += 1
+            try:
+                function = self._resolve(prepared.key)
+            finally:
+                with self._foreground_lock:
+                    self._foreground -= 1
         result = function(*prepared.args)
         for target, source in prepared.writebacks:
             target.copy_(source)
@@ -171,14 +201,14 @@ class CompiledArtifact:
         number of inputs. Anyone else should call the artifact itself."""
         trusted_key = self._contract.trusted_key
         memo = self._memo
-        resolve = self._resolve
+        first_call = self._first_call
         unflatten = self._unflatten
 
         def call_trusted(*args: Any) -> Any:
             key = trusted_key(args)
             function = memo.get(key)
             if function is None:
-                function = resolve(key)
+                return first_call(key, args)
             result = function(*args)
             return result if unflatten is None else unflatten(result)
 
@@ -294,6 +324,7 @@ class CompiledArtifact:
             self._templates = list(inputs)
         if not background:
             for variant in self._manifest.variants:
+                self._give_way_to_calls()
                 if _exiting():
                     return self
                 self._variant_callable(variant)
@@ -320,7 +351,9 @@ class CompiledArtifact:
         what a first run does lazily (kernel modules loaded onto the device, library
         handles and heuristics) is then done before a request needs it."""
         with torch.no_grad():
-            for variant in self._manifest.variants:
+            by_size = sorted(self._manifest.variants, key=lambda v: sum(v.point.values()))
+            for variant in by_size:  # cheapest first: a request waits at most one step
+                self._give_way_to_calls()
                 if _exiting():
                     return
                 point = tuple(variant.point[n] for n in self._manifest.symbol_names)
