@@ -86,3 +86,17 @@ def pyplot() -> Any | None:
         print("(no plot: pip install -e '.[bench]' for matplotlib)")
         return None
     return plt
+
+
+def count_tracing_and_compiles() -> tuple[list[int], list[int]]:
+    """Lists that grow by one per Dynamo frame traced and per inductor compile, from now
+    on in this process (patches torch's entry points; for benchmark children only)."""
+    import torch._inductor.compile_fx as compile_fx
+    from torch._dynamo import convert_frame
+
+    frames: list[int] = []
+    compiles: list[int] = []
+    original_frame, original_compile = convert_frame._compile, compile_fx.compile_fx
+    convert_frame._compile = lambda *a, **k: (frames.append(1), original_frame(*a, **k))[1]
+    compile_fx.compile_fx = lambda *a, **k: (compiles.append(1), original_compile(*a, **k))[1]
+    return frames, compiles

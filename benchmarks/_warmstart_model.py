@@ -81,16 +81,11 @@ def child(row: str, workdir: str, device: str) -> dict[str, Any]:
     import torch
 
     sys.path.insert(0, ROOT)
-    import torch._inductor.compile_fx as compile_fx
-    from torch._dynamo import convert_frame
+    from _common import count_tracing_and_compiles
 
     import precompile
 
-    frames: list[int] = []
-    compiles: list[int] = []
-    original_frame, original_compile = convert_frame._compile, compile_fx.compile_fx
-    convert_frame._compile = lambda *a, **k: (frames.append(1), original_frame(*a, **k))[1]
-    compile_fx.compile_fx = lambda *a, **k: (compiles.append(1), original_compile(*a, **k))[1]
+    frames, compiles = count_tracing_and_compiles()
     imported = time.perf_counter()
     model = llama(device)
     vocab = model.config.vocab_size

@@ -43,18 +43,13 @@ def child(local: str, remote: str, options: str) -> dict[str, Any]:
     import torch
 
     sys.path.insert(0, ROOT)
-    import torch._inductor.compile_fx as compile_fx
+    from _common import count_tracing_and_compiles
     from _warmstart_model import llama
-    from torch._dynamo import convert_frame
 
     import precompile
     from cache import ArtifactCache
 
-    frames: list[int] = []
-    compiles: list[int] = []
-    original_frame, original_compile = convert_frame._compile, compile_fx.compile_fx
-    convert_frame._compile = lambda *a, **k: (frames.append(1), original_frame(*a, **k))[1]
-    compile_fx.compile_fx = lambda *a, **k: (compiles.append(1), original_compile(*a, **k))[1]
+    frames, compiles = count_tracing_and_compiles()
     model = llama("cpu")
     ids = torch.randint(0, model.config.vocab_size, (1, FIRST))
     store = ArtifactCache(local, remote=remote, remote_options=json.loads(options))

@@ -183,3 +183,52 @@ def run_python(code: str, *, env: dict[str, str] | None = None, timeout: int = 6
 def assert_close(actual: Sequence[torch.Tensor] | torch.Tensor, expected: torch.Tensor) -> None:
     value = actual[0] if isinstance(actual, (list, tuple)) else actual
     torch.testing.assert_close(value, expected, rtol=1e-4, atol=1e-4)
+
+
+# A process of a fleet: counts its compiles, captures the test MLP, then waits until all
+# ``sys.argv[2]`` processes are ready (files in the directory ``sys.argv[1]``) so they
+# miss the cache together. The body follows, with its own arguments in ``sys.argv[3:]``.
+FLEET_PREAMBLE = """
+import json, os, sys, time
+sys.path.insert(0, "tests")
+import torch, precompile
+from precompile import _torch_adapter
+from cache import ArtifactCache
+from conftest import MLP, capture
+compiles = []
+original = _torch_adapter.compile_variant
+def counting(*a, **k):
+    compiles.append(1)
+    return original(*a, **k)
+_torch_adapter.compile_variant = counting
+torch.manual_seed(0)
+model = MLP(width=32, hidden=64).eval()
+captured = capture(model, torch.randn(6, 32))
+open(os.path.join(sys.argv[1], str(os.getpid())), "w").close()
+while len(os.listdir(sys.argv[1])) < int(sys.argv[2]):
+    time.sleep(0.01)
+"""
+
+
+def run_fleet(
+    body: str, arguments: Sequence[Sequence[str]], barrier: str, env: dict[str, str] | None = None
+) -> list[str]:
+    """Start one process per argument list (``FLEET_PREAMBLE`` + ``body``), all at once;
+    return their outputs once every one exited 0."""
+    os.makedirs(barrier)
+    script = FLEET_PREAMBLE + textwrap.dedent(body)
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", script, barrier, str(len(arguments)), *args],
+            cwd=ROOT,
+            env={**os.environ, **(env or {})},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for args in arguments
+    ]
+    outputs = [p.communicate(timeout=600) for p in procs]
+    for proc, (_, err) in zip(procs, outputs, strict=True):
+        assert proc.returncode == 0, err[-3000:]
+    return [out for out, _ in outputs]

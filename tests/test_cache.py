@@ -12,7 +12,7 @@ import textwrap
 
 import pytest
 import torch
-from conftest import ROOT, Compiled, assert_close, run_python
+from conftest import ROOT, Compiled, assert_close, run_fleet, run_python
 
 import precompile
 from cache import ArtifactCache
@@ -253,51 +253,19 @@ def test_backend_warm_starts_a_second_process_with_zero_compiles(tmp_path: objec
 
 
 SINGLE_FLIGHT_SCRIPT = """
-    import os, sys, time
-    sys.path.insert(0, "tests")
-    import torch
-    import precompile
-    from precompile import _torch_adapter
-    from conftest import MLP, capture
-    compiles = []
-    original = _torch_adapter.compile_variant
-    def counting(*a, **k):
-        compiles.append(1)
-        return original(*a, **k)
-    _torch_adapter.compile_variant = counting
-    torch.manual_seed(0)
-    model = MLP(width=32, hidden=64).eval()
-    captured = capture(model, torch.randn(6, 32))
-    while time.time() < float(sys.argv[1]):
-        time.sleep(0.01)
-    with torch.no_grad():
-        art = precompile.standalone_compile(captured.gm, captured.example_inputs, hints=[8, 128])
-        x = torch.randn(50, 32)
-        torch.testing.assert_close(art(*captured.flat(x))[0], model(x), rtol=1e-4, atol=1e-4)
-    print("compiles", len(compiles))
+with torch.no_grad():
+    art = precompile.standalone_compile(captured.gm, captured.example_inputs, hints=[8, 128])
+    x = torch.randn(50, 32)
+    torch.testing.assert_close(art(*captured.flat(x))[0], model(x), rtol=1e-4, atol=1e-4)
+print("compiles", len(compiles))
 """
 
 
 def test_four_processes_cold_start_one_key_and_exactly_one_compiles(tmp_path: object) -> None:
-    import time
-
-    start_at = str(time.time() + 12)
-    env = {**os.environ, "PRECOMPILE_CACHE_DIR": str(tmp_path)}
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-c", textwrap.dedent(SINGLE_FLIGHT_SCRIPT), start_at],
-            cwd=ROOT,
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for _ in range(4)
-    ]
-    outputs = [p.communicate(timeout=600) for p in procs]
-    for proc, (_, err) in zip(procs, outputs, strict=True):
-        assert proc.returncode == 0, err[-3000:]
-    counts = sorted(int(out.strip().splitlines()[-1].split()[1]) for out, _ in outputs)
+    root = str(tmp_path)
+    env = {"PRECOMPILE_CACHE_DIR": os.path.join(root, "cache")}
+    outputs = run_fleet(SINGLE_FLIGHT_SCRIPT, [[]] * 4, os.path.join(root, "ready"), env=env)
+    counts = sorted(int(out.strip().splitlines()[-1].split()[1]) for out in outputs)
     assert counts == [0, 0, 0, 2]  # one process compiled both variants, three loaded them
 
 

@@ -12,7 +12,6 @@ import os
 import socket
 import subprocess
 import sys
-import textwrap
 import time
 import uuid
 from collections.abc import Iterator
@@ -20,7 +19,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import ROOT, Compiled, run_python
+from conftest import ROOT, Compiled, run_fleet, run_python
 from test_cache import fake_artifact, get, key_of, put
 
 import precompile
@@ -154,25 +153,7 @@ def test_a_remote_that_disappears_never_fails_a_call(tmp_path: Any) -> None:
 
 
 FLEET = """
-import os, sys, time
-sys.path.insert(0, "tests")
-import json, torch, precompile
-from precompile import _torch_adapter
-from cache import ArtifactCache
-from conftest import MLP, capture
-compiles = []
-original = _torch_adapter.compile_variant
-def counting(*a, **k):
-    compiles.append(1)
-    return original(*a, **k)
-_torch_adapter.compile_variant = counting
-torch.manual_seed(0)
-model = MLP(width=32, hidden=64).eval()
-captured = capture(model, torch.randn(6, 32))
-cache = ArtifactCache(sys.argv[2], remote=sys.argv[3], remote_options=json.loads(sys.argv[4]))
-open(os.path.join(sys.argv[1], str(os.getpid())), "w").close()
-while len(os.listdir(sys.argv[1])) < 4:  # all four start together
-    time.sleep(0.01)
+cache = ArtifactCache(sys.argv[3], remote=sys.argv[4], remote_options=json.loads(sys.argv[5]))
 with torch.no_grad():
     art = precompile.standalone_compile(
         captured.gm, captured.example_inputs, hints=[64], cache=cache
@@ -188,33 +169,12 @@ def test_four_machines_share_one_remote_and_exactly_one_compiles(
 ) -> None:
     """Four processes, four local caches, one remote: the compile lease (an O_EXCL file,
     or a conditional PUT on S3) lets one compile; the others wait and fetch its entry."""
-    barrier = tmp_path / "ready"
-    barrier.mkdir()
     options = json.dumps(remote["options"])
-    procs = [
-        subprocess.Popen(
-            [
-                sys.executable,
-                "-c",
-                textwrap.dedent(FLEET),
-                str(barrier),
-                str(tmp_path / f"machine-{n}"),
-                remote["url"],
-                options,
-            ],
-            cwd=ROOT,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for n in range(4)
-    ]
-    outputs = [p.communicate(timeout=600) for p in procs]
-    for proc, (_, err) in zip(procs, outputs, strict=True):
-        assert proc.returncode == 0, err[-3000:]
-    counts = sorted(int(out.split()[1]) for out, _ in outputs)
+    machines = [[str(tmp_path / f"machine-{n}"), remote["url"], options] for n in range(4)]
+    outputs = run_fleet(FLEET, machines, str(tmp_path / "ready"))
+    counts = sorted(int(out.split()[1]) for out in outputs)
     assert counts == [0, 0, 0, 1], outputs  # one process compiled
-    assert sum(int(out.split()[3]) for out, _ in outputs) == 3  # three fetched them
+    assert sum(int(out.split()[3]) for out in outputs) == 3  # three fetched it
 
 
 def test_offline_mode_never_compiles(mlp: Compiled, tmp_path: Any, monkeypatch: Any) -> None:
