@@ -22,10 +22,12 @@ _UNDER_PYTEST = "pytest" in sys.modules  # subprocess scripts import this file t
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-if _UNDER_PYTEST:
-    # Tests never touch the user's cache: one private cache per test session (subprocess
-    # scripts inherit it, or get the one their test passes).
+if _UNDER_PYTEST and "PRECOMPILE_TEST_SESSION_CACHE" not in os.environ:
+    # Tests never touch the user's cache: one private cache per test session. Subprocess
+    # scripts inherit it (or get the one their test passes), even those that import
+    # pytest through a test module: the marker says a session made it.
     os.environ["PRECOMPILE_CACHE_DIR"] = tempfile.mkdtemp(prefix="precompile-test-cache-")
+    os.environ["PRECOMPILE_TEST_SESSION_CACHE"] = os.environ["PRECOMPILE_CACHE_DIR"]
     atexit.register(shutil.rmtree, os.environ["PRECOMPILE_CACHE_DIR"], ignore_errors=True)
 
 import precompile  # noqa: E402

@@ -217,6 +217,10 @@ def test_second_compile_is_a_hit_and_compiles_nothing(
         assert_close(second(*captured.flat(x)), captured.model(x))
     assert second.variants == first.variants
     assert ArtifactCache(str(tmp_path)).stats().hits == 1
+    # The failure is remembered per process: keep it out of the other tests' memory.
+    from precompile import _standalone
+
+    monkeypatch.setattr(_standalone, "_FAILED", {})
     with pytest.raises(precompile.UnsupportedGraphError, match="compiled on a cache hit"):
         precompile.standalone_compile(captured.gm, captured.example_inputs, hints=[16], cache=False)
 

@@ -162,9 +162,13 @@ torch.manual_seed(0)
 model = Scaler().eval()
 x = torch.randn(5, 8)
 with torch.no_grad():
-    compiled = precompile.compile_model(
-        model, (x,), dynamic={{0: [0]}}, cache={cache!r}, warmup=False
-    )
+    try:
+        compiled = precompile.compile_model(
+            model, (x,), dynamic={{0: [0]}}, cache={cache!r}, warmup=False
+        )
+    except precompile.ArtifactNotFoundError as exc:
+        print("ArtifactNotFoundError", exc)
+        sys.exit(0)
     y = torch.randn(6, 8)
     torch.testing.assert_close(compiled(y), model(y))
 print("hit" if any("model cache hit" in r for r in records) else "miss")
@@ -184,9 +188,9 @@ def test_a_changed_source_file_is_a_miss_never_a_stale_hit(tmp_path: Any) -> Non
     assert run_python(script).splitlines()[-2] == "hit"  # warm, no tracing
     with open(source, "w") as handle:
         handle.write(MODEL_SOURCE.format(factor=3))  # forward changed: outputs differ
-    out = run_python(script)
-    assert out.splitlines()[-2] == "miss", out
-    assert "model_sources" in out.splitlines()[-1], out  # the explanation names it
+    # Offline, so the miss is an error that names the factor (and nothing compiles).
+    out = run_python(script.replace("warmup=False", "warmup=False, compile=False"))
+    assert "ArtifactNotFoundError" in out and "model_sources" in out, out
 
 
 class _Breaks(torch.nn.Module):
