@@ -149,7 +149,7 @@ def saved(mlp: Compiled, tmp_path_factory: pytest.TempPathFactory) -> dict[str, 
     return paths
 
 
-ATTN_HINTS = {"batch": [1, 2, 8], "seq": [1, 16, 64]}
+ATTN_HINTS = {"batch": [1, 8], "seq": [1, 64]}  # 4 variants: n-d at the least cost
 
 
 @pytest.fixture(scope="session")
