@@ -100,3 +100,55 @@ def count_tracing_and_compiles() -> tuple[list[int], list[int]]:
     convert_frame._compile = lambda *a, **k: (frames.append(1), original_frame(*a, **k))[1]
     compile_fx.compile_fx = lambda *a, **k: (compiles.append(1), original_compile(*a, **k))[1]
     return frames, compiles
+
+
+COMPILERS = ("gcc", "g++", "cc", "c++", "clang", "clang++", "ptxas", "nvcc", "ld", "as",
+             "cc1", "cc1plus")  # fmt: skip
+
+
+def watch_processes() -> list[str]:
+    """A list that gets the name of every program this process starts from now on (an
+    audit hook: subprocess, posix_spawn, exec, system)."""
+    import sys
+
+    spawned: list[str] = []
+
+    def audit(event: str, args: tuple[Any, ...]) -> None:
+        if event == "subprocess.Popen":
+            argv = args[1] if isinstance(args[1], (list, tuple)) else [args[0] or args[1]]
+            spawned.append(os.path.basename(str(argv[0])))
+        elif event in ("os.posix_spawn", "os.exec", "os.system"):
+            spawned.append(os.path.basename(str(args[0])))
+
+    sys.addaudithook(audit)
+    return spawned
+
+
+def is_compiler(program: str) -> bool:
+    """gcc, ptxas and friends, also under versioned names (``gcc-12``)."""
+    return program.split("-")[0] in COMPILERS or "ptxas" in program
+
+
+def llama(size: str, device: str, dtype: Any, max_positions: int = 4096) -> Any:
+    """The benchmarks' random-initialized ``transformers`` Llama: ``"tiny"`` (2 layers,
+    hidden 64, vocab 512) or ``"issue"`` (4 layers, hidden 2048, vocab 32000, the model
+    of the serving issue), built on ``device`` (random init there: seconds less)."""
+    import torch
+    import transformers
+
+    torch.manual_seed(0)
+    if size == "tiny":
+        config = transformers.LlamaConfig(
+            hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, vocab_size=512, max_position_embeddings=max_positions,
+            use_cache=False,
+        )  # fmt: skip
+    else:
+        config = transformers.LlamaConfig(
+            hidden_size=2048, intermediate_size=5632, num_hidden_layers=4, num_attention_heads=16,
+            num_key_value_heads=4, vocab_size=32000, max_position_embeddings=max_positions,
+            use_cache=False,
+        )  # fmt: skip
+    with torch.device(device):
+        model = transformers.LlamaForCausalLM(config)
+    return model.to(dtype=dtype).eval()

@@ -38,50 +38,28 @@ ROWS = [
     "aot_compile build",
     "aot_compile load",
 ]
-COMPILERS = ("gcc", "g++", "cc", "c++", "clang", "ptxas", "nvcc", "ld", "as", "cc1", "cc1plus")
 FIRST, NEW = 128, 200
 HINTS = [16, 256, 2048]
 
 
 def llama(device: str) -> Any:
     import torch
-    import transformers
+    from _common import llama as build
 
-    torch.manual_seed(0)
     if device == "cpu":
-        config = transformers.LlamaConfig(
-            hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, vocab_size=512, max_position_embeddings=1024, use_cache=False,
-        )  # fmt: skip
-        dtype = torch.float32
-    else:
-        config = transformers.LlamaConfig(
-            hidden_size=2048, intermediate_size=5632, num_hidden_layers=4, num_attention_heads=16,
-            num_key_value_heads=4, vocab_size=32000, max_position_embeddings=4096,
-            use_cache=False,
-        )  # fmt: skip
-        dtype = torch.bfloat16
-    with torch.device(device):  # random init on the device: seconds less per process
-        model = transformers.LlamaForCausalLM(config)
-    return model.to(dtype=dtype).eval()
+        return build("tiny", device, torch.float32, max_positions=1024)
+    return build("issue", device, torch.bfloat16)
 
 
 def child(row: str, workdir: str, device: str) -> dict[str, Any]:
+    from _common import watch_processes
+
     started = time.perf_counter()
-    spawned: list[str] = []
-
-    def audit(event: str, args: tuple[Any, ...]) -> None:
-        if event == "subprocess.Popen":
-            argv = args[1] if isinstance(args[1], (list, tuple)) else [args[0] or args[1]]
-            spawned.append(os.path.basename(str(argv[0])))
-        elif event in ("os.posix_spawn", "os.exec", "os.system"):
-            spawned.append(os.path.basename(str(args[0])))
-
-    sys.addaudithook(audit)
+    spawned = watch_processes()
     import torch
 
     sys.path.insert(0, ROOT)
-    from _common import count_tracing_and_compiles
+    from _common import count_tracing_and_compiles, is_compiler
 
     import precompile
 
@@ -156,7 +134,7 @@ def child(row: str, workdir: str, device: str) -> dict[str, Any]:
         dynamo_frames=len(frames),
         inductor_compiles=len(compiles),
         processes=len(spawned),
-        compiler_processes=sum(1 for p in spawned if p in COMPILERS),
+        compiler_processes=sum(1 for p in spawned if is_compiler(p)),
         spawned=sorted(set(spawned)),
     )
     return result

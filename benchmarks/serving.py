@@ -52,23 +52,10 @@ ROWS = [
 
 
 def llama(smoke: bool, device: str) -> torch.nn.Module:
-    import transformers
+    from _common import llama as build
 
-    torch.manual_seed(0)
-    if smoke:
-        config = transformers.LlamaConfig(
-            hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, vocab_size=512, max_position_embeddings=4096, use_cache=False,
-        )  # fmt: skip
-    else:
-        config = transformers.LlamaConfig(
-            hidden_size=2048, intermediate_size=5632, num_hidden_layers=4, num_attention_heads=16,
-            num_key_value_heads=4, vocab_size=32000, max_position_embeddings=4096,
-            use_cache=False,
-        )  # fmt: skip
-    with torch.device(device):  # random init on the device: seconds less per process
-        model = transformers.LlamaForCausalLM(config)
-    return model.to(dtype=torch.bfloat16).eval()
+    model: torch.nn.Module = build("tiny" if smoke else "issue", device, torch.bfloat16)
+    return model
 
 
 def entry_point(model: torch.nn.Module, tag: str) -> Callable[[torch.Tensor], Any]:

@@ -30,23 +30,15 @@ sys.path.insert(0, os.path.join(ROOT, "examples"))
 sys.path.insert(0, ROOT)
 
 ROWS = ["ours cold", "ours warm", "upstream cold", "upstream warm"]
-COMPILERS = ("gcc", "g++", "cc", "c++", "clang", "clang++", "ptxas", "nvcc", "ld", "as")
 FIRST_BATCH = 5
 
 
 # -- the child process: one measurement ---------------------------------------------------
 def _child(mode: str, workdir: str, device: str) -> dict[str, Any]:
+    from _common import is_compiler, watch_processes
+
     started = time.perf_counter()
-    spawned: list[str] = []
-
-    def audit(event: str, args: tuple[Any, ...]) -> None:
-        if event == "subprocess.Popen":
-            argv = args[1] if isinstance(args[1], (list, tuple)) else [args[0] or args[1]]
-            spawned.append(os.path.basename(str(argv[0])))
-        elif event in ("os.posix_spawn", "os.exec", "os.system"):
-            spawned.append(os.path.basename(str(args[0])))
-
-    sys.addaudithook(audit)
+    spawned = watch_processes()
     import torch
 
     torch_imported = time.perf_counter()
@@ -108,7 +100,7 @@ def _child(mode: str, workdir: str, device: str) -> dict[str, Any]:
             torch.cuda.synchronize()
     done = time.perf_counter()
     error = float((out.float() - _reference(layout["state"], x)).abs().max())
-    compilers = [p for p in spawned if p.split("-")[0] in COMPILERS or "ptxas" in p]
+    compilers = [p for p in spawned if is_compiler(p)]
     return {
         "import_torch_s": torch_imported - started,
         "import_library_s": lib_imported - torch_imported,
