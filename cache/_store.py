@@ -452,22 +452,23 @@ class ArtifactCache:
             self._count("remote_uploads")
         return done
 
-    def pull(self, key: str) -> bool:
-        """Copy a remote entry into the local cache (verified), and the remote's tags that
-        name it. False if absent or bad."""
+    def pull(self, keys: Sequence[str]) -> list[str]:
+        """Copy remote entries into the local cache (verified), with the remote's tags
+        that name them; returns the keys now held locally (absent or bad ones left out)."""
         remote = self.remote
         if remote is None:
             raise InvalidOptionError("this cache has no remote tier")
-        if not (self.contains(key) or self._fetch(key) is not None):
-            return False
+        done = [k for k in keys if self.contains(k) or self._fetch(k) is not None]
+        if not done:
+            return done
         tags: dict[str, str] = self._remote("tag listing", remote.tags, default={})
         for name, tagged in tags.items():
-            if tagged == key and self._tags.get(name) != key:
+            if tagged in done and self._tags.get(name) != tagged:
                 try:
-                    self._tags.set(name, key)  # validates the name
+                    self._tags.set(name, tagged)  # validates the name
                 except (ValueError, OSError) as exc:
                     log.warning("remote tag %r not taken: %s", name, exc)
-        return True
+        return done
 
     def remote_entries(self) -> list[str]:
         """The keys the remote holds."""

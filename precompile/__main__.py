@@ -95,7 +95,7 @@ def _sync_command(store: ArtifactCache, args: argparse.Namespace) -> int:
             store.tag(args.tag, done[0])
     else:
         keys = [store.tagged(args.tag)] if args.tag else store.remote_entries()
-        done = [k for k in keys if k is not None and store.pull(k)]
+        done = store.pull([k for k in keys if k is not None])
         if args.tag and done:
             store.tag(args.tag, done[0])
     verb = "pushed" if args.action == "push" else "pulled"
