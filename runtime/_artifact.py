@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
 import threading
 import time
 import weakref
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Literal
 
 import torch
@@ -160,14 +161,19 @@ class CompiledArtifact:
     def _first_call(self, key: tuple[int, ...], args: Sequence[Any]) -> Any:
         """A call at sizes not seen yet: it may load its variant and pays first-run costs,
         so a background warm-up gives way (between its steps) until it is done."""
+        with self._in_foreground():
+            result = self._resolve(key)(*args)
+        return result if self._unflatten is None else self._unflatten(result)
+
+    @contextlib.contextmanager
+    def _in_foreground(self) -> Iterator[None]:
         with self._foreground_lock:
             self._foreground += 1
         try:
-            result = self._resolve(key)(*args)
+            yield
         finally:
             with self._foreground_lock:
                 self._foreground -= 1
-        return result if self._unflatten is None else self._unflatten(result)
 
     def _give_way_to_calls(self) -> None:
         """Wait (up to 60 s) while a first call is in progress: a request is never queued
@@ -181,13 +187,8 @@ class CompiledArtifact:
         layout, written back after the call where the graph writes them)."""
         function = self._memo.get(prepared.key)
         if function is None:
-            with self._foreground_lock:
-                self._foreground += 1
-            try:
+            with self._in_foreground():
                 function = self._resolve(prepared.key)
-            finally:
-                with self._foreground_lock:
-                    self._foreground -= 1
         result = function(*prepared.args)
         for target, source in prepared.writebacks:
             target.copy_(source)

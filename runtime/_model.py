@@ -176,7 +176,6 @@ class CompiledModel:
         self._in_spec = adapter.treespec_from_json(plan.in_spec)
         self._out_spec = adapter.treespec_from_json(plan.out_spec)
         self._weights = self._resolve_weights(model, plan, artifact.manifest)
-        self._symbol_reads = [b for b in plan.bindings if b[0] == "size"]
         self.cache_key: str | None = None
 
     @staticmethod
@@ -221,6 +220,15 @@ class CompiledModel:
             raise InputMismatchError(
                 f"the model is in {mode} mode, but was compiled in the other; switch back"
             )
+        results = self.artifact(*self._graph_inputs(leaves))
+        outputs = [
+            results[target] if kind == "graph" else target for kind, target in self.plan.outputs
+        ]
+        return adapter.tree_unflatten(outputs, self._out_spec)
+
+    def _graph_inputs(self, leaves: list[Any]) -> list[Any]:
+        """The graph's flat inputs for a call's argument leaves: leaves, sizes read off
+        them, and the module's current parameters and buffers."""
         flat: list[Any] = []
         for index, (kind, target) in enumerate(self.plan.bindings):
             if kind == "leaf":
@@ -232,11 +240,7 @@ class CompiledModel:
             else:
                 table, name = self._weights[index]
                 flat.append(table[name])
-        results = self.artifact(*flat)
-        outputs = [
-            results[target] if kind == "graph" else target for kind, target in self.plan.outputs
-        ]
-        return adapter.tree_unflatten(outputs, self._out_spec)
+        return flat
 
     # -- warm-up ---------------------------------------------------------------------
     def warmup(self, *, background: bool = False) -> CompiledModel:
@@ -256,15 +260,7 @@ class CompiledModel:
     def explain(self, *args: Any, **kwargs: Any) -> Any:
         """Which variant a call with these arguments runs, and why."""
         leaves, _ = adapter.tree_flatten((args, kwargs))
-        flat = []
-        for index, (kind, target) in enumerate(self.plan.bindings):
-            if kind == "leaf":
-                flat.append(leaves[target])
-            elif kind == "size":
-                flat.append(int(leaves[target[0]].shape[target[1]]))
-            else:
-                table, name = self._weights[index]
-                flat.append(table[name])
+        flat = self._graph_inputs(leaves)
         return self.artifact.explain(*flat)
 
     # -- persistence -----------------------------------------------------------------
