@@ -69,8 +69,11 @@ def _size_text(expr: sympy.Expr) -> int | str:
 
 
 def _input_specs(
-    graph: GraphDescription, uses: Sequence[adapter.InputUse]
+    graph: GraphDescription, uses: Sequence[adapter.InputUse], grad_proven_unused: bool
 ) -> tuple[InputSpec, ...]:
+    """The manifest's inputs. ``grad_proven_unused``: the variants were compiled with grad
+    enabled and without a backward graph, so no input that required grad then reaches an
+    output (AOTAutograd would have compiled one otherwise)."""
     known = set(graph.symbols)
     specs: list[InputSpec] = []
     for index, (item, use) in enumerate(zip(graph.inputs, uses, strict=True)):
@@ -97,6 +100,7 @@ def _input_specs(
                 aliased=use.aliased,
                 value=item.scalar,
                 static_address=item.static_address,
+                grad_unused=grad_proven_unused and item.requires_grad,
             )
         )
     return tuple(specs)
@@ -170,6 +174,7 @@ def _compile_all(
     all_guards: list[tuple[sympy.Expr, ...]] = []
     uses: tuple[adapter.InputUse, ...] | None = None
     training = False
+    grad_enabled = torch.is_grad_enabled()
     for number, request in enumerate(requests):
         point = dict(zip(graph.symbols, request.point, strict=True))
         started = time.perf_counter()
@@ -224,7 +229,7 @@ def _compile_all(
     manifest = Manifest(
         environment=current_environment(_device_of(graph)),
         symbols=symbols,
-        inputs=_input_specs(graph, uses),
+        inputs=_input_specs(graph, uses, grad_enabled and not training),
         variants=tuple(variants),
         training=training,
         output=graph.output_spec,
@@ -257,6 +262,23 @@ def _calibrate_arguments(calibrate: CalibrateOption) -> dict[str, Any] | None:
     return {"sizes": list(calibrate)}
 
 
+# The default of an upstream argument not every supported torch has: passing it at all,
+# where the installed torch lacks it, is the TypeError upstream would raise.
+_ABSENT: Any = object()
+
+
+def _check_upstream_arguments(arguments: Mapping[str, Any]) -> None:
+    """``aot`` (torch 2.10+) always exists; ``donate_graph_module`` and ``fake_mode`` (2.13)
+    only where the installed torch's ``standalone_compile`` takes them."""
+    known = adapter.upstream_standalone_parameters()
+    for name, value in arguments.items():
+        if value is not _ABSENT and name not in known:
+            raise TypeError(
+                f"standalone_compile() got an unexpected keyword argument {name!r} "
+                f"(torch {torch.__version__}'s standalone_compile does not take it)"
+            )
+
+
 # Cache keys whose compile raised UnsupportedGraphError in this process (bounded).
 _FAILED: dict[str, UnsupportedGraphError] = {}
 _FAILED_LIMIT = 256
@@ -280,6 +302,9 @@ def standalone_compile(
     *,
     dynamic_shapes: str = "from_graph",
     options: Mapping[str, Any] | None = None,
+    aot: bool = False,
+    donate_graph_module: Any = _ABSENT,
+    fake_mode: Any = _ABSENT,
     hints: Hints = None,
     sizes: Sizes = None,
     max_variants: int = DEFAULT_MAX_VARIANTS,
@@ -294,6 +319,11 @@ def standalone_compile(
     for ``torch._inductor.standalone_compile`` (``options`` are compile_fx keyword
     arguments, e.g. ``{"config_patches": {...}}``). With neither ``hints`` nor ``sizes``
     the result is a single variant, like upstream's, but with its guards checked.
+    ``aot``, ``donate_graph_module`` and ``fake_mode`` are accepted where the installed
+    torch's ``standalone_compile`` takes them (elsewhere they are a ``TypeError``, as
+    there); README "Drop-in" says what each means here: every artifact is already
+    self-contained as upstream's ``aot=True`` ones, the caller's graph is never mutated,
+    and ``fake_mode`` is checked as upstream checks it.
     ``cache``: None uses the default cache, False none, a path or ArtifactCache that one.
     ``calibrate``: sample sizes (or a dict of ``CompiledArtifact.calibrate`` arguments) to
     time every variant at on this device after compiling; the table is cached with it.
@@ -302,7 +332,16 @@ def standalone_compile(
     ``compile=False`` (or ``PRECOMPILE_OFFLINE=1``): never compile; a cache miss raises
     ``ArtifactNotFoundError`` naming the key and the nearest entry's differing factors.
     """
+    _check_upstream_arguments(
+        {"aot": aot, "donate_graph_module": donate_graph_module, "fake_mode": fake_mode}
+    )
     offline = is_offline(compile)
+    if not isinstance(aot, bool):
+        raise InvalidOptionError(f"aot must be True or False, got {aot!r}")
+    if donate_graph_module is not _ABSENT and not isinstance(donate_graph_module, bool):
+        raise InvalidOptionError(
+            f"donate_graph_module must be True or False, got {donate_graph_module!r}"
+        )
     if not isinstance(gm, torch.fx.GraphModule):
         raise InvalidOptionError(f"gm must be a torch.fx.GraphModule, got {type(gm).__name__}")
     if dynamic_shapes not in adapter.DYNAMIC_SHAPES:
@@ -314,6 +353,7 @@ def standalone_compile(
             "options must be a dict of compile_fx keyword arguments, e.g. "
             f"{{'config_patches': {{...}}}}, got {type(options).__name__}"
         )
+    adapter.check_upstream_fake_mode(None if fake_mode is _ABSENT else fake_mode, dynamic_shapes)
     graph = adapter.describe_graph(gm, list(example_inputs), dynamic_shapes)
     symbols = _symbols(graph)
     names = [s.name for s in symbols]

@@ -8,6 +8,7 @@ Inductor, so guards that one variant's compile adds stay with that variant.
 from __future__ import annotations
 
 import copy
+import functools
 import hashlib
 import logging
 import os
@@ -35,6 +36,39 @@ from ._graph import GraphDescription, GraphInput
 log = logging.getLogger("precompile.compile")
 
 DYNAMIC_SHAPES = ("from_graph", "from_tracing_context", "from_example_inputs")
+
+
+@functools.cache
+def upstream_standalone_parameters() -> frozenset[str]:
+    """The keyword arguments the installed torch's ``standalone_compile`` takes (2.10 and
+    2.11 lack ``donate_graph_module`` and ``fake_mode``, 2.13 has both)."""
+    import inspect
+
+    from torch._inductor import standalone_compile as upstream
+
+    return frozenset(inspect.signature(upstream).parameters)
+
+
+def check_upstream_fake_mode(fake_mode: Any, dynamic_shapes: str) -> None:
+    """Refuse a ``fake_mode`` where upstream refuses it, with upstream's reasons."""
+    if fake_mode is None:
+        return
+    if dynamic_shapes != "from_example_inputs":
+        raise InvalidOptionError(
+            "standalone_compile only supports passing `fake_mode` when "
+            f'`dynamic_shapes="from_example_inputs"`, got dynamic_shapes={dynamic_shapes!r}'
+        )
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    if not isinstance(fake_mode, FakeTensorMode):
+        raise InvalidOptionError(
+            f"fake_mode must be a FakeTensorMode, got {type(fake_mode).__name__}"
+        )
+    if fake_mode.shape_env is None:
+        raise InvalidOptionError(
+            "standalone_compile requires `fake_mode` to have a ShapeEnv when "
+            '`dynamic_shapes="from_example_inputs"`'
+        )
 
 
 # -- reading the caller's graph ----------------------------------------------------------

@@ -44,7 +44,21 @@ adapter.import_runtime_modules()
 log = logging.getLogger("precompile.runtime")
 
 
-def _output_unflattener(manifest: Manifest) -> Callable[[Any], Any] | None:
+OutputStructure = Literal["upstream", "graph"]
+_OUTPUT_STRUCTURES = ("upstream", "graph")
+
+
+def _as_list(flat: Any) -> Any:
+    return flat if type(flat) is list else list(flat)
+
+
+def _output_unflattener(manifest: Manifest, flat: bool = False) -> Callable[[Any], Any] | None:
+    """How a call's flat outputs are handed back: the graph's output structure (what
+    upstream's compiling process returns: a list for a graph returning a tuple, the
+    value or pytree otherwise), or, ``flat``, the list upstream's loaded artifacts return
+    whatever the graph's structure."""
+    if flat:
+        return _as_list
     if manifest.output is None:
         return None
     try:
@@ -513,6 +527,13 @@ class CompiledArtifact:
         )
 
     # -- persistence -----------------------------------------------------------------
+    def is_saveable(self) -> bool:
+        """Whether ``save`` can write this artifact (upstream's question, asked by clients
+        such as vLLM before saving). A precompile artifact holds or references every
+        payload it was built or loaded with, and ``save`` verifies each one, so this is
+        true; upstream answers false where its compile left no cache artifacts."""
+        return True
+
     def save(
         self,
         *,
@@ -543,6 +564,7 @@ class CompiledArtifact:
         key: str | None = None,
         cache: Any = None,
         cudagraphs: CudaGraphsOption = None,
+        output_structure: OutputStructure = "upstream",
     ) -> CompiledArtifact:
         """Read and verify an artifact; variants load on first use unless ``warmup``.
 
@@ -553,8 +575,16 @@ class CompiledArtifact:
         them, checked before anything in it is unpickled or imported.
         ``run_edited_code``: run an edited ``output_code.py`` of an unpacked artifact
         (otherwise an edit is ignored, with a warning). ``cudagraphs``: replay CUDA
-        graphs per size (see ``CudaGraphs``); None keeps the artifact's stored default."""
+        graphs per size (see ``CudaGraphs``); None keeps the artifact's stored default.
+        ``output_structure``: ``"upstream"`` returns what upstream's loaded artifacts
+        return, a flat list of outputs even for a graph that returns one value (a
+        ``split_module`` piece); ``"graph"`` returns the graph's own structure, as the
+        compiling process does."""
         _check_format(format)
+        if output_structure not in _OUTPUT_STRUCTURES:
+            raise InvalidOptionError(
+                f"output_structure must be 'upstream' or 'graph', got {output_structure!r}"
+            )
         if warmup not in (True, False, "background"):
             raise InvalidOptionError(f"warmup must be True, False or 'background', got {warmup!r}")
         if (path is None) == (tag is None and key is None) or (tag is not None and key is not None):
@@ -570,6 +600,8 @@ class CompiledArtifact:
             artifact = CompiledArtifact._from_path(
                 os.fspath(path), format, signing.trusted_keys(trusted_keys), run_edited_code
             )
+        if output_structure == "upstream":
+            artifact._unflatten = _output_unflattener(artifact.manifest, flat=True)
         if cudagraphs is not None:
             artifact.set_cudagraphs(cudagraphs)
         if warmup:

@@ -120,7 +120,9 @@ class InputContract:
         ]
         guard = adapter.tensor_guard([args[i] for i in indices], static_sizes, static_strides)
         if guard is not None:
-            grad_sensitive = any(args[i].requires_grad for i in indices)
+            grad_sensitive = any(
+                args[i].requires_grad and not self._tensors[i].grad_unused for i in indices
+            )
             self.read_key = self._generate_reader(guard, grad_sensitive=grad_sensitive)
         else:
             self.read_key = self._checked
@@ -205,9 +207,10 @@ class InputContract:
                     lines.append(
                         f"        if grad and {arg}.requires_grad is not {spec.requires_grad}:"
                     )
-                else:
+                    lines.append("            return None")
+                elif not spec.grad_unused:
                     lines.append(f"        if grad and {arg}.requires_grad:")
-                lines.append("            return None")
+                    lines.append("            return None")
             if static_shape:
                 if guard is None:
                     namespace[f"S{index}"] = tuple(spec.shape)
@@ -412,7 +415,7 @@ class InputContract:
                 )
         if not grad:
             return
-        if not self.training and arg.requires_grad:
+        if not self.training and arg.requires_grad and not spec.grad_unused:
             raise InputMismatchError(
                 f"input {index} requires grad, but the variants were compiled for inference "
                 "(no backward graph), so the output would not be connected to autograd; call "

@@ -103,6 +103,11 @@ class TensorInput:
     # Dynamo marked it static (a module's parameter or buffer): its address is expected to
     # stay put between calls, so a CUDA graph uses it in place (and checks it did)
     static_address: bool = False
+    # Its requires_grad reaches no output: it required grad when the variants were compiled
+    # with grad enabled, and AOTAutograd still found no output (or written input) needing
+    # grad (e.g. the graph runs under ``torch.no_grad()``), so a call may pass it requiring
+    # grad to inference variants: eager's result would not be connected to autograd either
+    grad_unused: bool = False
 
     def __post_init__(self) -> None:
         if self.stride is None:
@@ -304,6 +309,7 @@ def _input_to_json(spec: InputSpec) -> dict[str, Any]:
         "aliased": spec.aliased,
         "value": spec.value,
         "static_address": spec.static_address,
+        "grad_unused": spec.grad_unused,
     }
 
 
@@ -562,6 +568,7 @@ class _Reader:
             static_address=self.boolean(
                 entry.get("static_address", False), f"{where}.static_address"
             ),
+            grad_unused=self.boolean(entry.get("grad_unused", False), f"{where}.grad_unused"),
         )
 
     def variants(self, value: Any, names: Sequence[str]) -> tuple[Variant, ...]:
