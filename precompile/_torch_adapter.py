@@ -440,6 +440,8 @@ def _compile_context(fake_mode: Any) -> Iterator[None]:
         stack.enter_context(torch._guards.tracing(torch._guards.TracingContext(fake_mode)))
         stack.enter_context(inductor_config.patch("triton.autotune_at_compile_time", True))
         stack.enter_context(functorch_config.patch(patches))
+        import torch.fx.experimental._config as shape_config
+        stack.enter_context(shape_config.patch(backed_size_oblivious=True))
         yield
 
 

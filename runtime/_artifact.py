@@ -114,6 +114,13 @@ def _exiting() -> bool:
     return not threading.main_thread().is_alive()
 
 
+@dataclasses.dataclass(frozen=True)
+class SaveInfo:
+    """What ``save`` writes, in the shape of upstream's ``CacheInfo`` that clients read."""
+
+    aot_autograd_artifacts: tuple[str, ...]
+
+
 ArtifactFormat = Literal["binary", "unpacked"]
 _FORMATS = ("binary", "unpacked")
 DEFAULT_MEMO_SIZE = 4096
@@ -527,6 +534,14 @@ class CompiledArtifact:
         )
 
     # -- persistence -----------------------------------------------------------------
+    @property
+    def _artifacts(self) -> tuple[None, SaveInfo]:
+        """Upstream's private ``(cache bytes, CacheInfo)`` pair, which vLLM's adaptor reads
+        to decide whether an artifact can be saved (one AOTAutograd entry: yes). Ours has no
+        mega-cache bytes (None) and one thing to save: this artifact, named by its manifest's
+        digest. Kept only for such clients; ``is_saveable()`` is the public question."""
+        return None, SaveInfo((self._manifest.digest(),))
+
     def is_saveable(self) -> bool:
         """Whether ``save`` can write this artifact (upstream's question, asked by clients
         such as vLLM before saving). A precompile artifact holds or references every

@@ -9,6 +9,7 @@ length, names) and reports any defect as :class:`CorruptArtifactError` naming th
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 from collections.abc import Mapping, Sequence
@@ -231,6 +232,11 @@ class Manifest:
         """Every payload an artifact stores: graphs, then kernel binaries. The one list of
         what an artifact (and so a cache entry) references."""
         return tuple(dict.fromkeys((*self.graph_digests, *self.kernel_digests)))
+
+    def digest(self) -> str:
+        """sha256 of the manifest's canonical JSON: names this artifact's contents."""
+        text = json.dumps(self.to_json(), sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(text.encode()).hexdigest()
 
     # -- writing -------------------------------------------------------------------
     def to_json(self) -> dict[str, Any]:
