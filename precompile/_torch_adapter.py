@@ -424,8 +424,13 @@ def variant_code_digest(payload: bytes) -> str:
 
 
 @contextmanager
-def _compile_context(fake_mode: Any) -> Iterator[None]:
+def _compile_context(fake_mode: Any, size_oblivious: bool) -> Iterator[None]:
+    """Inductor's settings for one variant's compile. ``size_oblivious``: answer 0/1
+    questions about sizes (is this dim broadcast?) for every size instead of guarding
+    them at the hint, so a variant hinted at 8 also serves 1 (vLLM decodes at 1 token
+    through the artifact it compiled for a range traced at a larger size)."""
     import torch._functorch.config as functorch_config
+    import torch.fx.experimental._config as shape_config
     from torch._inductor import config as inductor_config
 
     patches: dict[str, Any] = {"bundled_autograd_cache": True}
@@ -440,8 +445,8 @@ def _compile_context(fake_mode: Any) -> Iterator[None]:
         stack.enter_context(torch._guards.tracing(torch._guards.TracingContext(fake_mode)))
         stack.enter_context(inductor_config.patch("triton.autotune_at_compile_time", True))
         stack.enter_context(functorch_config.patch(patches))
-        import torch.fx.experimental._config as shape_config
-        stack.enter_context(shape_config.patch(backed_size_oblivious=True))
+        if size_oblivious:
+            stack.enter_context(shape_config.patch(backed_size_oblivious=True))
         yield
 
 
@@ -460,7 +465,10 @@ def compile_variant(
     from torch._inductor.compile_fx import compile_fx
 
     inputs, fake_mode, reverse = _fresh_inputs(graph, point, dynamic)
-    with _compile_context(fake_mode):
+    # A point at 0 or 1 is meant to specialize (a decode step's code for one row); any
+    # other dynamic point is traced for every size, 0 and 1 included.
+    size_oblivious = dynamic and all(int(v) >= 2 for v in point.values())
+    with _compile_context(fake_mode, size_oblivious):
         compiled = compile_fx(copy.deepcopy(gm), inputs, **dict(options))
         if not hasattr(compiled, "serialize"):
             raise UnsupportedGraphError(

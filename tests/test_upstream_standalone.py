@@ -115,7 +115,7 @@ def test_basic(tmp_path: Any, fmt: str, dynamic: bool, graph_partition: bool, ao
             assert_equal(compiled_out, eager_out)
 
 
-def test_is_saveable(tmp_path: Any) -> None:
+def test_is_saveable() -> None:
     mod = torch.nn.Linear(1, 3)
     x = torch.randn(4, 1)
 
@@ -130,10 +130,11 @@ def test_is_saveable(tmp_path: Any) -> None:
     with fresh_cache():
         gm, args, kwargs = dynamo_capture(f, x)
         assert not kwargs
-        compiled_artifact = precompile.standalone_compile(gm, args)
-        assert not compiled_artifact.is_saveable()
-        with pytest.raises(RuntimeError, match="not serializable"):
-            compiled_artifact.save(path=str(tmp_path / "new_dir"), format="unpacked")
+        # Divergence: upstream returns an in-memory artifact whose is_saveable() is False
+        # and whose save raises "not serializable"; precompile builds only artifacts that
+        # save, so the compile itself is refused, naming the reason.
+        with pytest.raises(precompile.UnsupportedGraphError, match="could not serialize"):
+            precompile.standalone_compile(gm, args)
 
 
 @pytest.mark.parametrize("aot", [False, True], ids=["aot_False", "aot_True"])
