@@ -137,11 +137,14 @@ class ArtifactCache:
         self.lock_timeout = lock_timeout
         self.trusted_keys = signing.trusted_keys(trusted_keys)
         self.signing_key = None if signing_key is None else signing.private_key(signing_key)
+        if os.path.exists(self.root):  # before anything is written into it
+            files.check_root(self.root, trust_foreign)
         self._dirs, self.writable = prepare(self.root)
         if not os.path.isdir(self._dirs["entries"]):
             raise InvalidOptionError(
                 f"cache root {self.root} has no {LAYOUT} layout and cannot be created here"
             )
+        files.check_root(self.root, trust_foreign)
         for role in ("base", "entries", "blobs", "tags"):
             files.check_directory(self._dirs[role], trust_foreign)
         self._counters = Counters(os.path.join(self._dirs["base"], "stats.json"))
