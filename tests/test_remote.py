@@ -435,3 +435,40 @@ def test_an_entry_asking_too_much_is_refused_before_any_blob_request(
     assert requested == [tier.entry_path(key_of(10)), tier.entry_path(key_of(11))]
     assert cache.stats().remote_errors == 2
 
+
+def test_cli_skips_and_reports_names_that_are_not_keys(tmp_path: Any) -> None:
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    url = f"file://{shared}"
+    here = str(tmp_path / "here")
+    store = ArtifactCache(here, remote=url)
+    for n in (1, 2, 3):
+        put(store, key_of(n), fake_artifact(n), {})  # uploaded as written
+    store.tag("model", key_of(2))
+    tier = store.remote
+    assert tier is not None
+    bad = ["z" * 64, "0" * 10, "\x1b[31m" + "a" * 59]  # the last one colours a terminal
+    for name in bad:  # sorted before, between and after the good names
+        tier.write(f"{tier.root}/entries/{name}.json", b"{}")
+    keys = sorted(key_of(n) for n in (1, 2, 3))
+    listing = _cli("--root", str(tmp_path / "x"), "ls", "--remote", url, "--json")
+    assert listing.returncode == 0, listing.stderr
+    assert json.loads(listing.stdout) == keys and repr("z" * 64) in listing.stderr
+    there = str(tmp_path / "there")
+    pulled = _cli("--root", there, "pull", url, "--json")
+    assert pulled.returncode == 0, pulled.stderr
+    report = json.loads(pulled.stdout)
+    assert sorted(report["pulled"]) == keys and report["failed"] == 0, report
+    assert sorted(s["name"] for s in report["skipped"]) == sorted(bad), report
+    assert repr(bad[2]) in pulled.stderr and "\x1b" not in pulled.stderr
+    assert ArtifactCache(there).tags() == {"model": key_of(2)}  # tags still pulled
+    # push: a local entry that cannot be read is skipped and reported; the rest goes.
+    os.chmod(store.entry_path(key_of(1)), 0o666)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    pushed = _cli("--root", here, "push", f"file://{elsewhere}", "--json")
+    assert pushed.returncode == 0, pushed.stderr
+    report = json.loads(pushed.stdout)
+    assert sorted(report["pushed"]) == sorted([key_of(2), key_of(3)]), report
+    assert [s["name"] for s in report["skipped"]] == [key_of(1) + ".json"], report
+    assert "UnsafeCacheError" in report["skipped"][0]["reason"] and key_of(1) in pushed.stderr
