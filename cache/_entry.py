@@ -106,5 +106,7 @@ class MissExplanation:
     def __str__(self) -> str:
         if self.nearest is None:
             return f"{self.key[:12]}: the cache is empty"
+        if self.nearest == self.key:
+            return f"{self.key[:12]}: its entry is there but could not serve (see the log)"
         factors = ", ".join(self.differing) or "none (same factors, different key version)"
         return f"{self.key[:12]}: nearest entry {self.nearest[:12]} differs in: {factors}"
