@@ -273,6 +273,8 @@ def test_a_cache_root_others_can_write_is_refused(tmp_path: Any) -> None:
         ArtifactCache(root)
     assert not os.path.exists(os.path.join(root, "v2"))  # refused before it was written
     assert ArtifactCache(root, trust_foreign=True).writable
+    os.chmod(root, 0o1777)  # sticky, like /tmp or a tmpfs mount: others cannot move v2/
+    assert ArtifactCache(root).writable
     os.chmod(root, 0o700)
     assert ArtifactCache(root).writable
     link = str(tmp_path / "link")
