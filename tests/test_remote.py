@@ -27,6 +27,7 @@ from test_cache import fake_artifact, get, key_of, put
 
 import precompile
 from cache import ArtifactCache
+from cache import _deadline as deadline
 from runtime._payloads import sha256_hex
 
 
@@ -304,6 +305,34 @@ def test_a_lease_holds_a_key_no_longer_than_a_lease_lives(
     with honest.lock(key):
         held = json.loads(tier.read(tier.lease_path(key), 4096) or b"{}")
     assert held == other and time.monotonic() - started >= 0.5
+
+
+def test_calls_left_behind_by_their_deadline_are_bounded_and_cleaned_up() -> None:
+    """A call past its deadline keeps its daemon thread until its request ends; past
+    MAX_LEFT_BEHIND of them new calls fail at once, and a late result reaches on_late."""
+    release = threading.Event()
+    late: list[str] = []
+    room = deadline.MAX_LEFT_BEHIND - deadline.left_behind()
+    assert room > 0
+    outcomes = []
+    started = time.monotonic()
+    for _ in range(room + 3):
+        try:
+            deadline.call(lambda: (release.wait(30), "lease")[1], 0.05, "test", late.append)
+        except deadline.RemoteTimeout as exc:
+            outcomes.append(str(exc))
+    assert time.monotonic() - started < room * 0.05 + 2.0  # the last 3 did not wait
+    assert [o.startswith("no answer within") for o in outcomes] == [True] * room + [False] * 3
+    assert deadline.left_behind() == deadline.MAX_LEFT_BEHIND
+    release.set()  # the requests end: their threads end, their late results are handed on
+    for _ in range(200):
+        if deadline.left_behind() == deadline.MAX_LEFT_BEHIND - room:
+            break
+        time.sleep(0.01)
+    assert deadline.left_behind() == deadline.MAX_LEFT_BEHIND - room and late == ["lease"] * room
+    assert deadline.call(lambda: 7, 1.0, "test") == 7  # and calls wait again
+    with pytest.raises(ZeroDivisionError):  # an error is the caller's, raised in its thread
+        deadline.call(lambda: 1 // 0, 1.0, "test")
 
 
 class SilentServer:
