@@ -205,7 +205,7 @@ class ArtifactCache:
                     self._remote("lease release", functools.partial(remote.release, lease))
 
     def _remote_lease(self, key: str) -> Lease | None:
-        """Hold the key's remote lease while compiling, or wait for the entry another
+        """Take the key's remote lease for a compile, or wait for the entry another
         machine is compiling (up to ``lock_timeout``, then go on: compiling twice is
         only wasteful). Each try is one remote operation under its deadline; a remote
         that fails or does not answer means no lease, and the compile goes on."""

@@ -30,10 +30,10 @@ def refuse(
     if store is not None and store.remote is not None:
         where += f" (and its remote {store.remote.url})"
     if unused_because is not None:
-        explanation = f"; its entry {key[:12]} did not serve: {unused_because}"
+        found = f"{where} has entry {key[:12]}, but it did not serve: {unused_because}"
     else:
-        explanation = "" if store is None else f"; {store.explain_miss(key, factors)}"
+        found = f"{where} has no entry {key[:12]}"
+        found += "" if store is None else f"; {store.explain_miss(key, factors)}"
     raise ArtifactNotFoundError(
-        f"compiling is off (compile=False or PRECOMPILE_OFFLINE=1) and {where} has no entry "
-        f"{key[:12]}{explanation}"
+        f"compiling is off (compile=False or PRECOMPILE_OFFLINE=1) and {found}"
     )
