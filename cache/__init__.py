@@ -11,6 +11,7 @@ from ._entry import (
     CacheStats,
     MissExplanation,
     PrunePlan,
+    RemoteScan,
     StoredEntry,
     VerifyReport,
 )
@@ -27,6 +28,7 @@ __all__ = [
     "CacheStats",
     "MissExplanation",
     "PrunePlan",
+    "RemoteScan",
     "StoredEntry",
     "VerifyReport",
     "default_cache",

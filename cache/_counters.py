@@ -14,6 +14,7 @@ FIELDS = (
     "remote_hits",
     "remote_misses",
     "remote_errors",
+    "remote_timeouts",
     "remote_uploads",
 )
 

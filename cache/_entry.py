@@ -58,8 +58,18 @@ class CacheStats:
     writable: bool = True
     remote_hits: int = 0
     remote_misses: int = 0
-    remote_errors: int = 0
+    remote_errors: int = 0  # every remote failure, timeouts included
+    remote_timeouts: int = 0  # of those, calls that ran past their deadline
     remote_uploads: int = 0
+
+
+@dataclass(frozen=True)
+class RemoteScan:
+    """The remote's entry names: those that are cache keys, and those skipped (name,
+    reason); a name that is not a key is never made into a path."""
+
+    keys: tuple[str, ...]
+    skipped: tuple[tuple[str, str], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -96,5 +106,7 @@ class MissExplanation:
     def __str__(self) -> str:
         if self.nearest is None:
             return f"{self.key[:12]}: the cache is empty"
+        if self.nearest == self.key:
+            return f"{self.key[:12]}: its entry is there but could not serve (see the log)"
         factors = ", ".join(self.differing) or "none (same factors, different key version)"
         return f"{self.key[:12]}: nearest entry {self.nearest[:12]} differs in: {factors}"

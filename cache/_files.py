@@ -37,6 +37,20 @@ def check_directory(path: str, trust_foreign: bool) -> None:
         check_owner(info, f"cache directory {path}")
 
 
+def check_root(path: str, trust_foreign: bool) -> None:
+    """The cache root is checked like the directories in it: whoever can write it can
+    swap the whole layout under it for one of theirs. A link to the root is followed
+    (where the cache lives is the caller's choice); the directory it names must be ours,
+    and not writable by others unless sticky (a tmpfs mount: others may add names there,
+    never rename or remove ours, and every directory of the layout is checked too)."""
+    info = os.stat(path)
+    if not stat.S_ISDIR(info.st_mode):
+        raise UnsafeCacheError(f"cache root {path} is not a directory")
+    ours_and_sticky = info.st_uid == os.getuid() and info.st_mode & stat.S_ISVTX
+    if not trust_foreign and not ours_and_sticky:
+        check_owner(info, f"cache root {path}")
+
+
 def read_checked(path: str, limit: int, trust_foreign: bool) -> bytes:
     """The bytes of a cache file: a regular file, not through a link, checked on the
     opened descriptor, at most ``limit`` bytes. FileNotFoundError means a miss."""

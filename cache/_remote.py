@@ -14,9 +14,13 @@ treated as a miss.
 Single flight across machines: before compiling a key, a process takes a lease object
 (``leases/<key>.json`` with its owner and an expiry) by creating it only if absent:
 ``O_EXCL`` on a filesystem, a conditional PUT (``If-None-Match: *``) on S3. Others wait
-for the entry (or for the lease to expire). Where the store offers no create-if-absent,
-a lease is a plain write and two machines can both compile: both results are valid, the
-later upload wins, and both processes serve their own.
+for the entry (or for the lease to expire; ``ArtifactCache.lock`` runs that wait, each
+request under its deadline). A lease is read like everything else here: one whose
+expiry is not a finite time at most ``LEASE_SECONDS`` (plus ``CLOCK_SKEW``) from now is
+expired, so no lease object holds a key longer than its documented lifetime from the
+time it is read. Where the store offers no create-if-absent, a lease is a plain write
+and two machines can both compile: both results are valid, the later upload wins, and
+both processes serve their own.
 """
 
 from __future__ import annotations
@@ -25,12 +29,13 @@ import contextlib
 import importlib.util
 import json
 import logging
+import math
 import os
 import socket
 import threading
 import time
 import uuid
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,7 +45,8 @@ from ._root import LAYOUT
 
 log = logging.getLogger("precompile.cache")
 _MAX_ENTRY_BYTES = 64 << 20
-LEASE_SECONDS = 1800.0
+LEASE_SECONDS = 1800.0  # a lease's lifetime: a killed holder blocks nobody longer
+CLOCK_SKEW = 300.0  # how far ahead another machine's clock may be and its lease still hold
 
 
 def remote_from_env() -> tuple[str | None, dict[str, Any]]:
@@ -175,26 +181,29 @@ class RemoteTier:
             self.fs.rm_file(path)
 
     def entries(self) -> list[str]:
+        """The name of every ``.json`` object under ``entries/``, without the suffix:
+        whatever the remote holds, keys or not (the caller checks each name)."""
         try:
             names = self.fs.ls(f"{self.root}/entries", detail=False)
         except FileNotFoundError:
             return []
-        keys = [str(n).rsplit("/", 1)[-1] for n in names]
-        return sorted(k[:-5] for k in keys if k.endswith(".json") and len(k) == 69)
+        found = [str(n).rsplit("/", 1)[-1] for n in names]
+        return sorted(name[:-5] for name in found if name.endswith(".json"))
 
     def tags(self) -> dict[str, str]:
-        """Every tag the remote holds and the text it names (checked by the caller)."""
+        """Every tag the remote holds and the text it names (checked by the caller), all
+        read in one batch of requests."""
         try:
-            names = self.fs.ls(f"{self.root}/tags", detail=False)
+            paths = self.fs.ls(f"{self.root}/tags", detail=False)
         except FileNotFoundError:
             return {}
-        found: dict[str, str] = {}
-        for path in names:
-            name = str(path).rsplit("/", 1)[-1]
-            raw = self.read(self.tag_path(name), 1024)
-            if raw is not None:
-                found[name] = raw.decode("ascii", "replace").strip()
-        return found
+        names = [str(path).rsplit("/", 1)[-1] for path in paths]
+        datas = self.read_many([(self.tag_path(name), 1024) for name in names])
+        return {
+            name: raw.decode("ascii", "replace").strip()
+            for name, raw in zip(names, datas, strict=True)
+            if raw is not None
+        }
 
     # -- leases ------------------------------------------------------------------------
     def _create_exclusive(self, path: str, data: bytes) -> bool | None:
@@ -217,18 +226,20 @@ class RemoteTier:
             return True
         return None
 
-    def try_lease(self, key: str, seconds: float = LEASE_SECONDS) -> Lease | bool | None:
-        """Take the compile lease of ``key``: a Lease, False where another process holds
-        it, or None where this store cannot make leases exclusive (compile regardless)."""
+    def try_lease(self, key: str) -> Lease | bool | None:
+        """One try at the compile lease of ``key``: a Lease, False while another process
+        holds it, or None where there is nothing to wait for: the entry exists, or this
+        store cannot make leases exclusive (compile regardless)."""
+        if self.exists(self.entry_path(key)):
+            return None
         path = self.lease_path(key)
-        body = json.dumps({"owner": self.owner, "expires": time.time() + seconds}).encode()
+        body = json.dumps({"owner": self.owner, "expires": time.time() + LEASE_SECONDS}).encode()
         created = self._create_exclusive(path, body)
         if created is None:
             return None
         if created:
             return Lease(path, self.owner)
-        holder = self._read_lease(path)
-        if holder is None or holder.get("expires", 0) < time.time():
+        if lease_expired(self._read_lease(path), time.time()):
             log.info("remote lease of %s expired or unreadable; taking it over", key[:12])
             self.remove(path)
             created = self._create_exclusive(path, body)
@@ -248,27 +259,16 @@ class RemoteTier:
         if holder is not None and holder.get("owner") == lease.owner:
             self.remove(lease.path)
 
-    @contextlib.contextmanager
-    def compile_lease(self, key: str, timeout: float) -> Iterator[None]:
-        """Hold the key's lease while compiling, or wait for the entry another process is
-        compiling (up to ``timeout``, then go on: compiling twice is only wasteful)."""
-        deadline = time.monotonic() + timeout
-        lease: Lease | bool | None = False
-        delay = 0.05
-        while lease is False:
-            if self.exists(self.entry_path(key)):
-                break
-            lease = self.try_lease(key)
-            if lease is False:
-                if time.monotonic() > deadline:
-                    log.warning(
-                        "waited %.0f s for another machine's compile of %s", timeout, key[:12]
-                    )
-                    break
-                time.sleep(delay)
-                delay = min(delay * 2, 1.0)
-        try:
-            yield
-        finally:
-            if isinstance(lease, Lease):
-                self.release(lease)
+
+def lease_expired(holder: Mapping[str, Any] | None, now: float) -> bool:
+    """Whether a lease object (as read, untrusted) no longer holds its key: unreadable,
+    its expiry not a finite number (``NaN`` and ``Infinity`` parse as JSON), past, or
+    further ahead than a lease lives (plus ``CLOCK_SKEW``), which no honest writer makes."""
+    expires = None if holder is None else holder.get("expires")
+    if isinstance(expires, bool) or not isinstance(expires, (int, float)):
+        return True
+    try:
+        moment = float(expires)
+    except OverflowError:  # an int past a float's range
+        return True
+    return not (math.isfinite(moment) and now <= moment <= now + LEASE_SECONDS + CLOCK_SKEW)

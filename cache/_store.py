@@ -37,9 +37,17 @@ from runtime._errors import (
     UntrustedArtifactError,
 )
 from runtime._manifest import decode_json
-from runtime._payloads import atomic_file, compress, decompress, max_payload_bytes, sha256_hex
+from runtime._payloads import (
+    atomic_file,
+    compress,
+    decompress,
+    fails_own_digest,
+    max_payload_bytes,
+    sha256_hex,
+)
 from runtime._signing import Signature, TrustedKeysOption
 
+from . import _deadline as deadline
 from . import _files as files
 from . import _locks as locks
 from ._counters import Counters
@@ -49,10 +57,11 @@ from ._entry import (
     CacheStats,
     MissExplanation,
     PrunePlan,
+    RemoteScan,
     StoredEntry,
     VerifyReport,
 )
-from ._remote import RemoteTier, remote_from_env
+from ._remote import Lease, RemoteTier, remote_from_env
 from ._root import LAYOUT, prepare, resolve_root
 from ._tags import Tags
 
@@ -61,6 +70,11 @@ DEFAULT_SIZE_LIMIT = 20 * 2**30
 _TEMP_GRACE_S = 600.0  # a temp file this old belongs to a writer that died
 _MAX_ENTRY_BYTES = 64 << 20
 _HEX = frozenset("0123456789abcdef")
+# What one remote entry may ask for, checked before any of its blobs is requested: each
+# blob is one request, and all of them are held in memory until verified. Real entries
+# list tens of blobs (variants and kernel binaries) and megabytes.
+REMOTE_ENTRY_MAX_BLOBS = 1024
+REMOTE_ENTRY_MAX_BYTES = 4 << 30
 
 
 def _size_limit_from_env() -> int:
@@ -112,7 +126,9 @@ class ArtifactCache:
     ``remote``: a second tier, any fsspec URL (``s3://bucket/precompile``, ``file://``
     on a shared mount; default ``$PRECOMPILE_REMOTE_CACHE``), with ``remote_options``
     for fsspec (default ``$PRECOMPILE_REMOTE_CACHE_OPTIONS``, JSON): a local miss is
-    looked up there and copied in, and every write is uploaded.
+    looked up there and copied in, and every write is uploaded. ``remote_timeout``:
+    seconds any one remote operation may take (default ``$PRECOMPILE_REMOTE_TIMEOUT``,
+    else 5), plus 1 s per 8 MiB it transfers; past it the call goes on locally.
     """
 
     def __init__(
@@ -126,6 +142,7 @@ class ArtifactCache:
         signing_key: Any = None,
         remote: str | RemoteTier | None = None,
         remote_options: Mapping[str, Any] | None = None,
+        remote_timeout: float | None = None,
     ) -> None:
         self.root = resolve_root(root)
         self.size_limit = _size_limit_from_env() if size_limit is None else size_limit
@@ -137,11 +154,15 @@ class ArtifactCache:
         self.lock_timeout = lock_timeout
         self.trusted_keys = signing.trusted_keys(trusted_keys)
         self.signing_key = None if signing_key is None else signing.private_key(signing_key)
+        self.remote_timeout = deadline.remote_timeout(remote_timeout)
+        if os.path.exists(self.root):  # before anything is written into it
+            files.check_root(self.root, trust_foreign)
         self._dirs, self.writable = prepare(self.root)
         if not os.path.isdir(self._dirs["entries"]):
             raise InvalidOptionError(
                 f"cache root {self.root} has no {LAYOUT} layout and cannot be created here"
             )
+        files.check_root(self.root, trust_foreign)
         for role in ("base", "entries", "blobs", "tags"):
             files.check_directory(self._dirs[role], trust_foreign)
         self._counters = Counters(os.path.join(self._dirs["base"], "stats.json"))
@@ -172,17 +193,44 @@ class ArtifactCache:
         ``lock_timeout``. See ``_locks`` for the order locks are taken in."""
         self.entry_path(name)  # a key, nothing else
         with locks.exclusive(self._lock_path(name), self.lock_timeout):
-            if self.remote is None:
+            remote = self.remote
+            if remote is None:
                 yield
                 return
-            remote = self.remote
-            lease = remote.compile_lease(name, self.lock_timeout)
-            entered = self._remote("lease", lease.__enter__, default=False) is not False
+            lease = self._remote_lease(name)
             try:
                 yield
             finally:
-                if entered:
-                    self._remote("lease release", lambda: lease.__exit__(None, None, None))
+                if lease is not None:
+                    self._remote("lease release", functools.partial(remote.release, lease))
+
+    def _remote_lease(self, key: str) -> Lease | None:
+        """Take the key's remote lease for a compile, or wait for the entry another
+        machine is compiling (up to ``lock_timeout``, then go on: compiling twice is
+        only wasteful). Each try is one remote operation under its deadline; a remote
+        that fails or does not answer means no lease, and the compile goes on."""
+        remote = self.remote
+        assert remote is not None
+        waited_until = time.monotonic() + self.lock_timeout
+        delay = 0.05
+
+        def release_late(lease: Any) -> None:  # taken after we stopped waiting for it
+            if isinstance(lease, Lease):
+                remote.release(lease)
+
+        while True:
+            lease = self._remote(
+                "lease", functools.partial(remote.try_lease, key), on_late=release_late
+            )
+            if lease is not False:
+                return lease if isinstance(lease, Lease) else None
+            if time.monotonic() > waited_until:
+                log.warning(
+                    "waited %.0f s for another machine's compile of %s", self.lock_timeout, key[:12]
+                )
+                return None
+            time.sleep(delay)
+            delay = min(delay * 2, 1.0)
 
     def _lock_path(self, name: str) -> str:
         return os.path.join(self._dirs["locks"], name + ".lock")
@@ -351,22 +399,50 @@ class ArtifactCache:
             handle.write(json.dumps(document, indent=1, allow_nan=False).encode())
 
     # -- the remote tier -------------------------------------------------------------
-    def _remote(self, what: str, action: Callable[[], Any], default: Any = None) -> Any:
-        """Run a remote operation; any failure (network, permissions, throttling, a
-        vanished server) is logged, counted, and answered with ``default``."""
+    def _remote(
+        self,
+        what: str,
+        action: Callable[[], Any],
+        default: Any = None,
+        *,
+        seconds: float | None = None,
+        on_late: Callable[[Any], Any] | None = None,
+    ) -> Any:
+        """Run a remote operation under its deadline (``remote_timeout`` unless
+        ``seconds`` is given); any failure (network, permissions, throttling, a vanished
+        or silent server) is logged, counted, and answered with ``default``."""
+        limit = self.remote_timeout if seconds is None else seconds
         try:
-            return action()
+            return deadline.call(action, limit, what, on_late)
+        except deadline.RemoteTimeout as exc:
+            log.warning("remote cache %s: %s timed out: %s; going on locally", self.remote,
+                        what, exc)  # fmt: skip
+            self._count("remote_timeouts")
+            self._count("remote_errors")
+            return default
         except Exception as exc:  # a remote must never fail a call we can serve locally
             log.warning("remote cache %s: %s failed: %s: %s", self.remote, what,
                         type(exc).__name__, str(exc)[:200])  # fmt: skip
             self._count("remote_errors")
             return default
 
+    def _remote_refusal(self, blobs: Mapping[str, int]) -> str | None:
+        """Why an entry is too large to move through the remote, before any request."""
+        if len(blobs) > REMOTE_ENTRY_MAX_BLOBS:
+            return f"it lists {len(blobs)} blobs, over the {REMOTE_ENTRY_MAX_BLOBS} allowed"
+        total = sum(blobs.values())
+        limit = min(REMOTE_ENTRY_MAX_BYTES, self.size_limit)
+        if total > limit:
+            return f"its blobs are {total} bytes, over the {limit} allowed"
+        return None
+
     def _fetch(self, key: str) -> StoredEntry | None:
         """The remote entry under ``key``, verified and copied into the local cache (a
-        read-only local cache still serves it, from memory)."""
+        read-only local cache still serves it, from memory). One deadline for it all:
+        ``remote_timeout`` plus the transfer allowance of the blobs it lists."""
         remote = self.remote
         assert remote is not None
+        started = time.monotonic()
         raw = self._remote(
             "read entry", lambda: remote.read(remote.entry_path(key), _MAX_ENTRY_BYTES)
         )
@@ -385,12 +461,21 @@ class ArtifactCache:
             log.warning("%s refused: %s", where, exc)
             self._count("remote_errors")
             return None
+        refusal = self._remote_refusal(document["blobs"])
+        if refusal is not None:
+            log.warning("%s refused before any blob was requested: %s", where, refusal)
+            self._count("remote_errors")
+            return None
         stored: dict[str, bytes] = {}
         raws: dict[str, bytes] = {}
         blobs = list(document["blobs"].items())
         # A stored blob is zstd of the raw bytes: never much larger than them.
         wanted = [(remote.blob_path(digest), size * 2 + 4096) for digest, size in blobs]
-        datas = self._remote("read blobs", functools.partial(remote.read_many, wanted))
+        left = self.remote_timeout - (time.monotonic() - started)
+        left += deadline.transfer_allowance(sum(size for _, size in blobs))
+        datas = self._remote(
+            "read blobs", functools.partial(remote.read_many, wanted), seconds=left
+        )
         if datas is None or any(data is None for data in datas):
             self._count("remote_misses")
             return None
@@ -398,9 +483,12 @@ class ArtifactCache:
             try:
                 raws[digest] = decompress(data, size, digest, f"remote blob {digest[:12]}")
             except CorruptArtifactError as exc:
-                # Content-addressed: remove it, so the next upload replaces it.
-                log.warning("%s; removing it from the remote", exc)
-                self._remote("remove corrupt blob", functools.partial(remote.remove, path))
+                if fails_own_digest(data, digest):
+                    # Content-addressed: remove it, so the next upload replaces it.
+                    log.warning("%s; removing it from the remote", exc)
+                    self._remote("remove corrupt blob", functools.partial(remote.remove, path))
+                else:  # the entry's word against the blob's own bytes: the entry loses
+                    log.warning("%s refused: %s (the blob itself is intact and stays)", where, exc)
                 self._count("remote_errors")
                 return None
             stored[digest] = data
@@ -434,6 +522,11 @@ class ArtifactCache:
         raw = files.read_checked(self.entry_path(key), _MAX_ENTRY_BYTES, self.trust_foreign)
         document = decode_json(raw, f"cache entry {key[:12]}")
         self._validate(key, document)
+        refusal = self._remote_refusal(document["blobs"])
+        if refusal is not None:
+            log.warning("entry %s not uploaded: %s (no remote reader would take it)",
+                        key[:12], refusal)  # fmt: skip
+            return False
 
         def push() -> bool:
             for digest in document["blobs"]:
@@ -447,18 +540,25 @@ class ArtifactCache:
                     remote.write(remote.tag_path(name), key.encode())
             return True
 
-        done = bool(self._remote(f"upload of {key[:12]}", push, default=False))
+        seconds = self.remote_timeout + deadline.transfer_allowance(sum(document["blobs"].values()))
+        done = bool(self._remote(f"upload of {key[:12]}", push, default=False, seconds=seconds))
         if done:
             self._count("remote_uploads")
         return done
 
     def pull(self, keys: Sequence[str]) -> list[str]:
         """Copy remote entries into the local cache (verified), with the remote's tags
-        that name them; returns the keys now held locally (absent or bad ones left out)."""
+        that name them; returns the keys now held locally (absent or bad ones left out,
+        and names that are not keys skipped with a warning)."""
         remote = self.remote
         if remote is None:
             raise InvalidOptionError("this cache has no remote tier")
-        done = [k for k in keys if self.contains(k) or self._fetch(k) is not None]
+        done = []
+        for key in keys:
+            if not _is_digest(key):
+                log.warning("remote entry %r skipped: not a cache key", key)
+            elif self.contains(key) or self._fetch(key) is not None:
+                done.append(key)
         if not done:
             return done
         tags: dict[str, str] = self._remote("tag listing", remote.tags, default={})
@@ -470,13 +570,21 @@ class ArtifactCache:
                     log.warning("remote tag %r not taken: %s", name, exc)
         return done
 
-    def remote_entries(self) -> list[str]:
-        """The keys the remote holds."""
+    def remote_scan(self) -> RemoteScan:
+        """The remote's entries: the names that are cache keys, and those skipped (a
+        name that is not a key is reported, never made into a path)."""
         remote = self.remote
         if remote is None:
             raise InvalidOptionError("this cache has no remote tier")
-        found: list[str] = self._remote("listing", remote.entries, default=[])
-        return found
+        names: list[str] = self._remote("listing", remote.entries, default=[])
+        skipped = [(n, "not a cache key (a sha256 hex digest)") for n in names if not _is_digest(n)]
+        for name, reason in skipped:
+            log.warning("remote entry %r skipped: %s", name, reason)
+        return RemoteScan(tuple(n for n in names if _is_digest(n)), tuple(skipped))
+
+    def remote_entries(self) -> list[str]:
+        """The keys the remote holds (see ``remote_scan`` for the names skipped)."""
+        return list(self.remote_scan().keys)
 
     # -- tags ------------------------------------------------------------------------
     def tag(self, name: str, key: str) -> None:

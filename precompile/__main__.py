@@ -86,25 +86,57 @@ def _remote_options(text: str | None) -> dict[str, Any] | None:
     return value
 
 
+def _report_skipped(skipped: Sequence[tuple[str, str]]) -> None:
+    for name, reason in skipped:
+        print(f"precompile: skipped {name!r}: {reason}", file=sys.stderr)
+
+
 def _sync_command(store: ArtifactCache, args: argparse.Namespace) -> int:
-    """push / pull: copy entries (and tags) between this cache and its remote."""
+    """push / pull: copy entries (and tags) between this cache and its remote. A name
+    that is not a key, or a local entry that cannot be read, is skipped and reported
+    (stderr, and ``skipped`` in --json) and the rest goes on; the exit status is 1 only
+    where an entry that could be copied was not (or there was nothing to copy)."""
+    skipped: list[tuple[str, str]] = []
     if args.action == "push":
-        keys = [store.tagged(args.tag)] if args.tag else [e.key for e in store.entries()]
-        done = [k for k in keys if k is not None and store.upload(k)]
+        if args.tag:
+            keys = [store.tagged(args.tag)]
+        else:
+            scan = store.scan()
+            keys = [e.key for e in scan.entries]
+            skipped += [(os.path.basename(path), why) for path, why in scan.unreadable]
+        done = []
+        for key in keys:
+            try:
+                if key is not None and store.upload(key):
+                    done.append(key)
+            except (PrecompileError, OSError) as exc:  # this entry, not the others
+                skipped.append((key or "", f"{type(exc).__name__}: {exc}"))
         if args.tag and done:
             store.tag(args.tag, done[0])
     else:
-        keys = [store.tagged(args.tag)] if args.tag else store.remote_entries()
+        if args.tag:
+            keys = [store.tagged(args.tag)]
+        else:
+            listing = store.remote_scan()
+            keys = list(listing.keys)
+            skipped += listing.skipped
         done = store.pull([k for k in keys if k is not None])
         if args.tag and done:
             store.tag(args.tag, done[0])
+    _report_skipped(skipped)
     verb = "pushed" if args.action == "push" else "pulled"
-    failed = len([k for k in keys if k is not None]) - len(done)
+    wanted = [k for k in keys if k is not None and k not in {name for name, _ in skipped}]
+    failed = len(wanted) - len(done)
     text = f"{verb} {len(done)} entries {'to' if verb == 'pushed' else 'from'} {args.remote}"
-    _emit(
-        {verb: done, "failed": failed}, args.json, text + (f"; {failed} failed" if failed else "")
-    )
-    return 0 if not failed and keys and keys[0] is not None else 1
+    text += f"; {failed} failed" if failed else ""
+    text += f"; {len(skipped)} skipped" if skipped else ""
+    report = {
+        verb: done,
+        "failed": failed,
+        "skipped": [{"name": name, "reason": why} for name, why in skipped],
+    }
+    _emit(report, args.json, text)
+    return 0 if not failed and wanted else 1
 
 
 def _cache_command(args: argparse.Namespace) -> int:
@@ -118,7 +150,9 @@ def _cache_command(args: argparse.Namespace) -> int:
     if args.action in ("push", "pull"):
         return _sync_command(store, args)
     if args.action == "ls" and remote:
-        keys = store.remote_entries()
+        listing = store.remote_scan()
+        _report_skipped(listing.skipped)
+        keys = list(listing.keys)
         _emit(
             keys, args.json, "\n".join(k[:12] for k in keys) + f"\n{len(keys)} entries in {remote}"
         )

@@ -17,7 +17,6 @@ import hashlib
 import json
 import logging
 import os
-import sys
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -38,7 +37,9 @@ from runtime._errors import (
     UntrustedArtifactError,
 )
 from runtime._manifest import FORMAT_VERSION
-from runtime._model import CompiledModel, ModelPlan, changed_files, class_path, file_digest
+from runtime._model import CompiledModel, ModelPlan, class_path, file_digest, stale_reason
+from runtime._model_identity import canonical_digest as _digest
+from runtime._model_identity import model_identity
 from runtime._version import __version__
 
 from ._offline import is_offline, refuse
@@ -46,53 +47,6 @@ from ._variant_plan import Hints, Sizes
 
 log = logging.getLogger("precompile.compile")
 DynamicSpec = Mapping[int | str, Sequence[int]] | None
-
-
-def _digest(value: Any) -> str:
-    text = json.dumps(value, sort_keys=True, default=repr, separators=(",", ":"))
-    return hashlib.sha256(text.encode()).hexdigest()
-
-
-def _module_sources(model: torch.nn.Module) -> dict[str, str]:
-    """sha256 of the source file of every module class in the model (and the model's)."""
-    found: dict[str, str] = {}
-    for module in model.modules():
-        name = type(module).__module__
-        path = getattr(sys.modules.get(name), "__file__", None)
-        if path and path not in found:
-            found[path] = file_digest(path) or "unreadable"
-    return dict(sorted(found.items()))
-
-
-def _settings(model: torch.nn.Module) -> list[Any]:
-    """What configures each submodule beyond its weights: ``extra_repr`` (eps, sizes, ...)
-    and its plain attributes (ints, floats, strings, bools), and the model's config."""
-    found: list[Any] = []
-    for name, module in model.named_modules():
-        plain = {
-            k: v
-            for k, v in vars(module).items()
-            if not k.startswith("_") and isinstance(v, (bool, int, float, str, type(None)))
-        }
-        found.append([name, type(module).__qualname__, module.extra_repr(), plain])
-    config = getattr(model, "config", None)
-    to_json = getattr(config, "to_json_string", None)
-    found.append(["config", to_json(use_diff=False) if callable(to_json) else repr(config)])
-    return found
-
-
-def _tensors(model: torch.nn.Module) -> list[Any]:
-    rows = []
-    for kind, items in (
-        ("parameter", model.named_parameters(remove_duplicate=False)),
-        ("buffer", model.named_buffers(remove_duplicate=False)),
-    ):
-        for name, tensor in items:
-            rows.append(
-                [kind, name, list(tensor.shape), dtype_name(tensor.dtype), str(tensor.device),
-                 bool(tensor.requires_grad)]
-            )  # fmt: skip
-    return rows
 
 
 def _dynamic_dims(
@@ -160,10 +114,7 @@ def model_factors(
     device = next((str(t.device.type) for t in leaves if isinstance(t, torch.Tensor)), "cpu")
     environment = current_environment("cuda" if device == "cuda" else "cpu")
     return {
-        "model_class": class_path(model),
-        "model_sources": _digest(_module_sources(model)),
-        "model_settings": _digest(_settings(model)),
-        "model_tensors": _digest(_tensors(model)),
+        **model_identity(model),  # model_class, model_sources, model_settings, model_tensors
         "model_mode": "train" if model.training else "eval",
         "call": _digest([str(spec), described]),
         "variants": _digest([hints, sizes]),
@@ -221,7 +172,7 @@ def compile_model(
             return _finish(found, cudagraphs, warmup)
         log.info("model cache miss: %s", store.explain_miss(key, factors))
     if offline:
-        refuse(store, key, factors)
+        refuse(store, key, factors, None if store is None else _unused_because(store, key))
     if store is None:
         compiled = _trace_and_compile(model, args, kwargs, leaves, dims, hints, sizes, options)
         return _finish(compiled, cudagraphs, warmup)
@@ -267,11 +218,9 @@ def _cached_model(store: ArtifactCache, key: str, model: torch.nn.Module) -> Com
         return None
     artifact, raw_plan = found
     plan = ModelPlan.from_json(raw_plan, len(artifact.manifest.inputs))
-    changed = changed_files(plan)
-    if changed:
-        log.info(
-            "model cache entry %s is stale: %s changed; compiling again", key[:12], changed[:3]
-        )
+    stale = stale_reason(plan)
+    if stale is not None:
+        log.info("model cache entry %s is stale: %s; compiling again", key[:12], stale)
         return None
     try:
         compiled = CompiledModel(model, artifact, plan)
@@ -281,6 +230,20 @@ def _cached_model(store: ArtifactCache, key: str, model: torch.nn.Module) -> Com
     compiled.cache_key = key
     log.info("model cache hit %s: no tracing, no compile", key[:12])
     return compiled
+
+
+def _unused_because(store: ArtifactCache, key: str) -> str | None:
+    """Why the entry under ``key`` itself (if there is one) did not serve: what a miss
+    names where the nearest entry is the key's own."""
+    try:
+        found = load_cached_model(store, key)
+        if found is None:
+            return None
+        plan = ModelPlan.from_json(found[1], len(found[0].manifest.inputs))
+    except (OSError, ValueError, RuntimeError) as exc:  # our errors subclass these
+        return f"it cannot be read: {type(exc).__name__}: {exc}"
+    stale = stale_reason(plan)
+    return None if stale is None else f"it is stale: {stale}"
 
 
 def _trace_and_compile(
@@ -389,6 +352,7 @@ def _plan(model: torch.nn.Module, leaves: list[Any], trace: Any) -> ModelPlan:
         outputs=tuple(outputs),
         traced_files=files,
         training=model.training,
+        identity=model_identity(model),
     )
 
 

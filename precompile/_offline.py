@@ -18,12 +18,22 @@ def is_offline(compile: bool) -> bool:
     return not compile or os.environ.get("PRECOMPILE_OFFLINE", "") not in ("", "0")
 
 
-def refuse(store: ArtifactCache | None, key: str, factors: Mapping[str, str]) -> NoReturn:
+def refuse(
+    store: ArtifactCache | None,
+    key: str,
+    factors: Mapping[str, str],
+    unused_because: str | None = None,
+) -> NoReturn:
+    """Raise the offline miss. ``unused_because``: why an entry under ``key`` itself did
+    not serve (a changed source file the key cannot see), said instead of its factors."""
     where = "no cache" if store is None else f"cache {store.root}"
     if store is not None and store.remote is not None:
         where += f" (and its remote {store.remote.url})"
-    explanation = "" if store is None else f"; {store.explain_miss(key, factors)}"
+    if unused_because is not None:
+        found = f"{where} has entry {key[:12]}, but it did not serve: {unused_because}"
+    else:
+        found = f"{where} has no entry {key[:12]}"
+        found += "" if store is None else f"; {store.explain_miss(key, factors)}"
     raise ArtifactNotFoundError(
-        f"compiling is off (compile=False or PRECOMPILE_OFFLINE=1) and {where} has no entry "
-        f"{key[:12]}{explanation}"
+        f"compiling is off (compile=False or PRECOMPILE_OFFLINE=1) and {found}"
     )

@@ -15,9 +15,11 @@ What is checked per call, and what Dynamo would have checked that is not:
 - dropped: Dynamo's guards on the model's Python state beyond that (attribute values
   such as a config flag flipped after compiling, global flags, the identity of
   submodules). The plan is keyed by the model's class, the sources of its modules, its
-  config and parameter shapes, and the traced source files are checked unchanged at
-  load, so a changed model is a miss; mutating a compiled model's Python attributes in
-  place is not detected. Recompile after such a change.
+  config and parameter shapes, and records them: a load (by path or key) binds it only
+  to a model they still describe (``_model_identity``), and the traced source files are
+  checked unchanged, so a changed model is a miss or an error, never a stale hit.
+  Mutating a compiled model's Python attributes in place after binding is not
+  detected. Recompile after such a change.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -59,6 +61,9 @@ class ModelPlan:
     outputs: tuple[tuple[str, Any], ...]  # per output leaf: ("graph", i) | ("constant", v)
     traced_files: Mapping[str, str]  # source file -> sha256, all Dynamo traced
     training: bool
+    # the key factors of the model it was compiled from (``_model_identity``); a load
+    # binds the plan only to a model they still describe
+    identity: Mapping[str, str] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -72,6 +77,7 @@ class ModelPlan:
             "outputs": [list(o) for o in self.outputs],
             "traced_files": dict(self.traced_files),
             "training": self.training,
+            "identity": dict(self.identity),
         }
 
     @staticmethod
@@ -131,6 +137,12 @@ class ModelPlan:
             raise CorruptArtifactError(f"{where} field traced_files is malformed")
         if not isinstance(value.get("training"), bool):
             raise CorruptArtifactError(f"{where} field training is not a bool")
+        identity = value.get("identity", {})  # absent in plans saved before it was recorded
+        if not isinstance(identity, dict) or not all(
+            isinstance(k, str) and isinstance(v, str) and len(k) < 64 and len(v) < 4096
+            for k, v in identity.items()
+        ):
+            raise CorruptArtifactError(f"{where} field identity is malformed")
         return ModelPlan(
             model_class=text(value.get("model_class"), "model_class", 4096),
             in_spec=text(value.get("in_spec"), "in_spec"),
@@ -140,6 +152,7 @@ class ModelPlan:
             outputs=tuple(outputs),
             traced_files=files,
             training=value["training"],
+            identity=identity,
         )
 
 
@@ -159,6 +172,18 @@ def file_digest(path: str) -> str | None:
 def changed_files(plan: ModelPlan) -> list[str]:
     """The traced source files that differ from (or are gone since) the trace."""
     return [path for path, digest in plan.traced_files.items() if file_digest(path) != digest]
+
+
+def stale_reason(plan: ModelPlan) -> str | None:
+    """Why a plan found under its own key cannot serve (the key is computed without
+    tracing, so it cannot see these), or None: a source file the trace read changed
+    (a helper the forward calls, say), or the plan predates recording its model."""
+    changed = changed_files(plan)
+    if changed:
+        return f"source files changed since it was compiled: {', '.join(changed[:3])}"
+    if not plan.identity:
+        return "it was saved by an older precompile, without what it was compiled from"
+    return None
 
 
 class CompiledModel:
@@ -288,16 +313,20 @@ class CompiledModel:
         warmup: bool | str = "background",
     ) -> CompiledModel:
         """Bind a saved model plan (a file from ``save``, or a cache entry by ``key``) to
-        ``model``. The traced source files must be unchanged; parameters and buffers must
-        exist with the compiled shapes and dtypes (checked again per call)."""
+        ``model``. The traced source files must be unchanged, and ``model`` must be what
+        it was compiled from: its class, module sources, config and submodule settings,
+        and its parameters' and buffers' names, shapes, dtypes and devices (else
+        ``IncompatibleArtifactError`` naming the factor; tensors are checked per call too)."""
         from . import _signing as signing
         from ._binary_format import read_binary_with_model
         from ._environment import check_compatible
+        from ._model_identity import check_identity
 
         if (path is None) == (key is None):
             raise InvalidOptionError("load_model takes exactly one of path= or key=")
         if path is not None:
             source = os.fspath(path)
+            where = f"the compiled model {source!r}"
             manifest, payloads, _, raw_plan = read_binary_with_model(
                 source, signing.trusted_keys(trusted_keys)
             )
@@ -312,12 +341,12 @@ class CompiledModel:
 
                 raise ArtifactNotFoundError(f"no intact model entry {key}")
             artifact, raw_plan = found
+            where = f"the compiled model in cache entry {str(key)[:12]}"
         plan = ModelPlan.from_json(raw_plan, len(artifact.manifest.inputs))
-        changed = changed_files(plan)
-        if changed:
-            raise IncompatibleArtifactError(
-                f"source files changed since the model was compiled: {changed[:3]}; compile again"
-            )
+        stale = stale_reason(plan)
+        if stale is not None:
+            raise IncompatibleArtifactError(f"{where} is stale: {stale}; compile again")
+        check_identity(plan.identity, model, where)
         compiled = CompiledModel(model, artifact, plan)
         if cudagraphs is not None:
             artifact.set_cudagraphs(cudagraphs)

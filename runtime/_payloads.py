@@ -96,6 +96,26 @@ def decompress(stored: bytes | memoryview, raw_size: int, digest: str, where: st
     return bytes(raw)
 
 
+def fails_own_digest(stored: bytes | memoryview, digest: str) -> bool:
+    """Whether a stored (zstd) payload is certainly not the one named ``digest``: it is
+    not zstd, or what it decompresses to hashes to something else. Judged on its own
+    bytes alone, whatever an index says of its size; False where that cannot be told
+    (it decompresses past the maximum payload size). Streamed: nothing is kept."""
+    limit = max_payload_bytes()
+    hasher = hashlib.sha256()
+    seen = 0
+    try:
+        with zstandard.ZstdDecompressor().stream_reader(io.BytesIO(stored)) as reader:
+            while chunk := reader.read(_CHUNK):
+                seen += len(chunk)
+                if seen > limit:
+                    return False
+                hasher.update(chunk)
+    except zstandard.ZstdError:
+        return True
+    return hasher.hexdigest() != digest
+
+
 # -- reading files that a load will run ----------------------------------------------
 def open_regular(
     path: str, *, follow: bool = True, dir_fd: int | None = None, where: str | None = None

@@ -263,6 +263,30 @@ def test_directories_others_can_write_are_refused(tmp_path: Any) -> None:
         os.chown(root + "/v2", 0, 0)
 
 
+def test_a_cache_root_others_can_write_is_refused(tmp_path: Any) -> None:
+    """Whoever can write the root can swap ``v2/`` for a tree of theirs: the root is
+    checked like the directories in it, before anything is written into it."""
+    root = str(tmp_path / "c")
+    os.makedirs(root)
+    os.chmod(root, 0o777)
+    with pytest.raises(precompile.UnsafeCacheError, match=f"cache root {root} .*group/others"):
+        ArtifactCache(root)
+    assert not os.path.exists(os.path.join(root, "v2"))  # refused before it was written
+    assert ArtifactCache(root, trust_foreign=True).writable
+    os.chmod(root, 0o1777)  # sticky, like /tmp or a tmpfs mount: others cannot move v2/
+    assert ArtifactCache(root).writable
+    os.chmod(root, 0o700)
+    assert ArtifactCache(root).writable
+    link = str(tmp_path / "link")
+    os.symlink(root, link)  # where the cache lives is the caller's choice: a link is followed
+    assert ArtifactCache(link).writable
+    if os.getuid() == 0:
+        os.chown(root, 65534, 65534)
+        with pytest.raises(precompile.UnsafeCacheError, match="owned by uid 65534"):
+            ArtifactCache(link)
+        os.chown(root, 0, 0)
+
+
 def test_links_and_foreign_entries_are_refused_and_the_cli_says_so(tmp_path: Any) -> None:
     root = str(tmp_path)
     store = ArtifactCache(root)

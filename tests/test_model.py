@@ -15,6 +15,8 @@ from test_real_models import VOCAB, tiny_gpt2, tiny_llama
 from test_warm_start import AUDIT
 
 import precompile
+from cache import ArtifactCache
+from runtime._binary_format import write_binary
 
 SEQUENCES = [1, 2, 7, 33, 100, 300]
 
@@ -119,6 +121,42 @@ def test_save_and_load_model_in_a_fresh_process(
         precompile.load_model(other, path=path)
 
 
+def test_a_compiled_model_binds_only_to_the_model_it_was_compiled_from(
+    compiled_llama: tuple[Any, Any], llama_cache: str, tmp_path: Any
+) -> None:
+    """Same class, same parameter names, other code: another layer count, norm epsilon,
+    activation or dtype would run the compiled graph's numbers, not its own. The plan
+    records the key factors that describe its model and a load compares them."""
+    _, compiled = compiled_llama
+    path = str(tmp_path / "llama.pt2c")
+    compiled.save(path)
+    sources = [{"path": path}, {"key": compiled.cache_key, "cache": ArtifactCache(llama_cache)}]
+    others = [
+        (tiny_llama(num_hidden_layers=2), "model_settings, model_tensors"),
+        (tiny_llama(rms_norm_eps=0.5), "model_settings"),
+        (tiny_llama(hidden_act="gelu"), "model_settings"),
+        (tiny_llama().double(), "model_tensors"),
+    ]
+    for other, factors in others:
+        for source in sources:
+            with pytest.raises(precompile.IncompatibleArtifactError, match=f"in {factors} \\("):
+                precompile.load_model(other, warmup=False, **source)
+    unchecked = compiled.plan.to_json()
+    del unchecked["identity"]  # as saved before the plan recorded its model
+    write_binary(str(tmp_path / "old.pt2c"), compiled.artifact.manifest,
+                 compiled.artifact._payloads, None, model=unchecked)  # fmt: skip
+    with pytest.raises(precompile.IncompatibleArtifactError, match="older precompile"):
+        precompile.load_model(tiny_llama(), path=str(tmp_path / "old.pt2c"), warmup=False)
+    for source in sources:  # a fresh copy of the model it was compiled from binds
+        model = tiny_llama()
+        loaded = precompile.load_model(model, warmup=False, **source)
+        ids = torch.randint(0, VOCAB, (1, 9))
+        with torch.no_grad():
+            torch.testing.assert_close(
+                loaded(ids, use_cache=False).logits, model(ids, use_cache=False).logits
+            )
+
+
 def test_calls_outside_the_compiled_structure_are_refused(compiled_llama: tuple[Any, Any]) -> None:
     model, compiled = compiled_llama
     ids = torch.randint(0, VOCAB, (1, 7))
@@ -139,6 +177,7 @@ def test_calls_outside_the_compiled_structure_are_refused(compiled_llama: tuple[
 
 MODEL_SOURCE = """
 import torch
+from scaler_helper import activate
 
 class Scaler(torch.nn.Module):
     def __init__(self):
@@ -146,7 +185,13 @@ class Scaler(torch.nn.Module):
         self.proj = torch.nn.Linear(8, 8)
 
     def forward(self, x):
-        return torch.relu(self.proj(x)) * {factor}
+        return activate(self.proj(x)) * {factor}
+"""
+HELPER_SOURCE = """
+import torch
+
+def activate(x):  # a helper the forward calls, in a file of no module class
+    return torch.relu(x){shift}
 """
 
 CHANGED = """
@@ -182,14 +227,23 @@ def test_a_changed_source_file_is_a_miss_never_a_stale_hit(tmp_path: Any) -> Non
     source = os.path.join(directory, "scaler_model.py")
     cache = str(tmp_path / "cache")
     script = textwrap.dedent(CHANGED.format(directory=directory, cache=cache))
+    helper = os.path.join(directory, "scaler_helper.py")
     with open(source, "w") as handle:
         handle.write(MODEL_SOURCE.format(factor=2))
+    with open(helper, "w") as handle:
+        handle.write(HELPER_SOURCE.format(shift=""))
     assert run_python(script).splitlines()[-2] == "miss"  # cold
     assert run_python(script).splitlines()[-2] == "hit"  # warm, no tracing
+    offline = script.replace("warmup=False", "warmup=False, compile=False")
+    with open(helper, "w") as handle:
+        handle.write(HELPER_SOURCE.format(shift=" + 1"))  # the key cannot see this file
+    # Offline, so the miss is an error that names what changed (and nothing compiles).
+    out = run_python(offline)
+    assert "ArtifactNotFoundError" in out and "source files changed" in out, out
+    assert helper in out and "differs in: none" not in out, out
     with open(source, "w") as handle:
         handle.write(MODEL_SOURCE.format(factor=3))  # forward changed: outputs differ
-    # Offline, so the miss is an error that names the factor (and nothing compiles).
-    out = run_python(script.replace("warmup=False", "warmup=False, compile=False"))
+    out = run_python(offline)
     assert "ArtifactNotFoundError" in out and "model_sources" in out, out
 
 

@@ -21,16 +21,20 @@ VOCAB = 128
 SIZES = [(1, 7), (1, 3), (1, 30), (1, 1), (2, 9), (3, 100)]
 
 
-def tiny_llama() -> torch.nn.Module:
+def tiny_llama(**changes: Any) -> torch.nn.Module:
+    """The tiny Llama; ``changes``: config fields set otherwise."""
     torch.manual_seed(0)
     config = transformers.LlamaConfig(
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        vocab_size=VOCAB,
-        max_position_embeddings=256,
+        **{
+            "hidden_size": 32,
+            "intermediate_size": 64,
+            "num_hidden_layers": 1,
+            "num_attention_heads": 2,
+            "num_key_value_heads": 1,
+            "vocab_size": VOCAB,
+            "max_position_embeddings": 256,
+            **changes,
+        }
     )
     return transformers.LlamaForCausalLM(config).eval()
 

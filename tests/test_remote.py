@@ -12,6 +12,7 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -26,6 +27,8 @@ from test_cache import fake_artifact, get, key_of, put
 
 import precompile
 from cache import ArtifactCache
+from cache import _deadline as deadline
+from runtime._payloads import sha256_hex
 
 
 def _free_port() -> int:
@@ -260,3 +263,241 @@ for bad in ("nosuchprotocol://x", "no-scheme"):
     assert "s3fs imported: False" in out, out
     assert "refused: remote 'nosuchprotocol://x' cannot be opened" in out, out
     assert "refused: remote must be a URL" in out, out
+
+
+HOSTILE_LEASES = [
+    b'{"owner": "x", "expires": 1e18}',  # a lease that would never expire
+    b'{"owner": "x", "expires": NaN}',  # json.loads takes NaN and Infinity
+    b'{"owner": "x", "expires": Infinity}',
+    b'{"owner": "x", "expires": 1e400}',
+    b'{"owner": "x", "expires": 1' + b"0" * 400 + b"}",  # an int past a float's range
+    b'{"owner": "x", "expires": -1}',
+    b'{"owner": "x", "expires": "tomorrow"}',
+    b'{"owner": "x", "expires": true}',
+    b'{"owner": "x"}',
+    b"[]",
+]
+
+
+def test_a_lease_holds_a_key_no_longer_than_a_lease_lives(
+    tmp_path: Any, remote: dict[str, Any]
+) -> None:
+    """A lease object whose expiry is not a time within a lease's lifetime from now is
+    expired: the next compile takes it over at once instead of waiting out lock_timeout."""
+    cache = _cache(tmp_path, "a", remote, lock_timeout=3.0)
+    tier = cache.remote
+    assert tier is not None
+    for n, body in enumerate(HOSTILE_LEASES):
+        key = key_of(100 + n)
+        tier.write(tier.lease_path(key), body)
+        started = time.monotonic()
+        with cache.lock(key):
+            held = json.loads(tier.read(tier.lease_path(key), 4096) or b"{}")
+        assert time.monotonic() - started < 2.0, body
+        assert held.get("owner") == tier.owner, body  # taken over, not waited out
+        assert not tier.exists(tier.lease_path(key))  # and released
+    # An honest lease of another machine is waited for (up to lock_timeout), not taken.
+    honest = _cache(tmp_path, "b", remote, lock_timeout=0.5)
+    key = key_of(99)
+    other = {"owner": "another-machine", "expires": time.time() + 600}
+    tier.write(tier.lease_path(key), json.dumps(other).encode())
+    started = time.monotonic()
+    with honest.lock(key):
+        held = json.loads(tier.read(tier.lease_path(key), 4096) or b"{}")
+    assert held == other and time.monotonic() - started >= 0.5
+
+
+def test_calls_left_behind_by_their_deadline_are_bounded_and_cleaned_up() -> None:
+    """A call past its deadline keeps its daemon thread until its request ends; past
+    MAX_LEFT_BEHIND of them new calls fail at once, and a late result reaches on_late."""
+    release = threading.Event()
+    late: list[str] = []
+    room = deadline.MAX_LEFT_BEHIND - deadline.left_behind()
+    assert room > 0
+    outcomes = []
+    started = time.monotonic()
+    for _ in range(room + 3):
+        try:
+            deadline.call(lambda: (release.wait(30), "lease")[1], 0.05, "test", late.append)
+        except deadline.RemoteTimeout as exc:
+            outcomes.append(str(exc))
+    assert time.monotonic() - started < room * 0.05 + 2.0  # the last 3 did not wait
+    assert [o.startswith("no answer within") for o in outcomes] == [True] * room + [False] * 3
+    assert deadline.left_behind() == deadline.MAX_LEFT_BEHIND
+    release.set()  # the requests end: their threads end, their late results are handed on
+    for _ in range(200):
+        if deadline.left_behind() == deadline.MAX_LEFT_BEHIND - room:
+            break
+        time.sleep(0.01)
+    assert deadline.left_behind() == deadline.MAX_LEFT_BEHIND - room and late == ["lease"] * room
+    assert deadline.call(lambda: 7, 1.0, "test") == 7  # and calls wait again
+    with pytest.raises(ZeroDivisionError):  # an error is the caller's, raised in its thread
+        deadline.call(lambda: 1 // 0, 1.0, "test")
+
+
+class SilentServer:
+    """Takes TCP connections on a loopback port and never answers: a hung server."""
+
+    def __init__(self) -> None:
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(128)
+        self.port = int(self.sock.getsockname()[1])
+        self.held: list[socket.socket] = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                connection, _ = self.sock.accept()
+            except OSError:
+                return
+            self.held.append(connection)  # kept open, never read, never answered
+
+    def options(self) -> dict[str, Any]:
+        # The client's own defaults (timeouts, retries), as a user would have them.
+        endpoint = f"http://127.0.0.1:{self.port}"
+        return {
+            "key": "testing",
+            "secret": "testing",
+            "client_kwargs": {"endpoint_url": endpoint, "region_name": "us-east-1"},
+            "skip_instance_cache": True,
+        }
+
+    def close(self) -> None:
+        self.sock.close()
+        for connection in self.held:
+            connection.close()
+
+
+def test_a_server_that_never_answers_costs_the_deadline_not_minutes(tmp_path: Any) -> None:
+    server = SilentServer()
+    try:
+        cache = ArtifactCache(
+            str(tmp_path / "a"), remote="s3://fleet/x", remote_options=server.options(),
+            remote_timeout=0.5,
+        )  # fmt: skip
+        took: dict[str, float] = {}
+
+        def timed(name: str, action: Any) -> Any:
+            started = time.monotonic()
+            result = action()
+            took[name] = time.monotonic() - started
+            return result
+
+        assert timed("get", lambda: get(cache, key_of(1))) is None  # a miss, served locally
+
+        def lock() -> None:
+            with cache.lock(key_of(2)):  # the lease is given up on: single flight is local
+                pass
+
+        timed("lock", lock)
+        artifact = fake_artifact(3)
+        timed("put", lambda: put(cache, key_of(3), artifact, {}))  # the upload is abandoned
+        timed("tag", lambda: cache.tag("model", key_of(3)))
+        assert timed("tagged", lambda: cache.tagged("absent")) is None
+        assert get(cache, key_of(3)) is not None  # the local write stands
+        assert max(took.values()) < 0.5 + 1.5, took
+        stats = cache.stats()
+        assert stats.remote_timeouts >= 4 and stats.remote_errors >= stats.remote_timeouts, stats
+        # A process that met the silent server exits at once: no thread it left holds it.
+        script = f"""
+            import time
+            from cache import ArtifactCache
+            cache = ArtifactCache({str(tmp_path / "b")!r}, remote="s3://fleet/x",
+                                  remote_options={server.options()!r}, remote_timeout=0.5)
+            started = time.monotonic()
+            print("found", cache.get({key_of(1)!r}), "after", round(time.monotonic() - started, 1))
+        """
+        started = time.monotonic()
+        out = run_python(script, timeout=60)
+        assert "found None" in out and time.monotonic() - started < 30, out
+    finally:
+        server.close()
+
+
+def test_an_entry_that_lies_about_a_blob_never_removes_it(
+    tmp_path: Any, remote: dict[str, Any]
+) -> None:
+    """Anyone who can write one entry must not be able to delete others' blobs: a blob
+    leaves the remote only when its own bytes fail its own digest."""
+    machine_a = _cache(tmp_path, "a", remote)
+    put(machine_a, key_of(1), fake_artifact(1), {})
+    tier = machine_a.remote
+    assert tier is not None
+    document = json.loads(tier.read(tier.entry_path(key_of(1)), 1 << 20) or b"{}")
+    digest = fake_artifact(1).variants[0].payload
+    for n, off_by in enumerate((1, -1)):  # the size listed off by one, either way
+        key = key_of(2 + n)
+        lie = {**document, "key": key, "blobs": {digest: document["blobs"][digest] + off_by}}
+        tier.write(tier.entry_path(key), json.dumps(lie).encode())
+        reader = _cache(tmp_path, f"b{n}", remote)
+        assert get(reader, key) is None  # the lying entry is refused
+        assert reader.stats().remote_errors == 1
+        assert tier.exists(tier.blob_path(digest))  # and the healthy blob stays
+    assert get(_cache(tmp_path, "c", remote), key_of(1)) is not None  # a new machine hits
+
+
+def test_an_entry_asking_too_much_is_refused_before_any_blob_request(
+    tmp_path: Any, remote: dict[str, Any]
+) -> None:
+    """Each blob an entry lists is one request: a hostile entry listing thousands (or
+    declaring gigabytes) is refused from its blob table alone."""
+    cache = _cache(tmp_path, "a", remote)
+    tier = cache.remote
+    assert tier is not None
+    many = {sha256_hex(str(n).encode()): 10 for n in range(5000)}
+    large = {sha256_hex(b"a"): 3 << 30, sha256_hex(b"b"): 3 << 30}  # 6 GiB in all
+    for n, blobs in enumerate((many, large)):
+        key = key_of(10 + n)
+        entry = {"key": key, "layout": "v2", "factors": {}, "blobs": blobs, "aux": {}}
+        tier.write(tier.entry_path(key), json.dumps({**entry, "document": None}).encode())
+    requested: list[str] = []
+    read_many = tier.read_many
+
+    def counting(wanted: Any) -> Any:
+        requested.extend(path for path, _ in wanted)
+        return read_many(wanted)
+
+    tier.read_many = counting  # type: ignore[method-assign]
+    assert get(cache, key_of(10)) is None and get(cache, key_of(11)) is None
+    assert requested == [tier.entry_path(key_of(10)), tier.entry_path(key_of(11))]
+    assert cache.stats().remote_errors == 2
+
+
+def test_cli_skips_and_reports_names_that_are_not_keys(tmp_path: Any) -> None:
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    url = f"file://{shared}"
+    here = str(tmp_path / "here")
+    store = ArtifactCache(here, remote=url)
+    for n in (1, 2, 3):
+        put(store, key_of(n), fake_artifact(n), {})  # uploaded as written
+    store.tag("model", key_of(2))
+    tier = store.remote
+    assert tier is not None
+    bad = ["z" * 64, "0" * 10, "\x1b[31m" + "a" * 59]  # the last one colours a terminal
+    for name in bad:  # sorted before, between and after the good names
+        tier.write(f"{tier.root}/entries/{name}.json", b"{}")
+    keys = sorted(key_of(n) for n in (1, 2, 3))
+    listing = _cli("--root", str(tmp_path / "x"), "ls", "--remote", url, "--json")
+    assert listing.returncode == 0, listing.stderr
+    assert json.loads(listing.stdout) == keys and repr("z" * 64) in listing.stderr
+    there = str(tmp_path / "there")
+    pulled = _cli("--root", there, "pull", url, "--json")
+    assert pulled.returncode == 0, pulled.stderr
+    report = json.loads(pulled.stdout)
+    assert sorted(report["pulled"]) == keys and report["failed"] == 0, report
+    assert sorted(s["name"] for s in report["skipped"]) == sorted(bad), report
+    assert repr(bad[2]) in pulled.stderr and "\x1b" not in pulled.stderr
+    assert ArtifactCache(there).tags() == {"model": key_of(2)}  # tags still pulled
+    # push: a local entry that cannot be read is skipped and reported; the rest goes.
+    os.chmod(store.entry_path(key_of(1)), 0o666)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    pushed = _cli("--root", here, "push", f"file://{elsewhere}", "--json")
+    assert pushed.returncode == 0, pushed.stderr
+    report = json.loads(pushed.stdout)
+    assert sorted(report["pushed"]) == sorted([key_of(2), key_of(3)]), report
+    assert [s["name"] for s in report["skipped"]] == [key_of(1) + ".json"], report
+    assert "UnsafeCacheError" in report["skipped"][0]["reason"] and key_of(1) in pushed.stderr

@@ -1,0 +1,112 @@
+"""What a compiled model was compiled from, computed from the model object alone (no
+tracing, a few milliseconds): its class, the sources of its modules' classes, its
+config and every submodule's settings, and its parameters' and buffers' names, shapes,
+dtypes and devices.
+
+These are the factors of ``compile_model``'s cache key that describe the model (the
+rest describe the call, the options and the environment). A compiled plan records
+them, so a load binds it only to a model they still describe: the same class with
+another layer count, ``rms_norm_eps`` or activation runs other code than was compiled.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import sys
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from ._dtypes import dtype_name
+from ._errors import IncompatibleArtifactError
+from ._model import class_path, file_digest
+
+# Each factor, and what differs where it does (for the error a load raises).
+FACTORS = {
+    "model_class": "its class",
+    "model_sources": "the source files of its modules' classes",
+    "model_settings": "its config or a submodule's settings",
+    "model_tensors": "its parameters' or buffers' names, shapes, dtypes or devices",
+}
+
+
+def canonical_digest(value: Any) -> str:
+    """sha256 of a JSON value's canonical text (anything else by its ``repr``)."""
+    text = json.dumps(value, sort_keys=True, default=repr, separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def module_sources(model: torch.nn.Module) -> dict[str, str]:
+    """sha256 of the source file of every module class in the model (and the model's)."""
+    found: dict[str, str] = {}
+    for module in model.modules():
+        name = type(module).__module__
+        path = getattr(sys.modules.get(name), "__file__", None)
+        if path and path not in found:
+            found[path] = file_digest(path) or "unreadable"
+    return dict(sorted(found.items()))
+
+
+def settings(model: torch.nn.Module) -> list[Any]:
+    """What configures each submodule beyond its weights: ``extra_repr`` (eps, sizes, ...)
+    and its plain attributes (ints, floats, strings, bools), and the model's config."""
+    found: list[Any] = []
+    for name, module in model.named_modules():
+        plain = {
+            k: v
+            for k, v in vars(module).items()
+            if not k.startswith("_") and isinstance(v, (bool, int, float, str, type(None)))
+        }
+        found.append([name, type(module).__qualname__, module.extra_repr(), plain])
+    config = getattr(model, "config", None)
+    to_json = getattr(config, "to_json_string", None)
+    found.append(["config", to_json(use_diff=False) if callable(to_json) else repr(config)])
+    return found
+
+
+def tensors(model: torch.nn.Module) -> list[Any]:
+    rows = []
+    for kind, items in (
+        ("parameter", model.named_parameters(remove_duplicate=False)),
+        ("buffer", model.named_buffers(remove_duplicate=False)),
+    ):
+        for name, tensor in items:
+            rows.append(
+                [kind, name, list(tensor.shape), dtype_name(tensor.dtype), str(tensor.device),
+                 bool(tensor.requires_grad)]
+            )  # fmt: skip
+    return rows
+
+
+def model_identity(model: torch.nn.Module) -> dict[str, str]:
+    """The key factors that describe ``model`` itself, by the names in ``FACTORS``."""
+    return {
+        "model_class": class_path(model),
+        "model_sources": canonical_digest(module_sources(model)),
+        "model_settings": canonical_digest(settings(model)),
+        "model_tensors": canonical_digest(tensors(model)),
+    }
+
+
+def check_identity(recorded: Mapping[str, str], model: torch.nn.Module, where: str) -> None:
+    """Refuse to bind a plan to a model its recorded factors do not describe (a plan
+    that recorded none cannot be checked, and is refused too)."""
+    if not recorded:
+        raise IncompatibleArtifactError(
+            f"{where} records no model to check this one against; compile it again"
+        )
+    current = model_identity(model)
+    if recorded.get("model_class") != current["model_class"]:
+        raise IncompatibleArtifactError(
+            f"{where} is for {recorded.get('model_class')}, this model is {class_path(model)}"
+        )
+    differing = [name for name in FACTORS if recorded.get(name) != current[name]]
+    if differing:
+        what = "; ".join(f"{name}: {FACTORS[name]}" for name in differing)
+        raise IncompatibleArtifactError(
+            f"{where} was compiled from another model: this one differs in "
+            f"{', '.join(differing)} ({what}); load it with the model it was compiled from, "
+            "or compile this one"
+        )
