@@ -90,6 +90,12 @@ def _leaf_paths(args: Sequence[Any], kwargs: Mapping[str, Any]) -> list[Any]:
     return paths
 
 
+def _codegen_config_digest() -> str:
+    from . import _torch_adapter as adapter
+
+    return adapter.codegen_config_digest()
+
+
 def model_factors(
     model: torch.nn.Module,
     args: Sequence[Any],
@@ -119,6 +125,8 @@ def model_factors(
         "call": _digest([str(spec), described]),
         "variants": _digest([hints, sizes]),
         "options": _digest(dict(options)),
+        # inductor's config and the attention backends change the compiled code too
+        "codegen_config": _codegen_config_digest(),
         "grad_mode": "enabled" if torch.is_grad_enabled() else "disabled",
         "torch": f"{environment.torch} ({environment.torch_git})",
         "triton": str(environment.triton),

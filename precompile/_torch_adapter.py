@@ -7,6 +7,7 @@ Inductor, so guards that one variant's compile adds stay with that variant.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import hashlib
@@ -14,6 +15,7 @@ import logging
 import os
 import pickle
 import platform
+import re
 import shutil
 import threading
 from collections.abc import Iterator, Mapping, Sequence
@@ -450,6 +452,139 @@ def _compile_context(fake_mode: Any, size_oblivious: bool) -> Iterator[None]:
         yield
 
 
+# cuDNN's fused attention builds an execution plan per input shape at the first call with
+# that shape (on an H100, 45-55 ms for the 4 attention calls of a 4-layer Llama at each new
+# sequence length), so a hint variant, which serves every size near its hint, would pay it
+# at each new size. Hint variants are compiled with cuDNN attention off (flash or
+# memory-efficient attention need no plan); an exact-size variant sees one shape, whose
+# plan the warm-up builds. PRECOMPILE_CUDNN_ATTENTION=1 keeps cuDNN in hint variants too
+# (faster at long sequences once each size has been seen: see README).
+CUDNN_ATTENTION_ENV = "PRECOMPILE_CUDNN_ATTENTION"
+
+
+def sdpa_settings(dynamic: bool) -> dict[str, bool]:
+    """The scaled-dot-product-attention backends a variant is compiled with: the user's
+    ``torch.backends.cuda`` switches, with cuDNN off in hint variants (``dynamic``)."""
+    backends = torch.backends.cuda
+    settings = {
+        "flash": backends.flash_sdp_enabled(),
+        "mem_efficient": backends.mem_efficient_sdp_enabled(),
+        "math": backends.math_sdp_enabled(),
+        "cudnn": backends.cudnn_sdp_enabled(),
+    }
+    others = settings["flash"] or settings["mem_efficient"] or settings["math"]
+    if dynamic and others and os.environ.get(CUDNN_ATTENTION_ENV) != "1":
+        settings["cudnn"] = False
+    return settings
+
+
+@contextmanager
+def _attention_backends(settings: Mapping[str, bool]) -> Iterator[None]:
+    """Set the SDPA backend switches (process-wide, as torch keeps them) for a compile:
+    AOTAutograd picks the fused attention kernel while it traces, by these switches."""
+    backends = torch.backends.cuda
+    switches = {
+        "flash": (backends.flash_sdp_enabled, backends.enable_flash_sdp),
+        "mem_efficient": (backends.mem_efficient_sdp_enabled, backends.enable_mem_efficient_sdp),
+        "math": (backends.math_sdp_enabled, backends.enable_math_sdp),
+        "cudnn": (backends.cudnn_sdp_enabled, backends.enable_cudnn_sdp),
+    }
+    before = {name: read() for name, (read, _) in switches.items()}
+    try:
+        for name, value in settings.items():
+            switches[name][1](value)
+        yield
+    finally:
+        for name, value in before.items():
+            switches[name][1](value)
+
+
+# Triton cuts its cache files' names to 150 characters, while inductor looks a kernel's
+# cubin up under the kernel's full name: a longer name (inductor names fused kernels after
+# every op they fuse) is not statically launchable, and loading it builds Triton's C
+# launcher with gcc. Fused names are cut so that every kernel name stays under 150.
+FUSED_NAME_LIMIT = 100
+
+
+class _ShortKernelNames:
+    """The current InductorChoices, with fused kernel names cut to ``FUSED_NAME_LIMIT``."""
+
+    def __init__(self, inner: Any) -> None:
+        self._inner = inner
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+    def customize_fused_kernel_name(self, fused_name: str, src_code: str) -> str:
+        name = str(self._inner.customize_fused_kernel_name(fused_name, src_code))
+        return name[:FUSED_NAME_LIMIT]
+
+
+@contextmanager
+def _short_kernel_names() -> Iterator[None]:
+    from torch._inductor import config as inductor_config
+    from torch._inductor.choices import InductorChoices
+    from torch._inductor.virtualized import V
+
+    if hasattr(InductorChoices, "customize_fused_kernel_name"):
+        with V.set_choices_handler(_ShortKernelNames(V.choices)):
+            yield
+    else:  # a torch without the naming hook: plain numbered names
+        with inductor_config.patch({"triton.descriptive_names": False}):
+            yield
+
+
+_TRITON_CALL = re.compile(r"^\w+ = async_compile\.triton\('(\w+)'", re.M)
+
+
+class _TunedConfigNotBuilt(Exception):
+    """The compile's autotuning chose a config that the saved kernel does not hold."""
+
+
+def _raise_not_built() -> Any:
+    raise _TunedConfigNotBuilt
+
+
+def _settle_triton_kernels(payload: bytes) -> bytes:
+    """Fix each statically launchable Triton kernel of the payload to the config this
+    compile's autotuning chose, so that a load neither benchmarks configs at the first
+    call nor compiles smaller reduction blocks (Triton's driver, gcc and ptxas would run);
+    warn about kernels that need Triton's own launcher (built with gcc at load).
+
+    Runs inside the compile's inductor dir, where the autotuning results are."""
+    if b"async_compile.triton(" not in payload:
+        return payload
+    entry, kernels, constant_args = runtime_adapter.unpickle_bundle(payload)
+    for graph in runtime_adapter.compiled_graphs(entry):
+        bundle = getattr(graph, "_triton_bundle", None)
+        static = list(getattr(bundle, "static_autotuners", None) or [])
+        for autotuner in static:
+            kernel = autotuner.kernel
+            recheck = getattr(kernel, "recheck_autotune_cache", None)
+            if len(kernel.compile_results) > 1 and recheck is not None:
+                with contextlib.suppress(_TunedConfigNotBuilt):
+                    recheck(reload_kernel_from_src=_raise_not_built)
+            if len(kernel.compile_results) == 1:
+                kernel.inductor_meta = {**kernel.inductor_meta, "dynamic_scale_rblock": False}
+            else:
+                log.info(
+                    "Triton kernel %s keeps %d configs: its first call in a process "
+                    "benchmarks them",
+                    autotuner.kernel_name,
+                    len(kernel.compile_results),
+                )
+        launched = set(_TRITON_CALL.findall(str(graph.source_code)))
+        unsettled = sorted(launched - {a.kernel_name for a in static})
+        if unsettled:
+            log.warning(
+                "%d Triton kernel(s) cannot be launched without Triton's own launcher, which "
+                "a load builds with gcc: %s",
+                len(unsettled),
+                ", ".join(unsettled)[:500],
+            )
+    return pickle.dumps((entry, kernels, constant_args))
+
+
 def compile_variant(
     gm: torch.fx.GraphModule,
     graph: GraphDescription,
@@ -468,7 +603,11 @@ def compile_variant(
     # A point at 0 or 1 is meant to specialize (a decode step's code for one row); any
     # other dynamic point is traced for every size, 0 and 1 included.
     size_oblivious = dynamic and all(int(v) >= 2 for v in point.values())
-    with _compile_context(fake_mode, size_oblivious):
+    with (
+        _compile_context(fake_mode, size_oblivious),
+        _attention_backends(sdpa_settings(dynamic)),
+        _short_kernel_names(),
+    ):
         compiled = compile_fx(copy.deepcopy(gm), inputs, **dict(options))
         if not hasattr(compiled, "serialize"):
             raise UnsupportedGraphError(
@@ -485,6 +624,7 @@ def compile_variant(
                 "are one known case: capture the graph with Dynamo (a torch.compile backend) "
                 "instead"
             ) from exc
+        payload = _settle_triton_kernels(payload)
         kernels = _built_cpp_kernels(payload)
         uses, training = _input_uses(payload, len(inputs))
     shape_env = fake_mode.shape_env
@@ -621,6 +761,8 @@ def codegen_config_digest() -> str:
     snapshot = {
         "inductor": inductor_config.save_config_portable(),
         "functorch": functorch_config.save_config_portable(),
+        # the attention kernels hint and exact-size variants are compiled with
+        "sdpa": [sdpa_settings(dynamic=True), sdpa_settings(dynamic=False)],
     }
     text = json.dumps(snapshot, sort_keys=True, default=repr)
     return hashlib.sha256(text.encode()).hexdigest()

@@ -99,6 +99,73 @@ def private_inductor_dir(directory: str) -> Iterator[None]:
         _redirect.reset(token)
 
 
+_loading: ContextVar[bool] = ContextVar("precompile_loading", default=False)
+# What inductor's backend hash reads during our loads, where nothing uses it.
+DEFERRED_BACKEND_HASH = "PRECOMPILE-LOAD-BACKEND-HASH-UNUSED"
+
+
+def _remote_autotune_cache_on() -> bool:
+    from torch._inductor import config as inductor_config
+
+    return bool(
+        inductor_config.autotune_remote_cache or inductor_config.bundled_autotune_remote_cache
+    )
+
+
+def _install_backend_hash_deferral() -> None:
+    """Wrap torch's Triton backend hash (once) so that a load in this thread skips it.
+
+    Every load of an inductor graph asks for the hash of Triton's backend (Triton's
+    version, the GPU arch and ptxas's version), to key the remote autotune cache. Computing
+    it starts Triton's CUDA driver, which builds its C helper with gcc and runs ldconfig,
+    ``file`` and two ``ptxas --version``. A variant's kernels carry their own, so with no
+    remote autotune cache configured nothing reads it during our loads; everywhere else
+    the real hash is returned."""
+    import torch.utils._triton as triton_utils
+
+    original = triton_utils.triton_hash_with_backend
+    if getattr(original, "__precompile_deferral__", False):
+        return
+
+    def triton_hash_with_backend() -> str:
+        if _loading.get() and not _remote_autotune_cache_on():
+            return DEFERRED_BACKEND_HASH
+        return str(original())
+
+    triton_hash_with_backend.__precompile_deferral__ = True  # type: ignore[attr-defined]
+    triton_hash_with_backend.cache_clear = original.cache_clear  # type: ignore[attr-defined]
+    triton_utils.triton_hash_with_backend = triton_hash_with_backend  # type: ignore[assignment]
+    for name, module in list(sys.modules.items()):
+        if not name.startswith("torch."):  # getattr on another package's lazy module imports
+            continue
+        if getattr(module, "triton_hash_with_backend", None) is original:
+            module.triton_hash_with_backend = triton_hash_with_backend  # type: ignore[attr-defined]
+
+
+@contextmanager
+def _loading_in_this_thread() -> Iterator[None]:
+    with LOAD_LOCK:
+        _install_backend_hash_deferral()
+    token = _loading.set(True)
+    try:
+        yield
+    finally:
+        _loading.reset(token)
+
+
+@contextmanager
+def _no_compile_workers() -> Iterator[None]:
+    """No compile-worker pool for a load: inductor starts one (a Python process and its
+    forks) the first time a wrapper asks for a Triton kernel, although a kernel bundled as
+    statically launchable needs no compile. A kernel that does need one compiles in this
+    thread instead. (Inductor's config is process-wide: a compile running meanwhile in
+    another thread uses no pool either.)"""
+    from torch._inductor import config as inductor_config
+
+    with inductor_config.patch(compile_threads=1):
+        yield
+
+
 def unpickle_bundle(payload: bytes) -> tuple[Any, Any, Any]:
     bundle = pickle.loads(payload)
     if not (isinstance(bundle, tuple) and len(bundle) == 3):
@@ -155,7 +222,12 @@ def load_variant(
                 graph.source_code = source
                 _rekey(graph)
         payload = pickle.dumps((entry, kernels, constant_args))
-    with private_inductor_dir(build_dir()), LOAD_LOCK:
+    with (
+        private_inductor_dir(build_dir()),
+        LOAD_LOCK,
+        _no_compile_workers(),
+        _loading_in_this_thread(),
+    ):
         loaded = BundledAOTAutogradSerializableCallable.deserialize_compile_artifacts(payload)
     compiled: Callable[..., Any] = loaded.compiled_fn
     return compiled

@@ -174,6 +174,55 @@ def test_key_changes_with_what_changes_code(mlp: Compiled, monkeypatch: pytest.M
     assert cache_factors(other.gm, graph, [], {}, "from_graph", "cpu")["graph"] != base["graph"]
 
 
+def test_hint_variants_compile_without_cudnn_attention_unless_asked(
+    mlp: Compiled, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """cuDNN attention builds a plan per shape at its first call: hint variants, which
+    serve many sizes, are compiled with it off (exact-size ones keep the user's switches),
+    the switches are restored after, and PRECOMPILE_CUDNN_ATTENTION=1 (a key factor)
+    keeps it."""
+    import torch._inductor.compile_fx as compile_fx_module
+
+    seen: list[bool] = []
+
+    class Stop(Exception):
+        pass
+
+    def spy(*args: object, **kwargs: object) -> object:
+        seen.append(torch.backends.cuda.cudnn_sdp_enabled())
+        raise Stop
+
+    monkeypatch.setattr(compile_fx_module, "compile_fx", spy)
+    captured = mlp.captured
+    graph = _torch_adapter.describe_graph(captured.gm, captured.example_inputs, "from_graph")
+    point = {symbol: 16 for symbol in graph.symbols}
+    before = torch.backends.cuda.cudnn_sdp_enabled()
+    for dynamic in (True, False):
+        with pytest.raises(Stop):
+            _torch_adapter.compile_variant(captured.gm, graph, point, dynamic=dynamic, options={})
+    assert seen == [False, before]
+    assert torch.backends.cuda.cudnn_sdp_enabled() == before
+    base = cache_key(_factors(mlp))
+    monkeypatch.setenv(_torch_adapter.CUDNN_ATTENTION_ENV, "1")
+    assert _torch_adapter.sdpa_settings(dynamic=True)["cudnn"] == before
+    assert cache_key(_factors(mlp)) != base
+
+
+def test_model_key_changes_with_inductor_config() -> None:
+    """A model compiled under other inductor settings is a miss, never their code."""
+    from torch._inductor import config as inductor_config
+
+    from precompile._model import model_factors
+
+    model = torch.nn.Linear(4, 4).eval()
+    x = torch.randn(3, 4)
+    base = model_factors(model, (x,), {}, {0: {0}}, [8], [1], {})
+    assert model_factors(model, (x,), {}, {0: {0}}, [8], [1], {}) == base
+    with inductor_config.patch(max_autotune=True):
+        changed = model_factors(model, (x,), {}, {0: {0}}, [8], [1], {})
+    assert changed["codegen_config"] != base["codegen_config"]
+
+
 def test_key_ignores_path_pid_and_time(mlp: Compiled, tmp_path: object) -> None:
     here = cache_key(_factors(mlp))
     code = f"""
