@@ -62,6 +62,13 @@ def _digest(value: Any) -> str:
     return hashlib.sha256(text.encode()).hexdigest()
 
 
+def _keyed(value: Any) -> Any:
+    """A hints/sizes mapping as JSON can hold it (tuple keys as their repr)."""
+    if isinstance(value, Mapping):
+        return sorted([repr(k), v] for k, v in value.items())
+    return value
+
+
 def _module_sources(model: torch.nn.Module) -> dict[str, str]:
     """sha256 of the source file of every module class in the model (and the model's)."""
     found: dict[str, str] = {}
@@ -242,7 +249,7 @@ def model_factors(
         "model_tensors": _digest(_tensors(model)),
         "model_mode": "train" if model.training else "eval",
         "call": _digest([str(spec), described]),
-        "variants": _digest([hints, sizes]),
+        "variants": _digest([_keyed(hints), [_keyed(s) for s in sizes or ()]]),
         "options": _digest(dict(options)),
         "grad_mode": "enabled" if torch.is_grad_enabled() else "disabled",
         "torch": f"{environment.torch} ({environment.torch_git})",
@@ -396,13 +403,18 @@ def _trace_and_compile(
                 adapter.mark_dynamic(leaves[index], dim)
 
     def compile_graph(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
+        def by_input(value: Any) -> Any:
+            return _graph_dims(value, example_inputs, leaves, paths)
+
         return standalone_compile(
             gm,
             example_inputs,
             dynamic_shapes="from_tracing_context",
             options=options,
-            hints=hints,
-            sizes=sizes,
+            hints=by_input(hints) if isinstance(hints, Mapping) else hints,
+            sizes=[by_input(s) if isinstance(s, Mapping) else s for s in sizes]
+            if sizes is not None
+            else None,
             cache=False,
         )
 
@@ -425,6 +437,33 @@ def _trace_and_compile(
     plan = _plan(model, leaves, paths, trace, advanced)
     log.info("traced and compiled %s in %.1f s", class_path(model), time.perf_counter() - started)
     return CompiledModel(model, trace.artifact, plan)
+
+
+def _graph_dims(
+    value: Mapping[Any, Any], example_inputs: list[Any], leaves: list[Any], paths: list[Any]
+) -> dict[Any, Any]:
+    """Per-dim ``hints``/``sizes`` keyed by ``(argument, dim)`` (positional index or
+    keyword name, as ``dynamic=`` names them) re-keyed by the graph input that argument
+    became; symbol names pass through."""
+    by_id = {id(value): index for index, value in enumerate(example_inputs)}
+    found: dict[Any, Any] = {}
+    for key, item in value.items():
+        if not isinstance(key, tuple):
+            found[key] = item
+            continue
+        argument, dim = key if len(key) == 2 else (None, None)
+        matches = [
+            by_id[id(leaf)]
+            for leaf, path in zip(leaves, paths, strict=True)
+            if path == argument and isinstance(leaf, torch.Tensor) and id(leaf) in by_id
+        ]
+        if not matches or not isinstance(dim, int):
+            raise InvalidOptionError(
+                f"hints/sizes name {key!r}: (argument, dim) where argument is a positional "
+                "index or keyword name of a tensor the graph takes"
+            )
+        found[(matches[0], dim)] = item
+    return found
 
 
 def _token_source(

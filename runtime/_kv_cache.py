@@ -179,7 +179,7 @@ class CacheGuard:
             layers = self._check_structure(slot, cache)
             if not all(layer.is_initialized for layer in layers):
                 self._initialize(slot, layers, leaves)
-            lengths = self._lengths(cache, layers)
+            lengths = self._lengths(slot, cache, layers)
             for index, (layer, length) in enumerate(zip(layers, lengths, strict=True)):
                 capacity = int(layer.keys.shape[2]) if layer.keys.dim() == 4 else -1
                 if length < 0 or length + tokens > capacity:
@@ -266,7 +266,7 @@ class CacheGuard:
                 torch.zeros(shape_v, dtype=dtype_of(values.dtype), device=device),
             )
 
-    def _lengths(self, cache: Any, layers: list[Any]) -> tuple[int, ...]:
+    def _lengths(self, slot: CacheSlot, cache: Any, layers: list[Any]) -> tuple[int, ...]:
         counters = tuple(layer.cumulative_length for layer in layers)
         mirror = self._mirrors.get(cache)
         if (
@@ -275,6 +275,15 @@ class CacheGuard:
             and _versions(counters) == mirror.versions
         ):
             return mirror.lengths
+        for index, (layer, counter) in enumerate(zip(layers, counters, strict=True)):
+            device = torch.device(slot.keys[index].device)
+            for field, tensor in (("keys", layer.keys), ("cumulative_length", counter)):
+                if not isinstance(tensor, torch.Tensor) or tensor.device != device:
+                    where = tensor.device if isinstance(tensor, torch.Tensor) else "no tensor"
+                    raise InputMismatchError(
+                        f"{slot.name} layer {index} {field} is on device {where}, but the model "
+                        f"was compiled for {device}"
+                    )
         lengths = tuple(counter_values(counters))
         versions = _versions(counters)
         if versions is not None:
@@ -323,6 +332,16 @@ class CacheGuard:
                     why = _difference(tensor, spec)
                     if why:
                         return f"{slot.name} layer {index} {field}: {why}"
+            keys = getattr(layers[0], "keys", None) if layers else None
+            try:
+                batch = self._batch(leaves)
+            except (AttributeError, IndexError, TypeError):
+                continue
+            if isinstance(keys, torch.Tensor) and keys.dim() and int(keys.shape[0]) != batch:
+                return (
+                    f"{slot.name} has batch size {int(keys.shape[0])}, but this call's batch is "
+                    f"{batch}: a cache holds one sequence per row of the call"
+                )
         return None
 
 
