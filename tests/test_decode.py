@@ -7,6 +7,7 @@ and no compile; and every bad cache refused with ``InputMismatchError`` naming i
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Callable
 from typing import Any
@@ -254,3 +255,104 @@ def test_generate_is_served_by_compiled_models(arch: str, cache_dir: str) -> Non
     assert torch.equal(first, eager) and torch.equal(second, expected)
     assert served_inner == 0  # no eager forward ran inside the second generate
     assert 1 <= len(served.compiled) <= 2  # prefill, and decode where it differs
+
+
+# -- CUDA graphs ---------------------------------------------------------------------------
+def test_graphs_that_write_a_static_cache_are_capturable(llama: tuple[Any, Any]) -> None:
+    """The cache tensors the graph writes are static-address inputs: captured in place
+    (on CUDA); a written input whose address is not static is still refused."""
+    import dataclasses
+
+    from runtime._cudagraphs import why_not_capturable
+    from runtime._manifest import TensorInput
+
+    manifest = llama[1].artifact.manifest
+    written = [i for i, s in enumerate(manifest.inputs)
+               if isinstance(s, TensorInput) and s.mutation == "data"]  # fmt: skip
+    assert len(written) == 6  # keys, values and counter of 2 layers
+    assert all(manifest.inputs[i].static_address for i in written)
+    on_cuda = dataclasses.replace(
+        manifest,
+        environment=dataclasses.replace(manifest.environment, device_type="cuda"),
+        inputs=tuple(
+            dataclasses.replace(s, device="cuda:0") if isinstance(s, TensorInput) else s
+            for s in manifest.inputs
+        ),
+    )
+    assert why_not_capturable(on_cuda) is None
+    inputs = list(on_cuda.inputs)
+    inputs[written[0]] = dataclasses.replace(inputs[written[0]], static_address=False)
+    reason = why_not_capturable(dataclasses.replace(on_cuda, inputs=tuple(inputs)))
+    assert reason is not None and "not static" in reason
+
+
+@pytest.fixture(scope="module")
+def cuda_llama(cache_dir: str) -> tuple[Any, Any, Any]:
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    model = build("llama").to(device="cuda", dtype=torch.bfloat16)
+    call = {"input_ids": torch.randint(0, VOCAB, (1, 7), device="cuda"),
+            "past_key_values": new_cache(model), "use_cache": True}  # fmt: skip
+    options: dict[str, Any] = dict(
+        dynamic={"input_ids": [0, 1]},
+        hints={("input_ids", 0): [1, 8], ("input_ids", 1): [1, 8]},
+        sizes=[],
+        cache=cache_dir,
+    )
+    with torch.no_grad():
+        plain = precompile.compile_model(model, (), call, **options)
+        graphs = precompile.compile_model(model, (), call, cudagraphs=True, **options)
+    return model, plain, graphs
+
+
+@pytest.mark.gpu
+def test_cudagraph_decode_matches_the_same_model_without_graphs(
+    cuda_llama: tuple[Any, Any, Any], caplog: pytest.LogCaptureFixture
+) -> None:
+    model, plain, graphs = cuda_llama
+    torch.manual_seed(6)
+    for batch in (1, 3, 8):
+        prompt = torch.randint(0, VOCAB, (batch, 7), device="cuda")
+        assert torch.equal(greedy(graphs, model, prompt), greedy(plain, model, prompt))
+    decode_graphs = [s for s in graphs.artifact.captured_sizes if 1 in s]
+    assert len(decode_graphs) >= 3, graphs.artifact.captured_sizes  # one per batch size
+    # A graph is bound to the cache it was captured on: another cache object drops it
+    # (the call runs plainly, the next one captures again) and the first cache is never
+    # written through a stale graph.
+    prompt = torch.randint(0, VOCAB, (1, 7), device="cuda")
+    first, second = new_cache(model), new_cache(model)
+    with torch.no_grad():
+        for cache in (first, second):
+            tokens = prompt
+            for _ in range(4):
+                tokens = graphs(input_ids=tokens, past_key_values=cache,
+                                use_cache=True).logits[:, -1:].argmax(-1)  # fmt: skip
+        kept = first.layers[0].keys.clone()
+        with caplog.at_level(logging.INFO, logger="precompile"):
+            for _ in range(4):
+                tokens = graphs(input_ids=tokens, past_key_values=second,
+                                use_cache=True).logits[:, -1:].argmax(-1)  # fmt: skip
+    torch.cuda.synchronize()
+    assert torch.equal(first.layers[0].keys, kept)
+    assert int(first.layers[0].cumulative_length) == 7 + 3
+    assert int(second.layers[0].cumulative_length) == 7 + 3 + 4
+    expected = greedy(plain, model, prompt)
+    assert torch.equal(greedy(graphs, model, prompt), expected)
+
+
+@pytest.mark.gpu
+def test_generate_with_cudagraphs_matches_without(
+    cuda_llama: tuple[Any, Any, Any], cache_dir: str
+) -> None:
+    model = cuda_llama[0]
+    prompt = torch.randint(0, VOCAB, (2, 7), device="cuda")
+    options = dict(max_new_tokens=STEPS, do_sample=False, cache_implementation="static",
+                   pad_token_id=0)  # fmt: skip
+    outputs = []
+    with torch.no_grad():
+        for graphs in (False, True):
+            with precompile.serve_generate(model, hints=[8], cache=cache_dir,
+                                           cudagraphs=graphs) as served:  # fmt: skip
+                outputs.append(model.generate(prompt, **options))
+            assert served.calls == STEPS
+    assert torch.equal(outputs[0], outputs[1])
