@@ -79,8 +79,12 @@ def our_call(model: torch.nn.Module, batch: int, length: int, cache_len: int) ->
     """The example call ``compile_model`` is compiled for (fresh process too)."""
     import transformers
 
-    cache = transformers.StaticCache(config=model.config, max_cache_len=cache_len)
-    ids = torch.randint(0, model.config.vocab_size, (batch, length), device="cuda")
+    config = model.config
+    cache = transformers.StaticCache(config=config, max_cache_len=cache_len)
+    head_dim = config.hidden_size // config.num_attention_heads
+    cache.early_initialization(batch, config.num_key_value_heads, head_dim, torch.bfloat16,
+                               torch.device("cuda"))  # fmt: skip
+    ids = torch.randint(0, config.vocab_size, (batch, length), device="cuda")
     return {"input_ids": ids, "past_key_values": cache, "use_cache": True}
 
 
@@ -155,7 +159,7 @@ def make_rows(model: torch.nn.Module, cache_dir: str, cache_len: int) -> dict[st
         ),
         "torch.compile + hand-captured graph": HandCaptured(fullgraph),
     }
-    example = our_call(model, 1, PROMPT, cache_len)
+    example = our_call(model, 2, PROMPT, cache_len)  # sizes 0 and 1 are never dynamic
     started = time.perf_counter()
     ours = precompile.compile_model(model, (), example, cache=cache_dir, warmup=True,
                                     **OUR_OPTIONS)  # fmt: skip
@@ -332,19 +336,20 @@ from _common import count_tracing_and_compiles, is_compiler
 from decode import OUR_OPTIONS, PROMPT, build, our_call
 frames, compiles = count_tracing_and_compiles()
 model = build({smoke})
-call = our_call(model, 1, PROMPT, {cache_len})
+call = our_call(model, 2, PROMPT, {cache_len})
 torch.cuda.synchronize()
 built = time.perf_counter()
 with torch.no_grad():
     compiled = precompile.compile_model(model, (), call, cache={cache!r}, cudagraphs=True,
                                         **OUR_OPTIONS)
-    out = compiled(**call)
+    request = our_call(model, 1, PROMPT, {cache_len})  # a request of batch 1, its own cache
+    out = compiled(**request)
     token = out.logits[:, -1:].argmax(-1)
     torch.cuda.synchronize()
     first = time.perf_counter() - built
     began = time.perf_counter()
     for _ in range(8):
-        token = compiled(input_ids=token, past_key_values=call["past_key_values"],
+        token = compiled(input_ids=token, past_key_values=request["past_key_values"],
                          use_cache=True).logits[:, -1:].argmax(-1)
     torch.cuda.synchronize()
     decode8 = time.perf_counter() - began

@@ -14,7 +14,7 @@ tracing where it was compiled before), and ``get_compiled_call`` (generate's hoo
 Dynamic dims: the prompt's sequence dim (``input_ids`` last dim, and a 2-d attention
 mask's or ``position_ids``'s last dim of that size) when it is longer than 1, with the
 given ``hints``; with ``dynamic_batch=True`` also dim 0 of every tensor argument (and the
-cache's batch), so batch sizes share one compile.
+cache's batch) where the call's batch is over 1, so batch sizes share one compile.
 """
 
 from __future__ import annotations
@@ -74,7 +74,7 @@ def _dynamic(kwargs: Mapping[str, Any], dynamic_batch: bool) -> dict[int | str, 
     for name, value in kwargs.items():
         wanted: list[int] = []
         if isinstance(value, torch.Tensor):
-            if dynamic_batch and value.dim() >= 1:
+            if dynamic_batch and value.dim() >= 1 and int(value.shape[0]) > 1:
                 wanted.append(0)
             if sequence > 1:
                 if name == "input_ids" or (
@@ -85,7 +85,12 @@ def _dynamic(kwargs: Mapping[str, Any], dynamic_batch: bool) -> dict[int | str, 
                     wanted.append(value.dim() - 1)
                 elif name == "inputs_embeds":
                     wanted.append(1)
-        elif is_kv_cache(value) and dynamic_batch:
+        elif (
+            is_kv_cache(value)
+            and dynamic_batch
+            and isinstance(ids, torch.Tensor)
+            and int(ids.shape[0]) > 1
+        ):
             wanted.append(0)
         if wanted:
             dims[name] = sorted(set(wanted))

@@ -150,6 +150,12 @@ def _dynamic_dims(
         for dim in wanted:
             if not isinstance(dim, int) or not 0 <= dim < leaf.dim():
                 raise InvalidOptionError(f"dynamic dim {dim!r} of argument {key!r} is out of range")
+            if int(leaf.shape[dim]) < 2:
+                raise InvalidOptionError(
+                    f"dynamic dim {dim} of argument {key!r} is {int(leaf.shape[dim])} in the "
+                    "example call; Dynamo specializes sizes 0 and 1, so the dim would not be "
+                    "dynamic: give an example of at least 2 there"
+                )
         dims.setdefault(matches[0], set()).update(wanted)
     return dims
 

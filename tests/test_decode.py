@@ -189,6 +189,11 @@ def test_unsupported_caches_are_refused_at_compile(tmp_path: Any) -> None:
             model, (), {"input_ids": ids, "past_key_values": transformers.DynamicCache(
                 config=model.config), "use_cache": True}, cache=str(tmp_path),
         )  # fmt: skip
+    with pytest.raises(precompile.InvalidOptionError, match="Dynamo specializes sizes 0 and 1"):
+        precompile.compile_model(
+            model, (), {"input_ids": ids, "past_key_values": new_cache(model), "use_cache": True},
+            dynamic={"input_ids": [0]}, cache=str(tmp_path),
+        )  # fmt: skip
     with pytest.raises(precompile.InvalidOptionError, match="only its batch"):
         precompile.compile_model(
             model, (), {"input_ids": ids, "past_key_values": new_cache(model), "use_cache": True},
@@ -291,7 +296,7 @@ def cuda_llama(cache_dir: str) -> tuple[Any, Any, Any]:
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     model = build("llama").to(device="cuda", dtype=torch.bfloat16)
-    call = {"input_ids": torch.randint(0, VOCAB, (1, 7), device="cuda"),
+    call = {"input_ids": torch.randint(0, VOCAB, (2, 7), device="cuda"),
             "past_key_values": new_cache(model), "use_cache": True}  # fmt: skip
     options: dict[str, Any] = dict(
         dynamic={"input_ids": [0, 1]},
