@@ -8,14 +8,16 @@ a transformers ``StaticCache``, every row side by side in one process.
 Model: ``transformers.LlamaForCausalLM`` from a config (hidden 2048, intermediate 5632,
 4 layers, 16 heads, 4 KV heads, vocab 32000), bf16, random init; one ``StaticCache`` of
 ``--cache-len`` (1152: room for the 1024-token prefill, so that every row keeps one cache
-shape) per row and batch size, ``reset()`` between runs. A run: prefill 128 tokens, then
-64 greedy steps (the next token is the argmax, kept on the GPU: no host sync per step).
+shape) per batch size, shared by the rows, ``reset()`` before each run. A run: prefill
+128 tokens, then 64 greedy steps (the next token is the argmax, kept on the GPU: no host
+sync per step).
 
 Rows: ``eager``; ``torch.compile fullgraph`` (``torch.compile(step, fullgraph=True)``);
 ``precompile.backend`` (``torch.compile`` with our backend, hints 16/256; batch 1);
 ``transformers generate`` (its own ``generate(cache_implementation="static")``, which
 compiles the decode steps itself, with reduce-overhead CUDA graphs by default on CUDA;
-batch 1; per token = (time of 65 new tokens - time of 1) / 64, prefill excluded);
+batch 1, on a cache it is passed, reset before each call; per token = (time of 65 new
+tokens - time of 1) / 64, prefill excluded);
 ``torch.compile + hand-captured graph`` (the fullgraph step captured by hand in one
 ``torch.cuda.CUDAGraph`` per batch size, replayed per decode step); ``ours`` (
 ``compile_model`` with the cache: batch and sequence dynamic, hint points (1|8, 1|128));
@@ -26,8 +28,9 @@ batch 1; per token = (time of 65 new tokens - time of 1) / 64, prefill excluded)
 Decode ms/token: the 64 steps' wall time / 64 (median of ``--rounds`` interleaved rounds).
 Prefill ms at 128 and 1024 tokens (batch 1, median of 5). Also: GPU memory in CUDA-graph
 pools per graph row, tokens of ``ours + cudagraphs`` against ``ours`` (identical?), and a
-fresh process on the warm cache: ``compile_model`` call to first token, Dynamo frames,
-inductor compiles, compiler processes.
+fresh process on the warm cache: ``compile_model`` (no warm-up thread) call to the first
+token of a batch-1 request on a new cache, Dynamo frames, inductor compiles, compiler
+processes. And a cProfile of the host's time in 64 steps of ``ours + cudagraphs``.
 """
 
 from __future__ import annotations
@@ -192,20 +195,24 @@ def decode_run(
     return (time.perf_counter() - began) * 1e3 / STEPS, torch.cat(tokens, dim=1)
 
 
-def generate_run(model: torch.nn.Module, prompt: torch.Tensor, cache_len: int,
+def generate_run(model: torch.nn.Module, prompt: torch.Tensor, cache: Any,
                  served: Any = None) -> float:  # fmt: skip
-    """transformers' generate: ms per new token, prefill excluded (65 new - 1 new) / 64."""
-    options = dict(do_sample=False, cache_implementation="static", max_cache_len=cache_len,
-                   pad_token_id=0)  # fmt: skip
+    """transformers' generate on a static cache the caller keeps (``reset()`` before each
+    call: a new cache per call would make torch.compile recompile, its tensors being
+    guarded by identity, and our graphs re-capture): ms per new token, prefill excluded,
+    (65 new - 1 new) / 64."""
     times = []
     for new in (1, STEPS + 1):
+        cache.reset()
         torch.cuda.synchronize()
         began = time.perf_counter()
+        options = dict(max_new_tokens=new, min_new_tokens=new, do_sample=False,
+                       past_key_values=cache, pad_token_id=0)  # fmt: skip
         if served is not None:
             with served:
-                model.generate(prompt, max_new_tokens=new, min_new_tokens=new, **options)
+                model.generate(prompt, **options)
         else:
-            model.generate(prompt, max_new_tokens=new, min_new_tokens=new, **options)
+            model.generate(prompt, **options)
         torch.cuda.synchronize()
         times.append(time.perf_counter() - began)
     return (times[1] - times[0]) * 1e3 / STEPS
@@ -217,6 +224,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
 
     import precompile
 
+    torch._dynamo.config.recompile_limit = 64  # the torch.compile rows: every batch and S
     model = build(args.smoke)
     vocab = model.config.vocab_size
     cache_dir = args.cache or tempfile.mkdtemp(prefix="precompile-decode-")
@@ -227,14 +235,14 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         rows = make_rows(model, cache_dir, args.cache_len)
         artifacts = rows.pop("_artifacts")
         served = precompile.serve_generate(model, cache=cache_dir, cudagraphs=True,
-                                           hints=[16, 256], warmup=True)  # fmt: skip
-        caches = {
-            (name, batch): transformers.StaticCache(
-                config=model.config, max_cache_len=args.cache_len
-            )
-            for name in ROWS
+                                           hints=[PROMPT], warmup=True)  # fmt: skip
+        # One cache per batch size, shared by the rows (reset before each run): its
+        # tensors keep their addresses, as a server keeps its cache.
+        shared = {
+            batch: transformers.StaticCache(config=model.config, max_cache_len=args.cache_len)
             for batch in batches
         }
+        caches = {(name, batch): shared[batch] for name in ROWS for batch in batches}
         prompts = {b: torch.randint(0, vocab, (b, PROMPT), device="cuda") for b in batches}
         # First runs: compiles, recompiles and captures, timed as "ready".
         for name in ROWS:
@@ -246,7 +254,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                     continue
                 for _ in range(2):  # graphs that write their inputs capture at a 2nd call
                     if name in GENERATE_ROWS:
-                        generate_run(model, prompts[batch], args.cache_len,
+                        generate_run(model, prompts[batch], caches[(name, batch)],
                                      served if name.startswith("ours") else None)  # fmt: skip
                     else:
                         decode_run(rows[name], prompts[batch], caches[(name, batch)])
@@ -264,7 +272,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                     if batch > 1 and name in BATCH_ONE_ONLY:
                         continue
                     if name in GENERATE_ROWS:
-                        ms = generate_run(model, prompts[batch], args.cache_len,
+                        ms = generate_run(model, prompts[batch], caches[(name, batch)],
                                           served if name.startswith("ours") else None)  # fmt: skip
                     else:
                         ms, tokens[(name, batch)] = decode_run(
@@ -305,6 +313,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                 f"{n}={v[str(length)]:.2f}" for n, v in prefill.items() if str(length) in v),
                 flush=True)  # fmt: skip
         captured = {k: [list(s) for s in v.artifact.captured_sizes] for k, v in artifacts.items()}
+        host = host_profile(rows["ours + cudagraphs"], prompts[1], caches[("ours", 1)])
     return {
         "environment": environment("cuda"),
         "transformers": transformers.__version__,
@@ -320,8 +329,30 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         "graph_memory_mb": memory,
         "ours_cudagraphs_tokens_identical": same,
         "captured_sizes": captured,
+        "host_profile_ours_cudagraphs": host,
         "warm_start": warm_start(args.smoke, cache_dir, args.cache_len),
     }
+
+
+def host_profile(row: Callable[..., Any], prompt: torch.Tensor, cache: Any) -> str:
+    """Where the host's time goes in 64 decode steps (cProfile, top functions by own
+    time): what a replayed step costs before the GPU does anything."""
+    import cProfile
+    import io
+    import pstats
+
+    cache.reset()
+    ids = row(prompt, cache)[:, -1:].argmax(-1)
+    profile = cProfile.Profile()
+    profile.enable()
+    for _ in range(STEPS):
+        ids = row(ids, cache)[:, -1:].argmax(-1)
+    profile.disable()
+    torch.cuda.synchronize()
+    text = io.StringIO()
+    pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(18)
+    print(text.getvalue(), flush=True)
+    return text.getvalue()
 
 
 WARM = """
@@ -341,7 +372,7 @@ torch.cuda.synchronize()
 built = time.perf_counter()
 with torch.no_grad():
     compiled = precompile.compile_model(model, (), call, cache={cache!r}, cudagraphs=True,
-                                        **OUR_OPTIONS)
+                                        warmup=False, **OUR_OPTIONS)
     request = our_call(model, 1, PROMPT, {cache_len})  # a request of batch 1, its own cache
     out = compiled(**request)
     token = out.logits[:, -1:].argmax(-1)

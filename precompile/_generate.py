@@ -11,10 +11,12 @@ tensors, the plain values) gets one ``compile_model`` (found in the cache withou
 tracing where it was compiled before), and ``get_compiled_call`` (generate's hook for
 ``torch.compile``) returns the same router, so no step is compiled by torch.compile.
 
-Dynamic dims: the prompt's sequence dim (``input_ids`` last dim, and a 2-d attention
-mask's or ``position_ids``'s last dim of that size) when it is longer than 1, with the
-given ``hints``; with ``dynamic_batch=True`` also dim 0 of every tensor argument (and the
-cache's batch) where the call's batch is over 1, so batch sizes share one compile.
+Dynamic dims: the prompt's sequence dim (``input_ids`` last dim, and ``position_ids``'s
+last dim of that size) when it is longer than 1, with the given ``hints``; a 2-d
+attention mask is padded with zeros to the static cache's length (as transformers' mask
+code pads it), so it has one shape; with ``dynamic_batch=True`` also dim 0 of every
+tensor argument (and the cache's batch) where the call's batch is over 1, so batch sizes
+share one compile.
 """
 
 from __future__ import annotations
@@ -97,6 +99,24 @@ def _dynamic(kwargs: Mapping[str, Any], dynamic_batch: bool) -> dict[int | str, 
     return dims
 
 
+def _pad_mask_to_cache(kwargs: dict[str, Any]) -> None:
+    """A 2-d attention mask (batch, tokens so far), which grows by one every decode step,
+    padded with zeros to the static cache's length: what transformers' mask code does to
+    it anyway (the positions past the tokens so far are masked), so every decode step
+    has one shape and one CUDA graph."""
+    mask = kwargs.get("attention_mask")
+    cache = kwargs.get("past_key_values")
+    if not (isinstance(mask, torch.Tensor) and mask.dim() == 2 and is_kv_cache(cache)):
+        return
+    layers = getattr(cache, "layers", None) or []
+    lengths = {getattr(layer, "max_cache_len", None) for layer in layers}
+    if len(lengths) != 1:
+        return
+    (length,) = lengths
+    if isinstance(length, int) and mask.shape[1] < length:
+        kwargs["attention_mask"] = torch.nn.functional.pad(mask, (0, length - mask.shape[1]))
+
+
 class GenerateServer:
     """The router ``serve_generate`` installs: one compiled model per call structure.
     ``calls``: forward calls served by compiled models; ``compiled``: per structure."""
@@ -149,6 +169,7 @@ class GenerateServer:
 
     # -- serving -----------------------------------------------------------------------
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        _pad_mask_to_cache(kwargs)
         key = _structure(args, kwargs)
         compiled = self.compiled.get(key)
         if compiled is None:

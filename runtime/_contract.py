@@ -82,6 +82,8 @@ class InputContract:
         self._dtypes = {i: dtype_of(spec.dtype) for i, spec in self._tensors.items()}
         self._devices = {i: device_of(spec.device) for i, spec in self._tensors.items()}
         self._mutated = tuple(i for i, s in self._tensors.items() if s.mutation != "none")
+        self._tensor_indices = list(self._tensors)
+        self._unaliased_ptrs: list[int | None] | None = None
         names = self.symbols
         # Per tensor: its strides as a function of the symbols' values.
         self._layout = {
@@ -250,7 +252,7 @@ class InputContract:
             lines.append(f"        if {condition}:")
             lines.append("            return None")
         if self._mutated:
-            namespace["ALIASED"] = self._mutated_input_aliased
+            namespace["ALIASED"] = self._aliased_unless_seen
             lines.append("        if ALIASED(args):")
             lines.append("            return None")
         lines.append(f"        return {self._key_tuple()}")
@@ -281,6 +283,23 @@ class InputContract:
         )
         reader: TrustedReader = namespace["trusted_key"]
         return reader
+
+    def _aliased_unless_seen(self, args: Sequence[Any]) -> bool:
+        """``_mutated_input_aliased`` for the fast path: where every tensor input has the
+        data pointer it had in the last call found unaliased (one C++ compare; a decode
+        loop passes the same KV cache every step), the answer is the same: memory can
+        only overlap where addresses do, and sizes and strides are checked apart."""
+        seen = self._unaliased_ptrs
+        indices = self._tensor_indices
+        if seen is not None and adapter.data_ptrs_equal(list(args), seen, indices):
+            return False
+        if self._mutated_input_aliased(args):
+            return True
+        ptrs: list[int | None] = [None] * len(args)
+        for i in indices:
+            ptrs[i] = args[i].data_ptr()
+        self._unaliased_ptrs = ptrs
+        return False
 
     def _mutated_input_aliased(self, args: Sequence[Any]) -> bool:
         """Whether an input the graph writes shares memory with another tensor input

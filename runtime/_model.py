@@ -215,6 +215,7 @@ class CompiledModel:
         self._out_spec = adapter.treespec_from_json(plan.out_spec)
         self._weights = self._resolve_weights(model, plan, artifact.manifest)
         self._names = _leaf_names(self._in_spec)
+        self._flat_names = _flat_keywords(self._in_spec)
         self._caches = self._cache_guard(plan, artifact.manifest) if plan.caches else None
         self.cache_key: str | None = None
 
@@ -281,17 +282,11 @@ class CompiledModel:
         return found
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        # Keyword order is not part of a call: kwargs are flattened sorted by name.
-        leaves, spec = adapter.tree_flatten(
-            (args, dict(sorted(kwargs.items()))), is_leaf=is_kv_cache
-        )
-        if spec != self._in_spec:
-            raise InputMismatchError(
-                f"this call's arguments are structured as {spec}, but the model was compiled "
-                f"for {self._in_spec}; compile again for this call structure"
-            )
+        leaves = self._flat_leaves(args, kwargs)
+        if leaves is None:
+            leaves = self._leaves(args, kwargs)
         for index, value in self.plan.constants.items():
-            if leaves[index] != value or type(leaves[index]) is not type(value):
+            if type(leaves[index]) is not type(value) or leaves[index] != value:
                 raise InputMismatchError(
                     f"argument leaf {index} is {leaves[index]!r}, but the model was compiled "
                     f"for {value!r}; compile again for that value"
@@ -317,6 +312,34 @@ class CompiledModel:
             for kind, target in self.plan.outputs
         ]
         return adapter.tree_unflatten(outputs, self._out_spec)
+
+    def _leaves(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
+        """A call's argument leaves (keyword order is not part of a call: kwargs are
+        flattened sorted by name), checked against the compiled call structure."""
+        leaves, spec = adapter.tree_flatten(
+            (args, dict(sorted(kwargs.items()))), is_leaf=is_kv_cache
+        )
+        if spec != self._in_spec:
+            raise InputMismatchError(
+                f"this call's arguments are structured as {spec}, but the model was compiled "
+                f"for {self._in_spec}; compile again for this call structure"
+            )
+        return leaves
+
+    def _flat_leaves(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any] | None:
+        """The leaves of a keyword-only call of plain leaves (a decode step's), read
+        without pytree; None where the call is not one (the general path decides)."""
+        names = self._flat_names
+        if names is None or args or len(kwargs) != len(names):
+            return None
+        try:
+            leaves = [kwargs[name] for name in names]
+        except KeyError:
+            return None
+        for leaf in leaves:
+            if type(leaf) not in _FLAT_LEAF_TYPES and not is_kv_cache(leaf):
+                return None
+        return leaves
 
     def _run(self, leaves: list[Any]) -> Any:
         try:
@@ -476,6 +499,19 @@ class CompiledModel:
         if warmup:
             compiled.warmup(background=warmup == "background")
         return compiled
+
+
+_FLAT_LEAF_TYPES = (torch.Tensor, torch.nn.Parameter, bool, int, float, str, type(None))
+
+
+def _flat_keywords(in_spec: Any) -> tuple[str, ...] | None:
+    """The keyword names of a compiled call that is keyword-only with every argument a
+    leaf (in flattening order), or None."""
+    count = in_spec.num_leaves
+    args, kwargs = adapter.tree_unflatten(list(range(count)), in_spec)
+    if args or not isinstance(kwargs, dict) or list(kwargs.values()) != list(range(count)):
+        return None
+    return tuple(kwargs)
 
 
 def _leaf_names(in_spec: Any) -> list[str]:
