@@ -65,6 +65,10 @@ ROWS = [
     "ours generate + cudagraphs",
 ]
 BATCH_ONE_ONLY = {"precompile.backend", "transformers generate", "ours generate + cudagraphs"}
+# transformers' own compiled generate runs in a child process of its own: in one run its
+# reduce-overhead graphs hit a device-side assert (an index past the cache), which
+# poisons the CUDA context of every row beside it.
+IN_CHILD = {"transformers generate"}
 GENERATE_ROWS = {"transformers generate", "ours generate + cudagraphs"}
 PROMPT, STEPS = 128, 64
 PREFILLS = [128, 1024]
@@ -203,11 +207,15 @@ def generate_run(model: torch.nn.Module, prompt: torch.Tensor, cache: Any,
     (65 new - 1 new) / 64."""
     times = []
     for new in (1, STEPS + 1):
-        cache.reset()
+        options: dict[str, Any] = dict(max_new_tokens=new, min_new_tokens=new, do_sample=False,
+                                       pad_token_id=0)  # fmt: skip
+        if isinstance(cache, int):  # transformers' default: a new static cache per call
+            options.update(cache_implementation="static", max_cache_len=cache)
+        else:
+            cache.reset()
+            options["past_key_values"] = cache
         torch.cuda.synchronize()
         began = time.perf_counter()
-        options = dict(max_new_tokens=new, min_new_tokens=new, do_sample=False,
-                       past_key_values=cache, pad_token_id=0)  # fmt: skip
         if served is not None:
             with served:
                 model.generate(prompt, **options)
@@ -246,6 +254,8 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         prompts = {b: torch.randint(0, vocab, (b, PROMPT), device="cuda") for b in batches}
         # First runs: compiles, recompiles and captures, timed as "ready".
         for name in ROWS:
+            if name in IN_CHILD:
+                continue
             torch.cuda.synchronize()
             pools = graph_pool_bytes()
             began = time.perf_counter()
@@ -269,7 +279,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             rounds: dict[str, list[float]] = {name: [] for name in ROWS}
             for _ in range(args.rounds):
                 for name in ROWS:
-                    if batch > 1 and name in BATCH_ONE_ONLY:
+                    if (batch > 1 and name in BATCH_ONE_ONLY) or name in IN_CHILD:
                         continue
                     if name in GENERATE_ROWS:
                         ms = generate_run(model, prompts[batch], caches[(name, batch)],
@@ -314,6 +324,12 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                 flush=True)  # fmt: skip
         captured = {k: [list(s) for s in v.artifact.captured_sizes] for k, v in artifacts.items()}
         host = host_profile(rows["ours + cudagraphs"], prompts[1], caches[("ours", 1)])
+    generate = generate_child(args.smoke, args.cache_len, args.rounds)
+    if "ms_per_token" in generate:
+        decode["transformers generate"]["1"] = generate
+        ready_s["transformers generate"] = generate.pop("ready_s")
+    else:
+        decode["transformers generate"]["error"] = generate
     return {
         "environment": environment("cuda"),
         "transformers": transformers.__version__,
@@ -332,6 +348,59 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         "host_profile_ours_cudagraphs": host,
         "warm_start": warm_start(args.smoke, cache_dir, args.cache_len),
     }
+
+
+GENERATE = """
+import sys, time, statistics
+sys.path.insert(0, {here!r})
+sys.path.insert(0, {root!r})
+import torch, transformers
+from decode import PROMPT, build, generate_run
+torch.manual_seed(0)
+model = build({smoke})
+cache = transformers.StaticCache(config=model.config, max_cache_len={cache_len})
+if {new_caches}:
+    cache = {cache_len}  # a new static cache per generate call, transformers' default
+prompt = torch.randint(0, model.config.vocab_size, (1, PROMPT), device="cuda")
+began = time.perf_counter()
+with torch.no_grad():
+    generate_run(model, prompt, cache)
+    ready = time.perf_counter() - began
+    rounds = [generate_run(model, prompt, cache) for _ in range({rounds})]
+ms = statistics.median(rounds)
+print("RESULT", {{"ms_per_token": ms, "tokens_per_s": 1e3 / ms, "rounds": rounds,
+                  "ready_s": ready, "transformers": transformers.__version__}})
+"""
+
+
+def generate_child(smoke: bool, cache_len: int, rounds: int) -> dict[str, Any]:
+    """transformers' own ``generate`` (it compiles the decode steps itself) in a fresh
+    process, batch 1, on a cache it is passed; the error where it fails."""
+    failures: dict[str, Any] = {}
+    for new_caches in (False, True):
+        how = "a new cache per call" if new_caches else "a cache it is passed, reset per call"
+        code = GENERATE.format(here=HERE, root=ROOT, smoke=smoke, cache_len=cache_len,
+                               rounds=rounds, new_caches=new_caches)  # fmt: skip
+        try:
+            out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                                 timeout=240)  # fmt: skip
+        except subprocess.TimeoutExpired:
+            failures[how] = {"error": "did not finish in 240 s"}
+            continue
+        line = next((x for x in out.stdout.splitlines() if x.startswith("RESULT ")), None)
+        if out.returncode != 0 or line is None:
+            lines = [x for x in out.stderr.splitlines() if "Assertion" not in x]
+            asserts = len(out.stderr.splitlines()) - len(lines)
+            failures[how] = {"error": "\n".join(lines[-25:]), "rc": out.returncode,
+                             "device_asserts": asserts}  # fmt: skip
+            print(f"[decode] transformers generate, {how}: failed {failures[how]}", flush=True)
+            continue
+        found: dict[str, Any] = eval(line[len("RESULT ") :])  # our own child's dict literal
+        found["how"] = how
+        found["failed_before"] = failures
+        print(f"[decode] transformers generate, {how}: {found}", flush=True)
+        return found
+    return failures
 
 
 def host_profile(row: Callable[..., Any], prompt: torch.Tensor, cache: Any) -> str:
@@ -421,6 +490,9 @@ def summarize(document: dict[str, Any]) -> str:
     for name in ROWS:
         decode = document["decode"][name]
         cells: list[Any] = [name]
+        if "error" in decode:
+            body.append([name, "failed: see the JSON", *["-"] * (len(headers) - 2)])
+            continue
         cells += [decode[str(b)]["ms_per_token"] if str(b) in decode else "-" for b in batches]
         cells += [decode[str(b)]["tokens_per_s"] if str(b) in decode else "-" for b in batches]
         prefill = document["prefill_ms"].get(name, {})
