@@ -404,9 +404,9 @@ def _trace_and_compile(
             if is_kv_cache(leaves[index]):
                 for _, field, tensor in cache_tensors(leaves[index]):
                     if field != "cumulative_length":
-                        adapter.mark_dynamic(tensor, dim)
+                        adapter.maybe_mark_dynamic(tensor, dim)
             else:
-                adapter.mark_dynamic(leaves[index], dim)
+                adapter.maybe_mark_dynamic(leaves[index], dim)
 
     def compile_graph(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
         def by_input(value: Any) -> Any:
@@ -441,8 +441,38 @@ def _trace_and_compile(
             for (_, _, tensor), copy in zip(cache_tensors(cache), saved[index], strict=True):
                 tensor.copy_(copy)
     plan = _plan(model, leaves, paths, trace, advanced)
+    _check_dynamic(plan, trace.artifact.manifest, dims, paths, leaves)
     log.info("traced and compiled %s in %.1f s", class_path(model), time.perf_counter() - started)
     return CompiledModel(model, trace.artifact, plan)
+
+
+def _check_dynamic(
+    plan: ModelPlan,
+    manifest: Any,
+    dims: Mapping[int, set[int]],
+    paths: list[Any],
+    leaves: list[Any],
+) -> None:
+    """Every dim asked to be dynamic is a symbol in the graph (where the graph reads that
+    argument); Dynamo specializes a dim the model's code fixes, and the variants would
+    then serve one size only."""
+    bound: dict[tuple[int, int], Any] = {}
+    for index, (kind, target) in enumerate(plan.bindings):
+        spec = manifest.inputs[index]
+        if kind == "leaf":
+            for dim, size in enumerate(getattr(spec, "shape", ())):
+                bound[(target, dim)] = size
+        elif kind == "cache" and target[2] != "cumulative_length":
+            bound.setdefault((target[0], 0), getattr(spec, "shape", (None,))[0])
+    for leaf, wanted in dims.items():
+        for dim in sorted(wanted):
+            size = bound.get((leaf, dim))
+            if isinstance(size, int):
+                raise UnsupportedGraphError(
+                    f"dynamic dim {dim} of argument {_argument_name(paths[leaf])!r} was "
+                    f"specialized to {size} by the trace (the model's code fixes it); the "
+                    "compiled model could serve that size only"
+                )
 
 
 def _graph_dims(
