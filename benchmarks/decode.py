@@ -78,7 +78,8 @@ def build(smoke: bool) -> torch.nn.Module:
     from _common import llama
 
     model: torch.nn.Module = llama("tiny" if smoke else "issue", "cuda", torch.bfloat16)
-    model.config.use_cache = True
+    model.config.use_cache = True  # the shared builder turns it off (cache-less serving)
+    model.generation_config.use_cache = True  # else generate feeds the whole sequence
     return model
 
 
