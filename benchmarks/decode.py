@@ -62,6 +62,7 @@ ROWS = [
     "torch.compile + hand-captured graph",
     "ours",
     "ours + cudagraphs",
+    "ours + cudagraphs, no output copy",
     "ours generate + cudagraphs",
 ]
 BATCH_ONE_ONLY = {"precompile.backend", "transformers generate", "ours generate + cudagraphs"}
@@ -174,8 +175,13 @@ def make_rows(model: torch.nn.Module, cache_dir: str, cache_len: int) -> dict[st
     print(f"[decode] compile_model: {time.perf_counter() - started:.1f} s", flush=True)
     graphs = precompile.compile_model(model, (), example, cache=cache_dir, warmup=True,
                                       cudagraphs=True, **OUR_OPTIONS)  # fmt: skip
+    no_copy = {"copy_outputs": False}
+    shared = precompile.compile_model(model, (), example, cache=cache_dir, warmup=True,
+                                      cudagraphs=no_copy, **OUR_OPTIONS)  # fmt: skip
     rows["ours"] = lambda ids, cache: ours(input_ids=ids, past_key_values=cache,
                                            use_cache=True).logits  # fmt: skip
+    rows["ours + cudagraphs, no output copy"] = lambda ids, cache: shared(
+        input_ids=ids, past_key_values=cache, use_cache=True).logits  # fmt: skip
     rows["ours + cudagraphs"] = lambda ids, cache: graphs(input_ids=ids, past_key_values=cache,
                                                           use_cache=True).logits  # fmt: skip
     rows["_artifacts"] = {"ours": ours, "ours + cudagraphs": graphs}
@@ -304,6 +310,19 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             for b in batches
         }
         print(f"[decode] ours + cudagraphs tokens identical to ours: {same}", flush=True)
+        # The same question for torch.compile's step and its hand-captured graph, and
+        # the first step where ours and ours + cudagraphs part, with the logits there.
+        same_hand = {
+            str(b): bool(torch.equal(tokens[("torch.compile fullgraph", b)],
+                                     tokens[("torch.compile + hand-captured graph", b)]))
+            for b in batches
+        }  # fmt: skip
+        print(f"[decode] hand-captured graph tokens identical to its step: {same_hand}")
+        parting = {str(b): first_difference(rows["ours"], rows["ours + cudagraphs"],
+                                            prompts[b], caches[("ours", b)], model.config,
+                                            args.cache_len)
+                   for b in batches if not same[str(b)]}  # fmt: skip
+        print(f"[decode] where ours and ours + cudagraphs part: {parting}", flush=True)
         prefill: dict[str, dict[str, float]] = {name: {} for name in ROWS}
         for length in PREFILLS:
             ids = torch.randint(0, vocab, (1, length), device="cuda")
@@ -325,6 +344,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                 flush=True)  # fmt: skip
         captured = {k: [list(s) for s in v.artifact.captured_sizes] for k, v in artifacts.items()}
         host = host_profile(rows["ours + cudagraphs"], prompts[1], caches[("ours", 1)])
+        host_generate = generate_profile(model, prompts[1], caches[("ours", 1)], served)
     generate = generate_child(args.smoke, args.cache_len, args.rounds)
     if "ms_per_token" in generate:
         decode["transformers generate"]["1"] = generate
@@ -345,8 +365,11 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         "ready_s": ready_s,
         "graph_memory_mb": memory,
         "ours_cudagraphs_tokens_identical": same,
+        "hand_captured_tokens_identical_to_fullgraph": same_hand,
+        "ours_cudagraphs_first_difference": parting,
         "captured_sizes": captured,
         "host_profile_ours_cudagraphs": host,
+        "host_profile_ours_generate": host_generate,
         "warm_start": warm_start(args.smoke, cache_dir, args.cache_len),
     }
 
@@ -402,6 +425,46 @@ def generate_child(smoke: bool, cache_len: int, rounds: int) -> dict[str, Any]:
         print(f"[decode] transformers generate, {how}: {found}", flush=True)
         return found
     return failures
+
+
+def first_difference(plain: Callable[..., Any], graphs: Callable[..., Any],
+                     prompt: torch.Tensor, cache: Any, config: Any,
+                     cache_len: int) -> dict[str, Any]:  # fmt: skip
+    """Decode in lock step (both fed plain's tokens, each on its own cache): the first
+    step whose logits differ, by how much, and whether the greedy token flips there."""
+    import transformers
+
+    cache.reset()
+    other = transformers.StaticCache(config=config, max_cache_len=cache_len)
+    ids = prompt
+    for step in range(STEPS + 1):
+        a = plain(ids, other)[:, -1]
+        b = graphs(ids, cache)[:, -1]
+        if not torch.equal(a, b):
+            diff = (a.float() - b.float()).abs().max().item()
+            flips = bool((a.argmax(-1) != b.argmax(-1)).any())
+            return {"step": step, "max_abs_logit_diff": diff, "token_flips": flips}
+        ids = a.argmax(-1, keepdim=True)
+    return {"step": None}
+
+
+def generate_profile(model: torch.nn.Module, prompt: torch.Tensor, cache: Any, served: Any) -> str:
+    """cProfile of one served ``generate`` of 64 tokens: where a step's host time goes."""
+    import cProfile
+    import io
+    import pstats
+
+    profile = cProfile.Profile()
+    cache.reset()
+    with served:
+        profile.enable()
+        model.generate(prompt, max_new_tokens=STEPS, min_new_tokens=STEPS, do_sample=False,
+                       past_key_values=cache, pad_token_id=0)  # fmt: skip
+        profile.disable()
+    text = io.StringIO()
+    pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(25)
+    print(text.getvalue(), flush=True)
+    return text.getvalue()
 
 
 def host_profile(row: Callable[..., Any], prompt: torch.Tensor, cache: Any) -> str:
