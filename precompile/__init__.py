@@ -54,6 +54,7 @@ if TYPE_CHECKING:
 
     from ._backend import backend
     from ._capture import capture_graph
+    from ._generate import GenerateServer, serve_generate
     from ._model import compile_model, load_model
     from ._standalone import standalone_compile
 
@@ -67,6 +68,8 @@ _LAZY = {
     "Explanation": "runtime",
     "backend": "precompile._backend",
     "capture_graph": "precompile._capture",
+    "GenerateServer": "precompile._generate",
+    "serve_generate": "precompile._generate",
     "standalone_compile": "precompile._standalone",
 }
 
@@ -90,6 +93,7 @@ __all__ = [
     "CorruptArtifactError",
     "CudaGraphs",
     "Explanation",
+    "GenerateServer",
     "IncompatibleArtifactError",
     "InputMismatchError",
     "InvalidOptionError",
@@ -111,5 +115,6 @@ __all__ = [
     "compile_model",
     "default_cache",
     "load_model",
+    "serve_generate",
     "standalone_compile",
 ]

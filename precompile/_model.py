@@ -14,6 +14,7 @@ trace read are unchanged and runs the plan: no Dynamo frame, no compile, no comp
 from __future__ import annotations
 
 import hashlib
+import inspect
 import json
 import logging
 import os
@@ -36,6 +37,14 @@ from runtime._errors import (
     UnsupportedGraphError,
     UntrustedArtifactError,
 )
+from runtime._kv_cache import (
+    CACHE_FIELDS,
+    CacheLayout,
+    cache_tensors,
+    counter_values,
+    describe_cache,
+    is_kv_cache,
+)
 from runtime._manifest import FORMAT_VERSION
 from runtime._model import CompiledModel, ModelPlan, class_path, file_digest, stale_reason
 from runtime._model_identity import canonical_digest as _digest
@@ -47,6 +56,13 @@ from ._variant_plan import Hints, Sizes
 
 log = logging.getLogger("precompile.compile")
 DynamicSpec = Mapping[int | str, Sequence[int]] | None
+
+
+def _keyed(value: Any) -> Any:
+    """A hints/sizes mapping as JSON can hold it (tuple keys as their repr)."""
+    if isinstance(value, Mapping):
+        return sorted([repr(k), v] for k, v in value.items())
+    return value
 
 
 def _dynamic_dims(
@@ -66,27 +82,47 @@ def _dynamic_dims(
             f"dynamic must map an argument to its dynamic dims, got {dynamic!r}"
         )
     for key, wanted in dynamic.items():
-        matches = [i for i, path in enumerate(spec_paths) if path == key]
+        matches = [
+            i
+            for i, path in enumerate(spec_paths)
+            if path == key and (isinstance(leaves[i], torch.Tensor) or is_kv_cache(leaves[i]))
+        ]
         if not matches:
             raise InvalidOptionError(
                 f"dynamic names argument {key!r}, which the example call does not have as a "
                 "tensor (positional index or keyword name)"
             )
         leaf = leaves[matches[0]]
+        if is_kv_cache(leaf):
+            if any(dim != 0 for dim in wanted):
+                raise InvalidOptionError(
+                    f"dynamic dims {list(wanted)} of cache argument {key!r}: only its batch "
+                    "(dim 0 of its keys and values) can be dynamic"
+                )
+            dims.setdefault(matches[0], set()).update(wanted)
+            continue
         for dim in wanted:
             if not isinstance(dim, int) or not 0 <= dim < leaf.dim():
                 raise InvalidOptionError(f"dynamic dim {dim!r} of argument {key!r} is out of range")
+            if int(leaf.shape[dim]) < 2:
+                raise InvalidOptionError(
+                    f"dynamic dim {dim} of argument {key!r} is {int(leaf.shape[dim])} in the "
+                    "example call; Dynamo specializes sizes 0 and 1, so the dim would not be "
+                    "dynamic: give an example of at least 2 there"
+                )
         dims.setdefault(matches[0], set()).update(wanted)
     return dims
 
 
 def _leaf_paths(args: Sequence[Any], kwargs: Mapping[str, Any]) -> list[Any]:
-    """Each flattened leaf's top-level argument: positional index or keyword name."""
+    """Each flattened leaf's top-level argument: positional index or keyword name, in the
+    order pytree flattens ``(args, kwargs)`` (a dict in its own key order)."""
     paths: list[Any] = []
+    _, spec = runtime_adapter.tree_flatten(dict(kwargs), is_leaf=is_kv_cache)
     for index, value in enumerate(args):
-        paths += [index] * len(runtime_adapter.tree_flatten(value)[0])
-    for name in sorted(kwargs):  # pytree flattens a dict in key order
-        paths += [name] * len(runtime_adapter.tree_flatten(kwargs[name])[0])
+        paths += [index] * len(runtime_adapter.tree_flatten(value, is_leaf=is_kv_cache)[0])
+    for name in spec.context if spec.context is not None else ():
+        paths += [name] * len(runtime_adapter.tree_flatten(kwargs[name], is_leaf=is_kv_cache)[0])
     return paths
 
 
@@ -94,6 +130,57 @@ def _codegen_config_digest() -> str:
     from . import _torch_adapter as adapter
 
     return adapter.codegen_config_digest()
+
+
+def _cache_batch_follows_call(leaves: Sequence[Any], dims: dict[int, set[int]]) -> None:
+    """A cache's batch (dim 0 of its keys and values) is dynamic when the batch of the
+    call's tensors is: Dynamo would otherwise specialize the call's batch to the cache's."""
+    dynamic_batches = {
+        int(leaves[i].shape[0])
+        for i, wanted in dims.items()
+        if isinstance(leaves[i], torch.Tensor) and 0 in wanted
+    }
+    for index, leaf in enumerate(leaves):
+        if is_kv_cache(leaf) and index not in dims:
+            keys = leaf.layers[0].keys
+            if int(keys.shape[0]) in dynamic_batches:
+                dims[index] = {0}
+
+
+def _prepare_caches(
+    model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], leaves: list[Any],
+    paths: Sequence[Any],
+) -> dict[int, CacheLayout]:  # fmt: skip
+    """The example call's KV caches, initialized (a fresh StaticCache is initialized by
+    running the model once eagerly, then emptied again: what its lazy initialization on a
+    first write would leave), and their layouts; unsupported caches are refused."""
+    caches = {i: leaf for i, leaf in enumerate(leaves) if is_kv_cache(leaf)}
+    if not caches:
+        return {}
+    for index, cache in caches.items():
+        describe_cache(cache, _argument_name(paths[index]), initialized=False)
+    if not all(layer.is_initialized for c in caches.values() for layer in c.layers):
+        log.info("initializing the example call's KV cache with one eager run")
+        with torch.no_grad():
+            model(*args, **kwargs)
+        for cache in caches.values():
+            for _, _, tensor in cache_tensors(cache):
+                tensor.zero_()
+    return {i: describe_cache(c, _argument_name(paths[i])) for i, c in caches.items()}
+
+
+def _argument_name(path: Any) -> str:
+    return f"argument {path}" if isinstance(path, int) else str(path)
+
+
+def _describe_cache_leaf(cache: Any, dynamic_batch: bool) -> list[Any]:
+    rows: list[Any] = [describe_cache(cache, "cache").to_json()]
+    for _, field, tensor in cache_tensors(cache):
+        shape = [int(s) for s in tensor.shape]
+        if dynamic_batch and field != "cumulative_length":
+            shape[0] = -1
+        rows.append([field, dtype_name(tensor.dtype), str(tensor.device), shape])
+    return rows
 
 
 def model_factors(
@@ -106,10 +193,12 @@ def model_factors(
     options: Mapping[str, Any],
 ) -> dict[str, str]:
     """The cache key's factors of a compiled model, all computed without tracing."""
-    leaves, spec = runtime_adapter.tree_flatten((tuple(args), dict(kwargs)))
-    described = []
+    leaves, spec = runtime_adapter.tree_flatten((tuple(args), dict(kwargs)), is_leaf=is_kv_cache)
+    described: list[list[Any]] = []
     for index, leaf in enumerate(leaves):
-        if isinstance(leaf, torch.Tensor):
+        if is_kv_cache(leaf):
+            described.append(["cache", _describe_cache_leaf(leaf, 0 in dims.get(index, ()))])
+        elif isinstance(leaf, torch.Tensor):
             shape = [
                 ("dyn" if d in dims.get(index, ()) else int(s)) for d, s in enumerate(leaf.shape)
             ]
@@ -123,7 +212,7 @@ def model_factors(
         **model_identity(model),  # model_class, model_sources, model_settings, model_tensors
         "model_mode": "train" if model.training else "eval",
         "call": _digest([str(spec), described]),
-        "variants": _digest([hints, sizes]),
+        "variants": _digest([_keyed(hints), [_keyed(s) for s in sizes or ()]]),
         "options": _digest(dict(options)),
         # inductor's config and the attention backends change the compiled code too
         "codegen_config": _codegen_config_digest(),
@@ -132,7 +221,7 @@ def model_factors(
         "triton": str(environment.triton),
         "python": environment.python,
         "device": f"{environment.device_type}:{environment.device_name}:{environment.capability}",
-        "format": f"model plan 1, artifact {FORMAT_VERSION}, precompile {__version__}",
+        "format": f"model plan 1 (caches), artifact {FORMAT_VERSION}, precompile {__version__}",
     }
 
 
@@ -166,9 +255,13 @@ def compile_model(
         raise InvalidOptionError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     cudagraph_options(cudagraphs)  # validate early
     args = tuple(example_args)
-    kwargs = dict(example_kwargs or {})
-    leaves, _ = runtime_adapter.tree_flatten((args, kwargs))
-    dims = _dynamic_dims(leaves, _leaf_paths(args, kwargs), dynamic, len(args))
+    kwargs = dict(sorted((example_kwargs or {}).items()))  # a call's kwargs, sorted by name
+    leaves, _ = runtime_adapter.tree_flatten((args, kwargs), is_leaf=is_kv_cache)
+    paths = _leaf_paths(args, kwargs)
+    caches = _prepare_caches(model, args, kwargs, leaves, paths)
+    dims = _dynamic_dims(leaves, paths, dynamic, len(args))
+    if caches:
+        _cache_batch_follows_call(leaves, dims)
     if dims and sizes is None:
         sizes = [1]
     store = resolve_cache(cache)
@@ -182,20 +275,26 @@ def compile_model(
     if offline:
         refuse(store, key, factors, None if store is None else _unused_because(store, key))
     if store is None:
-        compiled = _trace_and_compile(model, args, kwargs, leaves, dims, hints, sizes, options)
+        compiled = _trace_and_compile(
+            model, args, kwargs, leaves, paths, dims, hints, sizes, options
+        )
         return _finish(compiled, cudagraphs, warmup)
     try:
         lock = store.lock(key)
         lock.__enter__()
     except CacheWriteError as exc:  # a read-only cache: no single flight, nothing stored
         log.warning("cache %s cannot take a lock (%s); compiling without storing", store.root, exc)
-        compiled = _trace_and_compile(model, args, kwargs, leaves, dims, hints, sizes, options)
+        compiled = _trace_and_compile(
+            model, args, kwargs, leaves, paths, dims, hints, sizes, options
+        )
         return _finish(compiled, cudagraphs, warmup)
     try:
         found = _cached_model(store, key, model)  # built by another process meanwhile?
         if found is not None:
             return _finish(found, cudagraphs, warmup)
-        compiled = _trace_and_compile(model, args, kwargs, leaves, dims, hints, sizes, options)
+        compiled = _trace_and_compile(
+            model, args, kwargs, leaves, paths, dims, hints, sizes, options
+        )
         compiled.cache_key = key
         try:
             store_model(store, key, compiled.artifact, compiled.plan.to_json(), factors)
@@ -259,6 +358,7 @@ def _trace_and_compile(
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
     leaves: list[Any],
+    paths: list[Any],
     dims: Mapping[int, set[int]],
     hints: Hints,
     sizes: Sizes,
@@ -272,33 +372,155 @@ def _trace_and_compile(
     started = time.perf_counter()
     for index, wanted in dims.items():
         for dim in wanted:
-            adapter.mark_dynamic(leaves[index], dim)
+            if is_kv_cache(leaves[index]):
+                for _, field, tensor in cache_tensors(leaves[index]):
+                    if field != "cumulative_length":
+                        adapter.maybe_mark_dynamic(tensor, dim)
+            else:
+                adapter.maybe_mark_dynamic(leaves[index], dim)
 
     def compile_graph(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
+        def by_input(value: Any) -> Any:
+            return _graph_dims(value, example_inputs, leaves, paths)
+
         return standalone_compile(
             gm,
             example_inputs,
             dynamic_shapes="from_tracing_context",
             options=options,
-            hints=hints,
-            sizes=sizes,
+            hints=by_input(hints) if isinstance(hints, Mapping) else hints,
+            sizes=[by_input(s) if isinstance(s, Mapping) else s for s in sizes]
+            if sizes is not None
+            else None,
             cache=False,
         )
 
-    trace = adapter.trace_model(model, args, kwargs, compile_graph)
-    plan = _plan(model, leaves, trace)
+    caches = {i: leaf for i, leaf in enumerate(leaves) if is_kv_cache(leaf)}
+    saved = {i: [t.clone() for _, _, t in cache_tensors(c)] for i, c in caches.items()}
+    before = {i: counter_values([layer.cumulative_length for layer in c.layers])
+              for i, c in caches.items()}  # fmt: skip
+    try:
+        trace = adapter.trace_model(model, args, kwargs, compile_graph)
+        advanced = {
+            i: [b - a for a, b in zip(before[i], counter_values(
+                [layer.cumulative_length for layer in c.layers]), strict=True)]
+            for i, c in caches.items()
+        }  # fmt: skip
+    finally:
+        # The example call's caches are left as they were: compiling writes nothing.
+        for index, cache in caches.items():
+            for (_, _, tensor), copy in zip(cache_tensors(cache), saved[index], strict=True):
+                tensor.copy_(copy)
+    plan = _plan(model, leaves, paths, trace, advanced)
+    _check_dynamic(plan, trace.artifact.manifest, dims, paths, leaves)
     log.info("traced and compiled %s in %.1f s", class_path(model), time.perf_counter() - started)
     return CompiledModel(model, trace.artifact, plan)
 
 
-def _plan(model: torch.nn.Module, leaves: list[Any], trace: Any) -> ModelPlan:
+def _check_dynamic(
+    plan: ModelPlan,
+    manifest: Any,
+    dims: Mapping[int, set[int]],
+    paths: list[Any],
+    leaves: list[Any],
+) -> None:
+    """Every dim asked to be dynamic is a symbol in the graph (where the graph reads that
+    argument); Dynamo specializes a dim the model's code fixes, and the variants would
+    then serve one size only."""
+    bound: dict[tuple[int, int], Any] = {}
+    for index, (kind, target) in enumerate(plan.bindings):
+        spec = manifest.inputs[index]
+        if kind == "leaf":
+            for dim, size in enumerate(getattr(spec, "shape", ())):
+                bound[(target, dim)] = size
+        elif kind == "cache" and target[2] != "cumulative_length":
+            bound.setdefault((target[0], 0), getattr(spec, "shape", (None,))[0])
+    for leaf, wanted in dims.items():
+        for dim in sorted(wanted):
+            size = bound.get((leaf, dim))
+            if isinstance(size, int):
+                raise UnsupportedGraphError(
+                    f"dynamic dim {dim} of argument {_argument_name(paths[leaf])!r} was "
+                    f"specialized to {size} by the trace (the model's code fixes it); the "
+                    "compiled model could serve that size only"
+                )
+
+
+def _graph_dims(
+    value: Mapping[Any, Any], example_inputs: list[Any], leaves: list[Any], paths: list[Any]
+) -> dict[Any, Any]:
+    """Per-dim ``hints``/``sizes`` keyed by ``(argument, dim)`` (positional index or
+    keyword name, as ``dynamic=`` names them) re-keyed by the graph input that argument
+    became; symbol names pass through."""
+    by_id = {id(value): index for index, value in enumerate(example_inputs)}
+    found: dict[Any, Any] = {}
+    for key, item in value.items():
+        if not isinstance(key, tuple):
+            found[key] = item
+            continue
+        argument, dim = key if len(key) == 2 else (None, None)
+        matches = [
+            by_id[id(leaf)]
+            for leaf, path in zip(leaves, paths, strict=True)
+            if path == argument and isinstance(leaf, torch.Tensor) and id(leaf) in by_id
+        ]
+        if not matches or not isinstance(dim, int):
+            raise InvalidOptionError(
+                f"hints/sizes name {key!r}: (argument, dim) where argument is a positional "
+                "index or keyword name of a tensor the graph takes"
+            )
+        found[(matches[0], dim)] = item
+    return found
+
+
+def _token_source(
+    model: torch.nn.Module, leaves: list[Any], paths: list[Any], advanced: Mapping[int, list[int]]
+) -> tuple[int, int] | None:
+    """Where a call's token count (what it writes into each cache) is read: the last dim
+    of ``input_ids`` or dim 1 of ``inputs_embeds``, checked against what the traced call
+    advanced every cache layer by."""
+    if not advanced:
+        return None
+    deltas = {d for layers in advanced.values() for d in layers}
+    try:
+        positional = list(inspect.signature(model.forward).parameters)
+    except (TypeError, ValueError):
+        positional = []
+    for index, leaf in enumerate(leaves):
+        path = paths[index]
+        name = positional[path] if isinstance(path, int) and path < len(positional) else path
+        if not isinstance(leaf, torch.Tensor) or leaf.dim() < 2:
+            continue
+        dim = {"input_ids": leaf.dim() - 1, "inputs_embeds": 1}.get(str(name))
+        if dim is not None and deltas == {int(leaf.shape[dim])}:
+            return index, dim
+    raise UnsupportedGraphError(
+        f"the traced call advanced its KV cache layers by {sorted(deltas)} tokens, which is "
+        "not the token count of an input_ids or inputs_embeds argument; compile_model "
+        "cannot tell how many tokens a call writes, so it cannot keep it within the cache"
+    )
+
+
+def _plan(
+    model: torch.nn.Module,
+    leaves: list[Any],
+    paths: list[Any],
+    trace: Any,
+    advanced: Mapping[int, list[int]],
+) -> ModelPlan:
     """How the traced call maps onto the graph: found by identity, since Dynamo hands the
-    backend the real parameters, buffers and argument tensors."""
-    names: dict[int, tuple[str, str]] = {}
+    backend the real parameters, buffers, argument tensors and cache tensors."""
+    names: dict[int, tuple[str, Any]] = {}
     for name, tensor in model.named_buffers(remove_duplicate=False):
         names.setdefault(id(tensor), ("buffer", name))
     for name, tensor in model.named_parameters(remove_duplicate=False):
         names.setdefault(id(tensor), ("parameter", name))
+    caches: dict[int, CacheLayout] = {}
+    for index, leaf in enumerate(leaves):
+        if is_kv_cache(leaf):
+            caches[index] = describe_cache(leaf, _argument_name(paths[index]))
+            for layer, field, tensor in cache_tensors(leaf):
+                names[id(tensor)] = ("cache", (index, layer, field))
     leaf_of = {id(leaf): i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)}
     manifest = trace.artifact.manifest
     bindings: list[tuple[str, Any]] = []
@@ -319,37 +541,59 @@ def _plan(model: torch.nn.Module, leaves: list[Any], trace: Any) -> ModelPlan:
     for index, (kind, _) in enumerate(bindings):
         if kind == "size":
             bindings[index] = ("size", _size_source(manifest, index, bindings))
+    for leaf in caches:
+        bound = {(t[1], t[2]) for kind, t in bindings if kind == "cache" and t[0] == leaf}
+        missing = [(layer, f) for layer in range(len(caches[leaf].layer_classes))
+                   for f in CACHE_FIELDS[:2] if (layer, f) not in bound]  # fmt: skip
+        if missing:
+            raise UnsupportedGraphError(
+                f"the graph does not take the cache tensors {missing[:3]} of "
+                f"{_argument_name(paths[leaf])} as inputs; compile_model serves caches whose "
+                "every layer the model reads and writes"
+            )
     constants: dict[int, Any] = {}
     for index, leaf in enumerate(leaves):
-        if isinstance(leaf, torch.Tensor):
+        if isinstance(leaf, torch.Tensor) or index in caches:
             continue
         if not isinstance(leaf, (bool, int, float, str, type(None))):
             raise UnsupportedGraphError(
-                f"argument leaf {index} is a {type(leaf).__name__}; compile_model takes tensors "
-                "and plain values (bool, int, float, str, None) as arguments"
+                f"argument leaf {index} is a {type(leaf).__name__}; compile_model takes tensors, "
+                "plain values (bool, int, float, str, None) and a transformers StaticCache as "
+                "arguments"
             )
         constants[index] = leaf
-    out_leaves, out_spec = runtime_adapter.tree_flatten(trace.result)
+    out_leaves, out_spec = runtime_adapter.tree_flatten(trace.result, is_leaf=is_kv_cache)
     produced = {id(t): i for i, t in enumerate(trace.graph_outputs) if isinstance(t, torch.Tensor)}
+    passed = {id(leaves[i]): i for i in caches}
     outputs: list[tuple[str, Any]] = []
     for index, leaf in enumerate(out_leaves):
         if isinstance(leaf, torch.Tensor) and id(leaf) in produced:
             outputs.append(("graph", produced[id(leaf)]))
+        elif id(leaf) in passed:
+            outputs.append(("cache", passed[id(leaf)]))
         elif isinstance(leaf, (bool, int, float, str, type(None))):
             outputs.append(("constant", leaf))
         else:
             raise UnsupportedGraphError(
                 f"output leaf {index} is a {type(leaf).__name__} that the graph does not "
-                "return (a cache object, say: pass use_cache=False); compile_model rebuilds "
-                "outputs of tensors and plain values"
+                "return (a cache the model made itself: pass past_key_values=StaticCache("
+                "config=model.config, max_cache_len=N), or use_cache=False); compile_model "
+                "rebuilds outputs of tensors, plain values and the caches it was passed"
             )
     try:
         out_json = runtime_adapter.treespec_to_json(out_spec)
-        in_json = runtime_adapter.treespec_to_json(runtime_adapter.tree_flatten(trace.call)[1])
+        in_json = runtime_adapter.treespec_to_json(
+            runtime_adapter.tree_flatten(trace.call, is_leaf=is_kv_cache)[1]
+        )
     except (TypeError, NotImplementedError, ValueError) as exc:
         raise UnsupportedGraphError(
             f"the call's arguments or output have a structure torch cannot serialize ({exc})"
         ) from None
+    position = next(
+        (i for i, path in enumerate(paths)
+         if path == "cache_position" and isinstance(leaves[i], torch.Tensor)),
+        None,
+    ) if caches else None  # fmt: skip
     files = {path: digest for path in sorted(trace.traced_files) if (digest := file_digest(path))}
     return ModelPlan(
         model_class=class_path(model),
@@ -361,6 +605,9 @@ def _plan(model: torch.nn.Module, leaves: list[Any], trace: Any) -> ModelPlan:
         traced_files=files,
         training=model.training,
         identity=model_identity(model),
+        caches=caches,
+        tokens=_token_source(model, leaves, paths, advanced),
+        position_leaf=position,
     )
 
 

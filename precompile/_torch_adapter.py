@@ -79,6 +79,14 @@ def mark_dynamic(tensor: torch.Tensor, dim: int) -> None:
     torch._dynamo.mark_dynamic(tensor, dim)
 
 
+def maybe_mark_dynamic(tensor: torch.Tensor, dim: int) -> None:
+    """Ask Dynamo to trace ``dim`` of ``tensor`` as a symbol without ``mark_dynamic``'s
+    constraints: dims found equal to each other (``input_ids`` and ``position_ids``
+    lengths) share one symbol, where torch 2.11 fails the trace; the caller checks
+    afterwards that each dim did become a symbol."""
+    torch._dynamo.maybe_mark_dynamic(tensor, dim)
+
+
 def _resolve_fake_mode(gm: torch.fx.GraphModule, dynamic_shapes: str) -> Any | None:
     if dynamic_shapes == "from_example_inputs":
         return None

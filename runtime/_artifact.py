@@ -154,6 +154,7 @@ class CompiledArtifact:
         self._unflatten = _output_unflattener(manifest)
         self._executor: Executor = DirectExecutor()
         self._templates: Sequence[Any] | None = None
+        self._runnable: Callable[[Mapping[str, int]], bool] | None = None
         self._dispatcher = Dispatcher(manifest, _usable_calibration(manifest))
         self._callables: dict[str, Callable[..., Any]] = dict(loaded or {})
         self._memo: dict[tuple[int, ...], Callable[..., Any]] = {}
@@ -330,7 +331,11 @@ class CompiledArtifact:
         return table
 
     def warmup(
-        self, *, background: bool = False, inputs: Sequence[Any] | None = None
+        self,
+        *,
+        background: bool = False,
+        inputs: Sequence[Any] | None = None,
+        runnable: Callable[[Mapping[str, int]], bool] | None = None,
     ) -> CompiledArtifact:
         """Load every variant now, so no call pays a first-use cost. With ``inputs`` (the
         graph's flat inputs at any size; tensors of a fixed shape, such as weights, are
@@ -340,10 +345,13 @@ class CompiledArtifact:
         With ``background=True`` a thread does it while this thread goes on
         (a server can take requests meanwhile; a call that needs a variant still being
         loaded waits for it, and a size not yet captured runs plainly). ``wait_warm()``
-        joins that thread and re-raises its error.
+        joins that thread and re-raises its error. ``runnable(point)``: run a variant at
+        its point only where it says so (the others are only loaded).
         """
         if inputs is not None:
             self._templates = list(inputs)
+        if runnable is not None:
+            self._runnable = runnable
         if not background:
             for variant in self._manifest.variants:
                 self._give_way_to_calls()
@@ -379,6 +387,8 @@ class CompiledArtifact:
                 if _exiting():
                     return
                 point = tuple(variant.point[n] for n in self._manifest.symbol_names)
+                if self._runnable is not None and not self._runnable(variant.point):
+                    continue
                 try:
                     args = synthesize_inputs(self._manifest, point, self._templates)
                     self._variant_callable(variant)(*args)

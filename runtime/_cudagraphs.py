@@ -15,8 +15,18 @@ call at a size between captured sizes replays the next larger captured graph on 
 zero-padded at the end of those dims, and its outputs are sliced back. Before padding is
 trusted, one padded run is checked against an unpadded one.
 
-What cannot be captured (CPU inputs, an input the graph writes, a synchronizing op, a
-capture error) runs plainly, logged once with the reason: correctness first.
+Graphs that write their inputs (a KV cache, a buffer updated in place): an input the
+graph writes is captured in place when its address is static (Dynamo marked it, as
+transformers marks a StaticCache's tensors), so a replay writes the caller's own
+storage; its address is checked before every replay with the parameters' (one C++
+compare of the recorded pointers), and a moved one (another cache object) drops that
+graph: the call runs plainly and the size is captured again. Such a size is captured at
+its second call, and the run before capture is that call itself (a warm-up run would
+write the cache twice). A graph keeps no reference to the tensors it uses in place.
+
+What cannot be captured (CPU inputs, an input the graph writes that is not static, a
+synchronizing op, a capture error) runs plainly, logged once with the reason:
+correctness first.
 """
 
 from __future__ import annotations
@@ -113,10 +123,12 @@ def why_not_capturable(manifest: Manifest) -> str | None:
             continue
         if not spec.device.startswith("cuda"):
             return f"input {index} is a {spec.device} tensor (a graph replays GPU work only)"
-        if spec.mutation != "none":
+        if spec.mutation == "metadata":
+            return f"the graph resizes input {index} in place (a replay cannot follow that)"
+        if spec.mutation != "none" and not spec.static_address:
             return (
-                f"the graph writes input {index}: a replay would write its static copy, "
-                "not the caller's tensor"
+                f"the graph writes input {index}, whose address is not static: a replay would "
+                "write its static copy, not the caller's tensor"
             )
     if manifest.training:
         return "the artifact carries a backward graph (only inference is captured)"
@@ -134,6 +146,8 @@ class _Graph:
     stable_ptrs: list[int | None]
     outputs: list[Any]
     lock: threading.Lock = field(default_factory=threading.Lock)
+    # outputs of the run before capture, where that run was the call itself
+    first_outputs: list[Any] | None = None
 
     def replay(self, args: Sequence[Any], copy_outputs: bool) -> list[Any] | None:
         """The outputs, or None where a parameter moved (the graph is stale)."""
@@ -151,8 +165,15 @@ class _Graph:
 
 
 def _capture(
-    function: Callable[..., Any], args: Sequence[Any], pool: Any, static: frozenset[int]
+    function: Callable[..., Any],
+    args: Sequence[Any],
+    pool: Any,
+    static: frozenset[int],
+    writes: bool = False,
 ) -> _Graph:
+    """Capture ``function`` at ``args``' sizes. ``writes``: the graph writes inputs in
+    place, so the run before capture (on a side stream, where lazy initializations
+    happen) is the call itself; its outputs are kept as ``first_outputs``."""
     static_args: list[Any] = []
     copied: list[int] = []
     stable: list[int] = []
@@ -175,16 +196,22 @@ def _capture(
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
-        function(*static_args)  # first run on a side stream: lazy inits happen outside capture
+        first = function(*static_args)  # outside capture: lazy inits happen here
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
         outputs = function(*static_args)
-    return _Graph(graph, static_args, copied, stable, ptrs, list(outputs))
+    for index in stable:  # used in place, checked by address: no reference kept
+        static_args[index] = None
+    captured = _Graph(graph, static_args, copied, stable, ptrs, list(outputs))
+    if writes:
+        captured.first_outputs = list(first)
+    return captured
 
 
 class CudaGraphExecutor:
-    """Runs each size tuple from a CUDA graph captured on its first call (or at warm-up)."""
+    """Runs each size tuple from a CUDA graph captured on its first call (its second for
+    a graph that writes its inputs), or at warm-up."""
 
     def __init__(self, manifest: Manifest, options: CudaGraphs) -> None:
         self.manifest = manifest
@@ -217,6 +244,12 @@ class CudaGraphExecutor:
             for i, spec in enumerate(manifest.inputs)
             if isinstance(spec, TensorInput) and spec.static_address
         )
+        # The graph writes inputs in place (a KV cache): sizes are captured at their
+        # second call, and nothing is padded (padded rows would be written too).
+        self._writes = any(
+            isinstance(spec, TensorInput) and spec.mutation != "none" for spec in manifest.inputs
+        )
+        self._calls: dict[Sizes, int] = {}
         self._pad_axes = [self.symbols.index(p) for p in self._pad]
         self._output_slicers = _output_slicers(manifest, options.pad)
         # Called with the first call's inputs (capture_sizes need a call's weights).
@@ -224,6 +257,11 @@ class CudaGraphExecutor:
         if options.pad and self._output_slicers is None:
             self._padding_refused = (
                 "an output's shape is not known or not a plain multiple of the padded symbols"
+            )
+        if options.pad and self._writes and self.reason is None:
+            self.refuse_padding(
+                "the graph writes its inputs in place (a KV cache): padded rows would be "
+                "written into the caller's storage too; each size gets its own graph"
             )
 
     # -- what the dispatcher memoizes --------------------------------------------------
@@ -265,38 +303,62 @@ class CudaGraphExecutor:
     ) -> _Graph | None:
         """The graph for ``sizes``, captured now from ``args`` if it is not yet; None where
         this size is not captured (refused, or over ``max_graphs``)."""
+        return self.graph_or_outputs(sizes, function, args)[0]
+
+    def graph_or_outputs(
+        self, sizes: Sizes, function: Callable[..., Any], args: Sequence[Any]
+    ) -> tuple[_Graph | None, list[Any] | None]:
+        """``graph_for``, and the outputs of this call where capturing ran it (a graph
+        that writes its inputs: the run before capture was the call)."""
         graph = self._graphs.get(sizes)
         if graph is not None or sizes in self._refused:
-            return graph
+            return graph, None
         with self._lock:
             graph = self._graphs.get(sizes)
             if graph is not None or sizes in self._refused:
-                return graph
+                return graph, None
+            if self._writes:
+                self._calls[sizes] = calls = self._calls.get(sizes, 0) + 1
+                if calls < 2:
+                    return None, None  # runs plainly; captured at its next call
+            if len(self._graphs) >= self.options.max_graphs:
+                self._evict_bound_elsewhere(args)
             if len(self._graphs) >= self.options.max_graphs:
                 self._refused[sizes] = f"max_graphs={self.options.max_graphs} reached"
                 self._say(f"CUDA graphs: {self._refused[sizes]}; other sizes run plainly")
-                return None
+                return None, None
             if self._pool is None:
                 self._pool = torch.cuda.graph_pool_handle()
             try:
-                graph = _capture(function, args, self._pool, self._static)
+                graph = _capture(function, args, self._pool, self._static, self._writes)
             except Exception as exc:  # capture failed: the size runs plainly
                 reason = (
                     f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
                 )
                 self._refused[sizes] = reason
                 self._say(f"CUDA graph capture failed at sizes {sizes} ({reason}); runs plainly")
-                return None
+                return None, None
+            first, graph.first_outputs = graph.first_outputs, None
             self._graphs[sizes] = graph
             log.info(
                 "captured a CUDA graph at sizes %s", dict(zip(self.symbols, sizes, strict=True))
             )
-            return graph
+            return graph, first
 
     def drop(self, sizes: Sizes, why: str) -> None:
         with self._lock:
             self._graphs.pop(sizes, None)
+            self._calls[sizes] = 1  # this call runs plainly; the next one captures
         self._say(f"CUDA graph at sizes {sizes} dropped: {why}; it is captured again")
+
+    def _evict_bound_elsewhere(self, args: Sequence[Any]) -> None:
+        """Drop graphs captured on other storage than this call's in-place inputs (the
+        caches of finished requests): they would be dropped at their next replay anyway."""
+        for sizes, graph in list(self._graphs.items()):
+            indices = [i for i in graph.stable if isinstance(args[i], torch.Tensor)]
+            if indices and not adapter.data_ptrs_equal(list(args), graph.stable_ptrs, indices):
+                del self._graphs[sizes]
+                log.info("CUDA graph at sizes %s evicted: captured on other storage", sizes)
 
     def verify_padding(
         self,
@@ -448,11 +510,16 @@ class _Runner:
             target = executor.padded_target(self.sizes)
             if target is not None:
                 return executor.padded_call(self.sizes, target, self.function, args)
-            graph = executor.graph_for(self.sizes, self.function, args)
+            graph, first = executor.graph_or_outputs(self.sizes, self.function, args)
+            if first is not None:  # capturing ran this call (a graph that writes inputs)
+                return first
             if graph is None:
                 return self.function(*args)
         outputs = graph.replay(args, executor.options.copy_outputs)
         if outputs is None:
-            executor.drop(self.sizes, "a parameter moved (its address changed)")
+            executor.drop(
+                self.sizes,
+                "an input used in place moved (another cache object, or a parameter replaced)",
+            )
             return self.function(*args)
         return outputs

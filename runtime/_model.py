@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -39,6 +40,16 @@ from ._errors import (
     IncompatibleArtifactError,
     InputMismatchError,
     InvalidOptionError,
+)
+from ._kv_cache import (
+    CacheGuard,
+    CacheLayout,
+    CacheSlot,
+    caches_from_json,
+    is_kv_cache,
+    layouts_to_json,
+    parse_cache_binding,
+    slot_specs,
 )
 from ._manifest import Manifest, TensorInput
 from ._payloads import sha256_hex
@@ -54,16 +65,21 @@ class ModelPlan:
     """How a model's calls map onto one compiled graph (JSON both ways, validated)."""
 
     model_class: str
-    in_spec: str  # pytree spec (upstream's JSON) of (args, kwargs)
-    bindings: tuple[tuple[str, Any], ...]  # per graph input: parameter|buffer|leaf|size
+    in_spec: str  # pytree spec (upstream's JSON) of (args, kwargs); caches are leaves
+    bindings: tuple[tuple[str, Any], ...]  # per graph input: parameter|buffer|leaf|size|cache
     constants: Mapping[int, Any]  # non-tensor argument leaves and their traced values
     out_spec: str  # pytree spec of the model's output
-    outputs: tuple[tuple[str, Any], ...]  # per output leaf: ("graph", i) | ("constant", v)
+    # per output leaf: ("graph", i) | ("constant", v) | ("cache", leaf): the caller's cache
+    outputs: tuple[tuple[str, Any], ...]
     traced_files: Mapping[str, str]  # source file -> sha256, all Dynamo traced
     training: bool
     # the key factors of the model it was compiled from (``_model_identity``); a load
     # binds the plan only to a model they still describe
     identity: Mapping[str, str] = field(default_factory=dict)
+    # KV cache arguments (leaf -> layout); a "cache" binding is (leaf, layer, field)
+    caches: Mapping[int, CacheLayout] = field(default_factory=dict)
+    tokens: tuple[int, int] | None = None  # (leaf, dim): the tokens a call writes per cache
+    position_leaf: int | None = None  # a cache_position argument, checked against the cache
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -78,6 +94,9 @@ class ModelPlan:
             "traced_files": dict(self.traced_files),
             "training": self.training,
             "identity": dict(self.identity),
+            "caches": layouts_to_json(self.caches),
+            "tokens": list(self.tokens) if self.tokens is not None else None,
+            "position_leaf": self.position_leaf,
         }
 
     @staticmethod
@@ -112,6 +131,8 @@ class ModelPlan:
                 and all(type(t) is int and t >= 0 for t in target)
             ):
                 bindings.append((kind, (target[0], target[1])))
+            elif kind == "cache" and (cached := parse_cache_binding(target)) is not None:
+                bindings.append((kind, cached))
             else:
                 raise CorruptArtifactError(f"{where} field bindings[{n}] is malformed")
         constants: dict[int, Any] = {}
@@ -125,7 +146,7 @@ class ModelPlan:
         for n, output in enumerate(value.get("outputs") or []):
             ok = isinstance(output, list) and len(output) == 2
             kind, target = output if ok else ("", None)
-            graph = kind == "graph" and type(target) is int and target >= 0
+            graph = kind in ("graph", "cache") and type(target) is int and target >= 0
             if graph or (kind == "constant" and isinstance(target, _CONSTANT_TYPES)):
                 outputs.append((str(kind), target))
             else:
@@ -143,6 +164,20 @@ class ModelPlan:
             for k, v in identity.items()
         ):
             raise CorruptArtifactError(f"{where} field identity is malformed")
+        caches = caches_from_json(value.get("caches"), where)
+        tokens = value.get("tokens")
+        if tokens is not None and not (
+            isinstance(tokens, list) and len(tokens) == 2 and all(type(t) is int for t in tokens)
+        ):
+            raise CorruptArtifactError(f"{where} field tokens is malformed")
+        position = value.get("position_leaf")
+        if position is not None and type(position) is not int:
+            raise CorruptArtifactError(f"{where} field position_leaf is malformed")
+        for kind, target in bindings:
+            if kind == "cache" and target[0] not in caches:
+                raise CorruptArtifactError(f"{where} binds cache leaf {target[0]}, not a cache")
+        if caches and tokens is None:
+            raise CorruptArtifactError(f"{where} has caches but no token count")
         return ModelPlan(
             model_class=text(value.get("model_class"), "model_class", 4096),
             in_spec=text(value.get("in_spec"), "in_spec"),
@@ -153,6 +188,9 @@ class ModelPlan:
             traced_files=files,
             training=value["training"],
             identity=identity,
+            caches=caches,
+            tokens=(tokens[0], tokens[1]) if tokens is not None else None,
+            position_leaf=position,
         )
 
 
@@ -201,7 +239,48 @@ class CompiledModel:
         self._in_spec = adapter.treespec_from_json(plan.in_spec)
         self._out_spec = adapter.treespec_from_json(plan.out_spec)
         self._weights = self._resolve_weights(model, plan, artifact.manifest)
+        self._names = _leaf_names(self._in_spec)
+        self._flat_names = _flat_keywords(self._in_spec)
+        self._caches = self._cache_guard(plan, artifact.manifest) if plan.caches else None
         self.cache_key: str | None = None
+
+    def _cache_guard(self, plan: ModelPlan, manifest: Manifest) -> CacheGuard:
+        """The checks of the call's KV cache arguments (see ``runtime._kv_cache``)."""
+        slots = []
+        for leaf, layout in sorted(plan.caches.items()):
+            keys, values = slot_specs(
+                plan.bindings, manifest.inputs, leaf, len(layout.layer_classes)
+            )
+            slots.append(CacheSlot(leaf, self._names[leaf], layout, keys, values))
+        assert plan.tokens is not None  # from_json refuses caches without it
+        tokens_leaf, tokens_dim = plan.tokens
+
+        def tokens(leaves: list[Any]) -> int:
+            value = leaves[tokens_leaf]
+            if not isinstance(value, torch.Tensor) or value.dim() <= tokens_dim:
+                raise InputMismatchError(
+                    f"{self._names[tokens_leaf]} should be a tensor whose dim {tokens_dim} is "
+                    f"the call's token count, got {type(value).__name__}"
+                )
+            return int(value.shape[tokens_dim])
+
+        return CacheGuard(slots, tokens, self._size_reader(slots[0].keys[0].shape[0], manifest),
+                          plan.position_leaf)  # fmt: skip
+
+    def _size_reader(self, size: int | str, manifest: Manifest) -> Any:
+        """A function of a call's leaves giving ``size``: an int, or a symbol read off an
+        argument that carries it."""
+        if isinstance(size, int):
+            return lambda leaves: size
+        for symbol in manifest.symbols:
+            if symbol.name != size:
+                continue
+            for source in symbol.sources:
+                kind, target = self.plan.bindings[source.input_index]
+                if kind == "leaf" and source.dim is not None:
+                    leaf, dim = target, source.dim
+                    return lambda leaves: int(leaves[leaf].shape[dim])
+        raise CorruptArtifactError(f"no argument of the call carries the size {size}")
 
     @staticmethod
     def _resolve_weights(
@@ -228,14 +307,11 @@ class CompiledModel:
         return found
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        leaves, spec = adapter.tree_flatten((args, kwargs))
-        if spec != self._in_spec:
-            raise InputMismatchError(
-                f"this call's arguments are structured as {spec}, but the model was compiled "
-                f"for {self._in_spec}; compile again for this call structure"
-            )
+        leaves = self._flat_leaves(args, kwargs)
+        if leaves is None:
+            leaves = self._leaves(args, kwargs)
         for index, value in self.plan.constants.items():
-            if leaves[index] != value or type(leaves[index]) is not type(value):
+            if type(leaves[index]) is not type(value) or leaves[index] != value:
                 raise InputMismatchError(
                     f"argument leaf {index} is {leaves[index]!r}, but the model was compiled "
                     f"for {value!r}; compile again for that value"
@@ -245,11 +321,83 @@ class CompiledModel:
             raise InputMismatchError(
                 f"the model is in {mode} mode, but was compiled in the other; switch back"
             )
-        results = self.artifact(*self._graph_inputs(leaves))
+        caches = self._caches
+        if caches is None:
+            results = self._run(leaves)
+        else:
+            tokens = caches.before(leaves)
+            try:
+                results = self._run(leaves)
+            except BaseException:
+                caches.forget(leaves)
+                raise
+            caches.after(leaves, tokens)
         outputs = [
-            results[target] if kind == "graph" else target for kind, target in self.plan.outputs
+            results[target] if kind == "graph" else leaves[target] if kind == "cache" else target
+            for kind, target in self.plan.outputs
         ]
         return adapter.tree_unflatten(outputs, self._out_spec)
+
+    def _leaves(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
+        """A call's argument leaves (keyword order is not part of a call: kwargs are
+        flattened sorted by name), checked against the compiled call structure."""
+        leaves, spec = adapter.tree_flatten(
+            (args, dict(sorted(kwargs.items()))), is_leaf=is_kv_cache
+        )
+        if spec != self._in_spec:
+            raise InputMismatchError(
+                f"this call's arguments are structured as {spec}, but the model was compiled "
+                f"for {self._in_spec}; compile again for this call structure"
+            )
+        return leaves
+
+    def _flat_leaves(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any] | None:
+        """The leaves of a keyword-only call of plain leaves (a decode step's), read
+        without pytree; None where the call is not one (the general path decides)."""
+        names = self._flat_names
+        if names is None or args or len(kwargs) != len(names):
+            return None
+        try:
+            leaves = [kwargs[name] for name in names]
+        except KeyError:
+            return None
+        for leaf in leaves:
+            if type(leaf) not in _FLAT_LEAF_TYPES and not is_kv_cache(leaf):
+                return None
+        return leaves
+
+    def _run(self, leaves: list[Any]) -> Any:
+        try:
+            return self.artifact(*self._graph_inputs(leaves))
+        except InputMismatchError as exc:
+            raise InputMismatchError(self._named(exc, leaves)) from None
+
+    def _named(self, exc: InputMismatchError, leaves: list[Any]) -> str:
+        """The artifact's message with each graph input it names said as the model's
+        argument, parameter or cache tensor, and a cache's difference in cache terms."""
+        names = [self._input_name(index) for index in range(len(self.plan.bindings))]
+        text = re.sub(
+            r"\binput (\d+)\b",
+            lambda m: (
+                f"input {m.group(1)} ({names[int(m.group(1))]})"
+                if int(m.group(1)) < len(names)
+                else m.group(0)
+            ),
+            str(exc),
+        )
+        explained = self._caches.explain(leaves) if self._caches is not None else None
+        return f"{explained} ({text})" if explained else text
+
+    def _input_name(self, index: int) -> str:
+        kind, target = self.plan.bindings[index]
+        if kind == "leaf":
+            return str(self._names[target])
+        if kind == "cache":
+            leaf, layer, field_name = target
+            return f"{self._names[leaf]}.layers[{layer}].{field_name}"
+        if kind == "size":
+            return f"size of {self._names[target[0]]} dim {target[1]}"
+        return f"{kind} {target}"
 
     def _graph_inputs(self, leaves: list[Any]) -> list[Any]:
         """The graph's flat inputs for a call's argument leaves: leaves, sizes read off
@@ -262,6 +410,9 @@ class CompiledModel:
                 leaf, dim = target
                 tensor = leaves[leaf]
                 flat.append(int(tensor.shape[dim]) if isinstance(tensor, torch.Tensor) else -1)
+            elif kind == "cache":
+                leaf, layer, name = target
+                flat.append(getattr(leaves[leaf].layers[layer], name))
             else:
                 table, name = self._weights[index]
                 flat.append(table[name])
@@ -276,15 +427,39 @@ class CompiledModel:
         templates: list[Any] = [None] * len(self.plan.bindings)
         for index, (table, name) in self._weights.items():
             templates[index] = table[name]
-        self.artifact.warmup(background=background, inputs=templates)
+        self.artifact.warmup(background=background, inputs=templates, runnable=self._runnable())
         return self
+
+    def _runnable(self) -> Any:
+        """With a KV cache, a variant runs at its point in warm-up (on made-up caches of
+        length 0) only where its tokens fit the cache: a hint beyond max_cache_len would
+        write past the made-up cache's end."""
+        if self._caches is None or self.plan.tokens is None:
+            return None
+        manifest = self.artifact.manifest
+        capacity = self._caches.slots[0].keys[0].shape[2]
+        leaf, dim = self.plan.tokens
+        spec = next(
+            (
+                manifest.inputs[i]
+                for i, (kind, target) in enumerate(self.plan.bindings)
+                if kind == "leaf" and target == leaf
+            ),
+            None,
+        )
+        size = spec.shape[dim] if isinstance(spec, TensorInput) else None
+        if not isinstance(capacity, int) or size is None:
+            return lambda point: False
+        if isinstance(size, int):
+            return lambda point: size <= capacity
+        return lambda point: size in point and point[size] <= capacity
 
     def wait_warm(self, timeout: float | None = None) -> bool:
         return self.artifact.wait_warm(timeout)
 
     def explain(self, *args: Any, **kwargs: Any) -> Any:
         """Which variant a call with these arguments runs, and why."""
-        leaves, _ = adapter.tree_flatten((args, kwargs))
+        leaves, _ = adapter.tree_flatten((args, dict(sorted(kwargs.items()))), is_leaf=is_kv_cache)
         flat = self._graph_inputs(leaves)
         return self.artifact.explain(*flat)
 
@@ -353,6 +528,34 @@ class CompiledModel:
         if warmup:
             compiled.warmup(background=warmup == "background")
         return compiled
+
+
+_FLAT_LEAF_TYPES = (torch.Tensor, torch.nn.Parameter, bool, int, float, str, type(None))
+
+
+def _flat_keywords(in_spec: Any) -> tuple[str, ...] | None:
+    """The keyword names of a compiled call that is keyword-only with every argument a
+    leaf (in flattening order), or None."""
+    count = in_spec.num_leaves
+    args, kwargs = adapter.tree_unflatten(list(range(count)), in_spec)
+    if args or not isinstance(kwargs, dict) or list(kwargs.values()) != list(range(count)):
+        return None
+    return tuple(kwargs)
+
+
+def _leaf_names(in_spec: Any) -> list[str]:
+    """Per leaf of a call's (args, kwargs): the argument it belongs to ("input_ids",
+    "argument 0")."""
+    count = in_spec.num_leaves
+    args, kwargs = adapter.tree_unflatten(list(range(count)), in_spec)
+    names = [""] * count
+    for position, value in enumerate(args):
+        for leaf in adapter.tree_flatten(value, is_leaf=is_kv_cache)[0]:
+            names[leaf] = f"argument {position}"
+    for name, value in kwargs.items():
+        for leaf in adapter.tree_flatten(value, is_leaf=is_kv_cache)[0]:
+            names[leaf] = name
+    return names
 
 
 def load_model(

@@ -277,11 +277,12 @@ def data_ptrs_equal(tensors: list[Any], ptrs: list[int | None], indices: list[in
     return all(tensors[i].data_ptr() == ptrs[i] for i in indices)
 
 
-def tree_flatten(value: Any) -> tuple[list[Any], Any]:
-    """torch's pytree flatten (what ModelOutput and friends register with)."""
+def tree_flatten(value: Any, is_leaf: Callable[[Any], bool] | None = None) -> tuple[list[Any], Any]:
+    """torch's pytree flatten (what ModelOutput and friends register with); ``is_leaf``
+    keeps nodes whole (KV cache objects, whatever pytree registrations exist)."""
     from torch.utils import _pytree as pytree
 
-    leaves, spec = pytree.tree_flatten(value)
+    leaves, spec = pytree.tree_flatten(value, is_leaf=is_leaf)
     return leaves, spec
 
 

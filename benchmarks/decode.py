@@ -1,0 +1,628 @@
+"""The decode loop on the GPU: prefill a prompt, then greedy decode token by token against
+a transformers ``StaticCache``, every row side by side in one process.
+
+    python benchmarks/decode.py                 # the issue's Llama, H100/H200
+    python benchmarks/decode.py --smoke         # a tiny config, fewer steps (any GPU)
+    python benchmarks/decode.py --plot benchmarks/results/decode-llama.json
+
+Model: ``transformers.LlamaForCausalLM`` from a config (hidden 2048, intermediate 5632,
+4 layers, 16 heads, 4 KV heads, vocab 32000), bf16, random init; one ``StaticCache`` of
+``--cache-len`` (1152: room for the 1024-token prefill, so that every row keeps one cache
+shape) per batch size, shared by the rows, ``reset()`` before each run. A run: prefill
+128 tokens, then 64 greedy steps (the next token is the argmax, kept on the GPU: no host
+sync per step).
+
+Rows: ``eager``; ``torch.compile fullgraph`` (``torch.compile(step, fullgraph=True)``);
+``precompile.backend`` (``torch.compile`` with our backend, hints 16/256; batch 1);
+``transformers generate`` (its own ``generate(cache_implementation="static")``, which
+compiles the decode steps itself, with reduce-overhead CUDA graphs by default on CUDA;
+batch 1, on a cache it is passed, reset before each call; per token = (time of 65 new
+tokens - time of 1) / 64, prefill excluded);
+``torch.compile + hand-captured graph`` (the fullgraph step captured by hand in one
+``torch.cuda.CUDAGraph`` per batch size, replayed per decode step); ``ours`` (
+``compile_model`` with the cache: batch and sequence dynamic, hint points (1|8, 1|128));
+``ours + cudagraphs`` (the same compiled model with ``cudagraphs=True``);
+``ours generate + cudagraphs`` (``serve_generate``: every forward of transformers'
+``generate`` on compiled models with CUDA graphs; batch 1, per token as for generate).
+
+Decode ms/token: the 64 steps' wall time / 64 (median of ``--rounds`` interleaved rounds).
+Prefill ms at 128 and 1024 tokens (batch 1, median of 5). Also: GPU memory in CUDA-graph
+pools per graph row, tokens of ``ours + cudagraphs`` against ``ours`` (identical?), and a
+fresh process on the warm cache: ``compile_model`` (no warm-up thread) call to the first
+token of a batch-1 request on a new cache, Dynamo frames, inductor compiles, compiler
+processes. And a cProfile of the host's time in 64 steps of ``ours + cudagraphs``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import types
+from collections.abc import Callable
+from typing import Any
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+sys.path.insert(0, HERE)
+sys.path.insert(0, ROOT)
+
+import torch  # noqa: E402
+
+ROWS = [
+    "eager",
+    "torch.compile fullgraph",
+    "precompile.backend",
+    "transformers generate",
+    "torch.compile + hand-captured graph",
+    "ours",
+    "ours + cudagraphs",
+    "ours + cudagraphs, no output copy",
+    "ours generate + cudagraphs",
+]
+BATCH_ONE_ONLY = {"precompile.backend", "transformers generate", "ours generate + cudagraphs"}
+# transformers' own compiled generate runs in a child process of its own: in one run its
+# reduce-overhead graphs hit a device-side assert (an index past the cache), which
+# poisons the CUDA context of every row beside it.
+IN_CHILD = {"transformers generate"}
+GENERATE_ROWS = {"transformers generate", "ours generate + cudagraphs"}
+PROMPT, STEPS = 128, 64
+PREFILLS = [128, 1024]
+
+
+def build(smoke: bool) -> torch.nn.Module:
+    from _common import llama
+
+    model: torch.nn.Module = llama("tiny" if smoke else "issue", "cuda", torch.bfloat16)
+    model.config.use_cache = True  # the shared builder turns it off (cache-less serving)
+    model.generation_config.use_cache = True  # else generate feeds the whole sequence
+    return model
+
+
+def our_call(model: torch.nn.Module, batch: int, length: int, cache_len: int) -> dict[str, Any]:
+    """The example call ``compile_model`` is compiled for (fresh process too)."""
+    import transformers
+
+    config = model.config
+    cache = transformers.StaticCache(config=config, max_cache_len=cache_len)
+    head_dim = config.hidden_size // config.num_attention_heads
+    cache.early_initialization(batch, config.num_key_value_heads, head_dim, torch.bfloat16,
+                               torch.device("cuda"))  # fmt: skip
+    ids = torch.randint(0, config.vocab_size, (batch, length), device="cuda")
+    return {"input_ids": ids, "past_key_values": cache, "use_cache": True}
+
+
+OUR_OPTIONS: dict[str, Any] = {
+    "dynamic": {"input_ids": [0, 1]},
+    "hints": {("input_ids", 0): [1, 8], ("input_ids", 1): [1, PROMPT]},
+    "sizes": [],
+}
+
+
+def entry_point(function: Callable[..., Any], tag: str) -> Callable[..., Any]:
+    """``function`` under a code object of its own: Dynamo keeps one cache per code
+    object, so every compiled row stays live side by side."""
+    code = function.__code__.replace(
+        co_name="row_" + "".join(c if c.isalnum() else "_" for c in tag)
+    )
+    return types.FunctionType(code, function.__globals__, code.co_name, None, function.__closure__)
+
+
+def graph_pool_bytes() -> int:
+    snapshot = torch.cuda.memory._snapshot()
+    return sum(
+        segment["total_size"]
+        for segment in snapshot["segments"]
+        if tuple(segment.get("segment_pool_id", (0, 0))) != (0, 0)
+    )
+
+
+class HandCaptured:
+    """One ``torch.cuda.CUDAGraph`` of the compiled decode step per cache: the step's
+    input ids copied into a static buffer, the cache used in place."""
+
+    def __init__(self, step: Callable[..., Any]) -> None:
+        self.step = step
+        self.graphs: dict[int, tuple[Any, torch.Tensor, torch.Tensor]] = {}
+
+    def __call__(self, ids: torch.Tensor, cache: Any) -> torch.Tensor:
+        if ids.shape[1] != 1:
+            return self.step(ids, cache)  # prefill: the compiled step, no graph
+        found = self.graphs.get(id(cache))
+        if found is None:
+            static = ids.clone()
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                logits = self.step(static, cache)  # this call's step, and the warm-up
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                out = self.step(static, cache)
+            self.graphs[id(cache)] = (graph, static, out)
+            return logits
+        graph, static, out = found
+        static.copy_(ids)
+        graph.replay()
+        return out
+
+
+def make_rows(model: torch.nn.Module, cache_dir: str, cache_len: int) -> dict[str, Any]:
+    import precompile
+
+    def step(ids: torch.Tensor, cache: Any) -> torch.Tensor:
+        return model(input_ids=ids, past_key_values=cache, use_cache=True).logits
+
+    fullgraph = torch.compile(entry_point(step, "fullgraph"), fullgraph=True)
+    rows: dict[str, Any] = {
+        "eager": step,
+        "torch.compile fullgraph": fullgraph,
+        "precompile.backend": torch.compile(
+            entry_point(step, "backend"),
+            backend=precompile.backend(hints=[16, 256], cache=cache_dir),
+        ),
+        "torch.compile + hand-captured graph": HandCaptured(fullgraph),
+    }
+    example = our_call(model, 2, PROMPT, cache_len)  # sizes 0 and 1 are never dynamic
+    started = time.perf_counter()
+    ours = precompile.compile_model(model, (), example, cache=cache_dir, warmup=True,
+                                    **OUR_OPTIONS)  # fmt: skip
+    print(f"[decode] compile_model: {time.perf_counter() - started:.1f} s", flush=True)
+    graphs = precompile.compile_model(model, (), example, cache=cache_dir, warmup=True,
+                                      cudagraphs=True, **OUR_OPTIONS)  # fmt: skip
+    no_copy = {"copy_outputs": False}
+    shared = precompile.compile_model(model, (), example, cache=cache_dir, warmup=True,
+                                      cudagraphs=no_copy, **OUR_OPTIONS)  # fmt: skip
+    rows["ours"] = lambda ids, cache: ours(input_ids=ids, past_key_values=cache,
+                                           use_cache=True).logits  # fmt: skip
+    rows["ours + cudagraphs, no output copy"] = lambda ids, cache: shared(
+        input_ids=ids, past_key_values=cache, use_cache=True).logits  # fmt: skip
+    rows["ours + cudagraphs"] = lambda ids, cache: graphs(input_ids=ids, past_key_values=cache,
+                                                          use_cache=True).logits  # fmt: skip
+    rows["_artifacts"] = {"ours": ours, "ours + cudagraphs": graphs}
+    return rows
+
+
+def decode_run(
+    row: Callable[..., Any], prompt: torch.Tensor, cache: Any
+) -> tuple[float, torch.Tensor]:
+    """Prefill, then STEPS greedy steps; (ms per step, the tokens)."""
+    cache.reset()
+    logits = row(prompt, cache)
+    ids = logits[:, -1:].argmax(-1)
+    tokens = [ids]
+    torch.cuda.synchronize()
+    began = time.perf_counter()
+    for _ in range(STEPS):
+        logits = row(ids, cache)
+        ids = logits[:, -1:].argmax(-1)
+        tokens.append(ids)
+    torch.cuda.synchronize()
+    return (time.perf_counter() - began) * 1e3 / STEPS, torch.cat(tokens, dim=1)
+
+
+def generate_run(model: torch.nn.Module, prompt: torch.Tensor, cache: Any,
+                 served: Any = None) -> float:  # fmt: skip
+    """transformers' generate on a static cache the caller keeps (``reset()`` before each
+    call: a new cache per call would make torch.compile recompile, its tensors being
+    guarded by identity, and our graphs re-capture): ms per new token, prefill excluded,
+    (65 new - 1 new) / 64."""
+    times = []
+    for new in (1, STEPS + 1):
+        options: dict[str, Any] = dict(max_new_tokens=new, min_new_tokens=new, do_sample=False,
+                                       pad_token_id=0)  # fmt: skip
+        if isinstance(cache, int):  # transformers' default: a new static cache per call
+            options.update(cache_implementation="static", max_cache_len=cache)
+        else:
+            cache.reset()
+            options["past_key_values"] = cache
+        torch.cuda.synchronize()
+        began = time.perf_counter()
+        if served is not None:
+            with served:
+                model.generate(prompt, **options)
+        else:
+            model.generate(prompt, **options)
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - began)
+    return (times[1] - times[0]) * 1e3 / STEPS
+
+
+def measure(args: argparse.Namespace) -> dict[str, Any]:
+    import transformers
+    from _common import environment
+
+    import precompile
+
+    torch._dynamo.config.recompile_limit = 64  # the torch.compile rows: every batch and S
+    model = build(args.smoke)
+    vocab = model.config.vocab_size
+    cache_dir = args.cache or tempfile.mkdtemp(prefix="precompile-decode-")
+    batches = [1, 4] if args.smoke else [1, 4, 8]
+    memory: dict[str, float] = {}
+    ready_s: dict[str, float] = {}
+    with torch.no_grad():
+        rows = make_rows(model, cache_dir, args.cache_len)
+        artifacts = rows.pop("_artifacts")
+        served = precompile.serve_generate(model, cache=cache_dir, cudagraphs=True,
+                                           hints=[PROMPT], warmup=True)  # fmt: skip
+        # One cache per batch size, shared by the rows (reset before each run): its
+        # tensors keep their addresses, as a server keeps its cache.
+        shared = {
+            batch: transformers.StaticCache(config=model.config, max_cache_len=args.cache_len)
+            for batch in batches
+        }
+        caches = {(name, batch): shared[batch] for name in ROWS for batch in batches}
+        prompts = {b: torch.randint(0, vocab, (b, PROMPT), device="cuda") for b in batches}
+        # First runs: compiles, recompiles and captures, timed as "ready".
+        for name in ROWS:
+            if name in IN_CHILD:
+                continue
+            torch.cuda.synchronize()
+            pools = graph_pool_bytes()
+            began = time.perf_counter()
+            for batch in batches:
+                if batch > 1 and name in BATCH_ONE_ONLY:
+                    continue
+                for _ in range(2):  # graphs that write their inputs capture at a 2nd call
+                    if name in GENERATE_ROWS:
+                        generate_run(model, prompts[batch], caches[(name, batch)],
+                                     served if name.startswith("ours") else None)  # fmt: skip
+                    else:
+                        decode_run(rows[name], prompts[batch], caches[(name, batch)])
+            torch.cuda.synchronize()
+            ready_s[name] = time.perf_counter() - began
+            memory[name] = (graph_pool_bytes() - pools) / 2**20
+            print(f"[decode] {name}: ready in {ready_s[name]:.1f} s, "
+                  f"+{memory[name]:.0f} MiB in CUDA-graph pools", flush=True)  # fmt: skip
+        decode: dict[str, dict[str, Any]] = {name: {} for name in ROWS}
+        tokens: dict[tuple[str, int], torch.Tensor] = {}
+        for batch in batches:
+            rounds: dict[str, list[float]] = {name: [] for name in ROWS}
+            for _ in range(args.rounds):
+                for name in ROWS:
+                    if (batch > 1 and name in BATCH_ONE_ONLY) or name in IN_CHILD:
+                        continue
+                    if name in GENERATE_ROWS:
+                        ms = generate_run(model, prompts[batch], caches[(name, batch)],
+                                          served if name.startswith("ours") else None)  # fmt: skip
+                    else:
+                        ms, tokens[(name, batch)] = decode_run(
+                            rows[name], prompts[batch], caches[(name, batch)]
+                        )
+                    rounds[name].append(ms)
+            for name, values in rounds.items():
+                if values:
+                    ms = statistics.median(values)
+                    decode[name][str(batch)] = {
+                        "ms_per_token": ms, "tokens_per_s": batch * 1e3 / ms, "rounds": values,
+                    }  # fmt: skip
+            print(f"[decode] batch {batch}: " + "  ".join(
+                f"{n}={decode[n][str(batch)]['ms_per_token']:.3f}" for n in ROWS
+                if str(batch) in decode[n]), flush=True)  # fmt: skip
+        same = {
+            str(b): bool(torch.equal(tokens[("ours", b)], tokens[("ours + cudagraphs", b)]))
+            for b in batches
+        }
+        print(f"[decode] ours + cudagraphs tokens identical to ours: {same}", flush=True)
+        # The same question for torch.compile's step and its hand-captured graph, and
+        # the first step where ours and ours + cudagraphs part, with the logits there.
+        same_hand = {
+            str(b): bool(torch.equal(tokens[("torch.compile fullgraph", b)],
+                                     tokens[("torch.compile + hand-captured graph", b)]))
+            for b in batches
+        }  # fmt: skip
+        print(f"[decode] hand-captured graph tokens identical to its step: {same_hand}")
+        parting = {str(b): first_difference(rows["ours"], rows["ours + cudagraphs"],
+                                            prompts[b], caches[("ours", b)], model.config,
+                                            args.cache_len)
+                   for b in batches if not same[str(b)]}  # fmt: skip
+        print(f"[decode] where ours and ours + cudagraphs part: {parting}", flush=True)
+        prefill: dict[str, dict[str, float]] = {name: {} for name in ROWS}
+        for length in PREFILLS:
+            ids = torch.randint(0, vocab, (1, length), device="cuda")
+            for name in ROWS:
+                if name in GENERATE_ROWS:
+                    continue
+                cache = caches[(name, 1)]
+                times = []
+                for _ in range(6):
+                    cache.reset()
+                    torch.cuda.synchronize()
+                    began = time.perf_counter()
+                    rows[name](ids, cache)
+                    torch.cuda.synchronize()
+                    times.append((time.perf_counter() - began) * 1e3)
+                prefill[name][str(length)] = statistics.median(times[1:])
+            print(f"[decode] prefill {length}: " + "  ".join(
+                f"{n}={v[str(length)]:.2f}" for n, v in prefill.items() if str(length) in v),
+                flush=True)  # fmt: skip
+        captured = {k: [list(s) for s in v.artifact.captured_sizes] for k, v in artifacts.items()}
+        host = host_profile(rows["ours + cudagraphs"], prompts[1], caches[("ours", 1)])
+        host_generate = generate_profile(model, prompts[1], caches[("ours", 1)], served)
+    generate = generate_child(args.smoke, args.cache_len, args.rounds)
+    if "ms_per_token" in generate:
+        decode["transformers generate"]["1"] = generate
+        ready_s["transformers generate"] = generate.pop("ready_s")
+    else:
+        decode["transformers generate"]["error"] = generate
+    return {
+        "environment": environment("cuda"),
+        "transformers": transformers.__version__,
+        "model": "smoke" if args.smoke else "llama-2048x4",
+        "cache_len": args.cache_len,
+        "prompt": PROMPT,
+        "steps": STEPS,
+        "batches": batches,
+        "rounds": args.rounds,
+        "decode": decode,
+        "prefill_ms": prefill,
+        "ready_s": ready_s,
+        "graph_memory_mb": memory,
+        "ours_cudagraphs_tokens_identical": same,
+        "hand_captured_tokens_identical_to_fullgraph": same_hand,
+        "ours_cudagraphs_first_difference": parting,
+        "captured_sizes": captured,
+        "host_profile_ours_cudagraphs": host,
+        "host_profile_ours_generate": host_generate,
+        "warm_start": warm_start(args.smoke, cache_dir, args.cache_len),
+    }
+
+
+GENERATE = """
+import sys, time, statistics
+sys.path.insert(0, {here!r})
+sys.path.insert(0, {root!r})
+import torch, transformers
+from decode import PROMPT, build, generate_run
+torch.manual_seed(0)
+model = build({smoke})
+cache = transformers.StaticCache(config=model.config, max_cache_len={cache_len})
+if {new_caches}:
+    cache = {cache_len}  # a new static cache per generate call, transformers' default
+prompt = torch.randint(0, model.config.vocab_size, (1, PROMPT), device="cuda")
+began = time.perf_counter()
+with torch.no_grad():
+    generate_run(model, prompt, cache)
+    ready = time.perf_counter() - began
+    rounds = [generate_run(model, prompt, cache) for _ in range({rounds})]
+ms = statistics.median(rounds)
+print("RESULT", {{"ms_per_token": ms, "tokens_per_s": 1e3 / ms, "rounds": rounds,
+                  "ready_s": ready, "transformers": transformers.__version__}})
+"""
+
+
+def generate_child(smoke: bool, cache_len: int, rounds: int) -> dict[str, Any]:
+    """transformers' own ``generate`` (it compiles the decode steps itself) in a fresh
+    process, batch 1, on a cache it is passed; the error where it fails."""
+    failures: dict[str, Any] = {}
+    for new_caches in (False, True):
+        how = "a new cache per call" if new_caches else "a cache it is passed, reset per call"
+        code = GENERATE.format(here=HERE, root=ROOT, smoke=smoke, cache_len=cache_len,
+                               rounds=rounds, new_caches=new_caches)  # fmt: skip
+        try:
+            out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                                 timeout=240)  # fmt: skip
+        except subprocess.TimeoutExpired:
+            failures[how] = {"error": "did not finish in 240 s"}
+            continue
+        line = next((x for x in out.stdout.splitlines() if x.startswith("RESULT ")), None)
+        if out.returncode != 0 or line is None:
+            lines = [x for x in out.stderr.splitlines() if "Assertion" not in x]
+            asserts = len(out.stderr.splitlines()) - len(lines)
+            failures[how] = {"error": "\n".join(lines[-25:]), "rc": out.returncode,
+                             "device_asserts": asserts}  # fmt: skip
+            print(f"[decode] transformers generate, {how}: failed {failures[how]}", flush=True)
+            continue
+        found: dict[str, Any] = eval(line[len("RESULT ") :])  # our own child's dict literal
+        found["how"] = how
+        found["failed_before"] = failures
+        print(f"[decode] transformers generate, {how}: {found}", flush=True)
+        return found
+    return failures
+
+
+def first_difference(plain: Callable[..., Any], graphs: Callable[..., Any],
+                     prompt: torch.Tensor, cache: Any, config: Any,
+                     cache_len: int) -> dict[str, Any]:  # fmt: skip
+    """Decode in lock step (both fed plain's tokens, each on its own cache): the first
+    step whose logits differ, by how much, and whether the greedy token flips there."""
+    import transformers
+
+    cache.reset()
+    other = transformers.StaticCache(config=config, max_cache_len=cache_len)
+    ids = prompt
+    for step in range(STEPS + 1):
+        a = plain(ids, other)[:, -1]
+        b = graphs(ids, cache)[:, -1]
+        if not torch.equal(a, b):
+            diff = (a.float() - b.float()).abs().max().item()
+            flips = bool((a.argmax(-1) != b.argmax(-1)).any())
+            return {"step": step, "max_abs_logit_diff": diff, "token_flips": flips}
+        ids = a.argmax(-1, keepdim=True)
+    return {"step": None}
+
+
+def generate_profile(model: torch.nn.Module, prompt: torch.Tensor, cache: Any, served: Any) -> str:
+    """cProfile of one served ``generate`` of 64 tokens: where a step's host time goes."""
+    import cProfile
+    import io
+    import pstats
+
+    profile = cProfile.Profile()
+    cache.reset()
+    with served:
+        profile.enable()
+        model.generate(prompt, max_new_tokens=STEPS, min_new_tokens=STEPS, do_sample=False,
+                       past_key_values=cache, pad_token_id=0)  # fmt: skip
+        profile.disable()
+    text = io.StringIO()
+    pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(25)
+    print(text.getvalue(), flush=True)
+    return text.getvalue()
+
+
+def host_profile(row: Callable[..., Any], prompt: torch.Tensor, cache: Any) -> str:
+    """Where the host's time goes in 64 decode steps (cProfile, top functions by own
+    time): what a replayed step costs before the GPU does anything."""
+    import cProfile
+    import io
+    import pstats
+
+    cache.reset()
+    ids = row(prompt, cache)[:, -1:].argmax(-1)
+    profile = cProfile.Profile()
+    profile.enable()
+    for _ in range(STEPS):
+        ids = row(ids, cache)[:, -1:].argmax(-1)
+    profile.disable()
+    torch.cuda.synchronize()
+    text = io.StringIO()
+    pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(18)
+    print(text.getvalue(), flush=True)
+    return text.getvalue()
+
+
+WARM = """
+import sys, time
+started = time.perf_counter()
+sys.path.insert(0, {here!r})
+sys.path.insert(0, {root!r})
+from _common import watch_processes
+spawned = watch_processes()
+import torch, precompile
+from _common import count_tracing_and_compiles, is_compiler
+from decode import OUR_OPTIONS, PROMPT, build, our_call
+frames, compiles = count_tracing_and_compiles()
+model = build({smoke})
+call = our_call(model, 2, PROMPT, {cache_len})
+torch.cuda.synchronize()
+built = time.perf_counter()
+with torch.no_grad():
+    compiled = precompile.compile_model(model, (), call, cache={cache!r}, cudagraphs=True,
+                                        warmup=False, **OUR_OPTIONS)
+    request = our_call(model, 1, PROMPT, {cache_len})  # a request of batch 1, its own cache
+    out = compiled(**request)
+    token = out.logits[:, -1:].argmax(-1)
+    torch.cuda.synchronize()
+    first = time.perf_counter() - built
+    began = time.perf_counter()
+    for _ in range(8):
+        token = compiled(input_ids=token, past_key_values=request["past_key_values"],
+                         use_cache=True).logits[:, -1:].argmax(-1)
+    torch.cuda.synchronize()
+    decode8 = time.perf_counter() - began
+print("RESULT", {{"call_to_first_token_s": first, "first_8_decode_steps_s": decode8,
+       "process_start_to_model_built_s": built - started, "dynamo_frames": len(frames),
+       "inductor_compiles": len(compiles), "processes": len(spawned),
+       "compiler_processes": sorted(p for p in spawned if is_compiler(p))}})
+"""
+
+
+def warm_start(smoke: bool, cache: str, cache_len: int) -> dict[str, Any]:
+    """Fresh processes on the warm artifact cache (the second with a warm Triton cache
+    too): ``compile_model`` (no tracing) and the first prefill, to its first token."""
+    found: dict[str, Any] = {}
+    triton_dir = tempfile.mkdtemp(prefix="triton-")
+    for label in ("fresh process, empty Triton cache", "fresh process, warm Triton cache"):
+        code = WARM.format(here=HERE, root=ROOT, smoke=smoke, cache=cache, cache_len=cache_len)
+        env = {**os.environ, "TRITON_CACHE_DIR": triton_dir,
+               "TORCHINDUCTOR_CACHE_DIR": tempfile.mkdtemp(prefix="inductor-")}  # fmt: skip
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+        line = next((x for x in out.stdout.splitlines() if x.startswith("RESULT ")), None)
+        if out.returncode != 0 or line is None:
+            found[label] = {"error": out.stderr[-2000:]}
+        else:
+            found[label] = eval(line[len("RESULT ") :])  # our own child's dict literal
+        print(f"[decode] {label}: {found[label]}", flush=True)
+    return found
+
+
+def summarize(document: dict[str, Any]) -> str:
+    from _common import table
+
+    batches = document["batches"]
+    headers = ["row", *(f"decode ms/token, batch {b}" for b in batches),
+               *(f"tokens/s, batch {b}" for b in batches),
+               *(f"prefill {n} ms" for n in PREFILLS), "graph memory MiB"]  # fmt: skip
+    body = []
+    for name in ROWS:
+        decode = document["decode"][name]
+        cells: list[Any] = [name]
+        if "error" in decode:
+            body.append([name, "failed: see the JSON", *["-"] * (len(headers) - 2)])
+            continue
+        cells += [decode[str(b)]["ms_per_token"] if str(b) in decode else "-" for b in batches]
+        cells += [decode[str(b)]["tokens_per_s"] if str(b) in decode else "-" for b in batches]
+        prefill = document["prefill_ms"].get(name, {})
+        cells += [prefill.get(str(n), "-") for n in PREFILLS]
+        cells.append(document["graph_memory_mb"].get(name, "-"))
+        body.append(cells)
+    lines = [table(headers, body), ""]
+    lines.append("ready (compiles and captures of the first runs), s: " + ", ".join(
+        f"{k} {v:.1f}" for k, v in document["ready_s"].items()))  # fmt: skip
+    lines.append(f"ours + cudagraphs tokens identical to ours: "
+                 f"{document['ours_cudagraphs_tokens_identical']}")  # fmt: skip
+    for label, numbers in document["warm_start"].items():
+        lines.append(f"{label}: {numbers}")
+    return "\n".join(lines)
+
+
+def plot(path: str) -> None:
+    from _common import pyplot
+
+    plt = pyplot()
+    if plt is None:
+        return
+    with open(path, encoding="utf-8") as handle:
+        document = json.load(handle)
+    figure, axis = plt.subplots(figsize=(9, 5))
+    batches = document["batches"]
+    width = 0.8 / len(ROWS)
+    for index, name in enumerate(ROWS):
+        decode = document["decode"][name]
+        xs = [i + index * width for i, b in enumerate(batches) if str(b) in decode]
+        ys = [decode[str(b)]["ms_per_token"] for b in batches if str(b) in decode]
+        axis.bar(xs, ys, width=width, label=name)
+    axis.set_xticks([i + 0.4 - width / 2 for i in range(len(batches))])
+    axis.set_xticklabels([f"batch {b}" for b in batches])
+    axis.set_ylabel("decode ms per token (lower is better)")
+    axis.set_yscale("log")
+    axis.set_title(f"Llama 2048x4 bf16 decode on {document['environment']['device']}")
+    axis.legend(fontsize=8)
+    axis.grid(True, axis="y", which="both", alpha=0.3)
+    figure.tight_layout()
+    figure.savefig(path.replace(".json", ".png"), dpi=120)
+    print(f"wrote {path.replace('.json', '.png')}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--smoke", action="store_true")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--cache-len", type=int, default=1152)
+    parser.add_argument("--cache", help="the precompile artifact cache (default: a new one)")
+    parser.add_argument("--out", default=os.path.join(HERE, "results", "decode-llama.json"))
+    parser.add_argument("--plot", metavar="JSON", help="only draw the plot of a result file")
+    args = parser.parse_args()
+    if args.plot:
+        plot(args.plot)
+        return
+    document = measure(args)
+    os.makedirs(os.path.dirname(args.out), exist_ok=True)
+    with open(args.out, "w", encoding="utf-8") as handle:
+        json.dump(document, handle, indent=2)
+    print(summarize(document))
+    print(f"wrote {args.out}")
+    plot(args.out)
+
+
+if __name__ == "__main__":
+    main()

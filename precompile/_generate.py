@@ -1,0 +1,221 @@
+"""``precompile.serve_generate``: every forward call of ``model.generate()`` served by
+compiled models, with no Dynamo frame in a process whose cache is warm.
+
+``generate`` calls the model's forward with a few call structures: the prefill (the
+prompt, sequence length varying) and the decode steps (one token each; some versions
+add a 4-d attention mask over the static cache). transformers' own ``CompileConfig``
+takes a ``backend``, but that still runs Dynamo in every process, and it only covers the
+decode steps. Here the model's ``forward`` is swapped, on this instance and only inside
+the ``with`` block, for a router: each call structure (argument names, which are
+tensors, the plain values) gets one ``compile_model`` (found in the cache without
+tracing where it was compiled before), and ``get_compiled_call`` (generate's hook for
+``torch.compile``) returns the same router, so no step is compiled by torch.compile.
+
+Dynamic dims: the prompt's sequence dim (``input_ids`` last dim, and ``position_ids``'s
+last dim of that size) when it is longer than 1, with the given ``hints``; a 2-d
+attention mask is padded with zeros to the static cache's length (as transformers' mask
+code pads it), so it has one shape; with ``dynamic_batch=True`` also dim 0 of every
+tensor argument (and the cache's batch) where the call's batch is over 1, so batch sizes
+share one compile.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import threading
+from collections.abc import Mapping
+from types import TracebackType
+from typing import Any
+
+import torch
+
+from runtime._errors import InvalidOptionError, UnsupportedGraphError
+from runtime._kv_cache import is_kv_cache
+from runtime._model import CompiledModel
+from runtime._torch_adapter import tree_flatten
+
+log = logging.getLogger("precompile.compile")
+_PLAIN = (bool, int, float, str, type(None))
+_SEQUENCE_ARGUMENTS = ("attention_mask", "position_ids", "token_type_ids")
+
+
+def _structure(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> tuple[Any, ...]:
+    """What makes two forward calls the same compiled call: argument names, which are
+    tensors (and their rank), caches, and the plain values."""
+    if args:
+        raise UnsupportedGraphError(
+            f"serve_generate serves keyword calls (generate's); got {len(args)} positional"
+        )
+    parts: list[Any] = []
+    for name, value in sorted(kwargs.items()):
+        leaves, spec = tree_flatten(value, is_leaf=is_kv_cache)
+        kinds: list[Any] = []
+        for leaf in leaves:
+            if isinstance(leaf, torch.Tensor):
+                kinds.append(("tensor", leaf.dim()))
+            elif is_kv_cache(leaf):
+                kinds.append(("cache", type(leaf).__qualname__))
+            elif isinstance(leaf, _PLAIN):
+                kinds.append(("value", type(leaf).__name__, leaf))
+            else:
+                raise UnsupportedGraphError(
+                    f"generate passed {name} holding a {type(leaf).__name__}, which "
+                    "compile_model cannot take as an argument"
+                )
+        parts.append((name, str(spec), tuple(kinds)))
+    return tuple(parts)
+
+
+def _dynamic(kwargs: Mapping[str, Any], dynamic_batch: bool) -> dict[int | str, list[int]]:
+    dims: dict[int | str, list[int]] = {}
+    ids = kwargs.get("input_ids")
+    if not isinstance(ids, torch.Tensor):
+        ids = kwargs.get("inputs_embeds")
+    sequence = int(ids.shape[1]) if isinstance(ids, torch.Tensor) and ids.dim() >= 2 else 1
+    for name, value in kwargs.items():
+        wanted: list[int] = []
+        if isinstance(value, torch.Tensor):
+            if dynamic_batch and value.dim() >= 1 and int(value.shape[0]) > 1:
+                wanted.append(0)
+            if sequence > 1:
+                if name == "input_ids" or (
+                    name in _SEQUENCE_ARGUMENTS
+                    and value.dim() == 2
+                    and int(value.shape[-1]) == sequence
+                ):
+                    wanted.append(value.dim() - 1)
+                elif name == "inputs_embeds":
+                    wanted.append(1)
+        elif (
+            is_kv_cache(value)
+            and dynamic_batch
+            and isinstance(ids, torch.Tensor)
+            and int(ids.shape[0]) > 1
+        ):
+            wanted.append(0)
+        if wanted:
+            dims[name] = sorted(set(wanted))
+    return dims
+
+
+def _pad_mask_to_cache(kwargs: dict[str, Any]) -> None:
+    """A 2-d attention mask (batch, tokens so far), which grows by one every decode step,
+    padded with zeros to the static cache's length: what transformers' mask code does to
+    it anyway (the positions past the tokens so far are masked), so every decode step
+    has one shape and one CUDA graph."""
+    mask = kwargs.get("attention_mask")
+    cache = kwargs.get("past_key_values")
+    if not (isinstance(mask, torch.Tensor) and mask.dim() == 2 and is_kv_cache(cache)):
+        return
+    layers = getattr(cache, "layers", None) or []
+    lengths = {getattr(layer, "max_cache_len", None) for layer in layers}
+    if len(lengths) != 1:
+        return
+    (length,) = lengths
+    if isinstance(length, int) and mask.shape[1] < length:
+        kwargs["attention_mask"] = torch.nn.functional.pad(mask, (0, length - mask.shape[1]))
+
+
+class GenerateServer:
+    """The router ``serve_generate`` installs: one compiled model per call structure.
+    ``calls``: forward calls served by compiled models; ``compiled``: per structure."""
+
+    def __init__(
+        self, model: torch.nn.Module, dynamic_batch: bool, options: Mapping[str, Any]
+    ) -> None:
+        self.model = model
+        self.dynamic_batch = dynamic_batch
+        self.options = dict(options)
+        self.compiled: dict[tuple[Any, ...], CompiledModel] = {}
+        self.calls = 0
+        self._lock = threading.RLock()
+        self._saved: dict[str, Any] = {}
+        self._installed = False
+
+    # -- the hook ----------------------------------------------------------------------
+    def __enter__(self) -> GenerateServer:
+        if self._installed:
+            raise InvalidOptionError("serve_generate is already installed on this model")
+        model = self.model
+        original = type(model).forward.__get__(model)
+        for name in ("forward", "get_compiled_call"):
+            if name in vars(model):
+                self._saved[name] = vars(model)[name]
+
+        @functools.wraps(original)  # generate reads forward's signature
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            return self(*args, **kwargs)
+
+        model.forward = forward  # type: ignore[method-assign]
+        model.get_compiled_call = lambda compile_config=None: model.__call__  # type: ignore[method-assign]
+        self._installed = True
+        return self
+
+    def __exit__(
+        self,
+        kind: type[BaseException] | None,
+        error: BaseException | None,
+        trace: TracebackType | None,
+    ) -> None:
+        self._uninstall()
+
+    def _uninstall(self) -> None:
+        for name in ("forward", "get_compiled_call"):
+            vars(self.model).pop(name, None)
+            if name in self._saved:
+                setattr(self.model, name, self._saved[name])
+        self._installed = False
+
+    # -- serving -----------------------------------------------------------------------
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        _pad_mask_to_cache(kwargs)
+        key = _structure(args, kwargs)
+        compiled = self.compiled.get(key)
+        if compiled is None:
+            compiled = self._compile(key, kwargs)
+        self.calls += 1
+        return compiled(**kwargs)
+
+    def _compile(self, key: tuple[Any, ...], kwargs: Mapping[str, Any]) -> CompiledModel:
+        from ._model import compile_model
+
+        with self._lock:
+            found = self.compiled.get(key)
+            if found is not None:
+                return found
+            model = self.model
+            installed = {n: vars(model).pop(n) for n in ("forward", "get_compiled_call")
+                         if n in vars(model)}  # fmt: skip
+            try:  # the model's own forward while it is traced (or keyed)
+                compiled = compile_model(
+                    model, (), dict(kwargs), dynamic=_dynamic(kwargs, self.dynamic_batch),
+                    **self.options,
+                )  # fmt: skip
+            finally:
+                for name, value in installed.items():
+                    setattr(model, name, value)
+            log.info("serve_generate: compiled call structure %s", [k[0] for k in key])
+            self.compiled[key] = compiled
+            return compiled
+
+
+def serve_generate(
+    model: torch.nn.Module, *, dynamic_batch: bool = False, **options: Any
+) -> GenerateServer:
+    """A context manager under which ``model.generate(...)`` runs every forward call on
+    compiled models (``compile_model`` per call structure, with ``options``: ``hints``,
+    ``sizes``, ``cache``, ``cudagraphs``, ``compile``, ``warmup``...). Use a static cache:
+    ``model.generate(ids, cache_implementation="static")`` or
+    ``past_key_values=StaticCache(...)`` (a fixed ``max_cache_len`` keeps one compile for
+    every length of prompt and output)::
+
+        with precompile.serve_generate(model, hints=[16, 256]) as served:
+            out = model.generate(ids, max_new_tokens=32, cache_implementation="static")
+    """
+    if "dynamic" in options:
+        raise InvalidOptionError(
+            "serve_generate chooses the dynamic dims itself (the prompt's sequence dim; "
+            "dynamic_batch=True for the batch)"
+        )
+    return GenerateServer(model, dynamic_batch, options)

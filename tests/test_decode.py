@@ -1,0 +1,363 @@
+"""The decode loop at the model level: prefill, then token-by-token decode against a
+transformers ``StaticCache``, served by ``compile_model`` (a hand-written loop) and by
+``serve_generate`` (``model.generate``), tokens identical to eager for 32 greedy steps on
+a tiny Llama and a tiny Qwen2 (biased q/k/v projections); batch sizes 1..8 from one
+compile; a fresh process that loads the model and runs a new cache with no Dynamo frame
+and no compile; and every bad cache refused with ``InputMismatchError`` naming it."""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from conftest import run_python
+from test_warm_start import AUDIT
+
+import precompile
+
+transformers = pytest.importorskip("transformers")
+
+VOCAB = 128
+STEPS = 32
+MAX_CACHE = 64
+
+
+def _config(name: str) -> Any:
+    common = dict(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        vocab_size=VOCAB,
+        max_position_embeddings=256,
+    )
+    if name == "llama":
+        return transformers.LlamaConfig(**common)
+    return transformers.Qwen2Config(**common, use_sliding_window=False)
+
+
+def build(name: str) -> torch.nn.Module:
+    torch.manual_seed(0)
+    config = _config(name)
+    cls = transformers.LlamaForCausalLM if name == "llama" else transformers.Qwen2ForCausalLM
+    return cls(config).eval()
+
+
+def new_cache(model: torch.nn.Module, batch: int | None = None, **kwargs: Any) -> Any:
+    cache = transformers.StaticCache(
+        config=model.config, max_cache_len=kwargs.pop("length", MAX_CACHE)
+    )
+    if batch is not None:  # else the first write initializes it (lazily, as in eager)
+        cache.early_initialization(batch, 1, 16, kwargs.get("dtype", torch.float32),
+                                   torch.device(kwargs.get("device", "cpu")))  # fmt: skip
+    return cache
+
+
+def greedy(call: Callable[..., Any], model: torch.nn.Module, prompt: torch.Tensor,
+           positions: bool = False) -> torch.Tensor:  # fmt: skip
+    """Prefill, then STEPS greedy decode steps, the cache written in place."""
+    cache = new_cache(model)
+    tokens, start = prompt, 0
+    generated = []
+    with torch.no_grad():
+        for _ in range(STEPS + 1):
+            extra = {"cache_position": torch.arange(start, start + tokens.shape[1])}
+            out = call(input_ids=tokens, past_key_values=cache, use_cache=True,
+                       **(extra if positions else {}))  # fmt: skip
+            assert out.past_key_values is cache
+            start += tokens.shape[1]
+            tokens = out.logits[:, -1:].argmax(-1)
+            generated.append(tokens)
+    assert int(cache.layers[-1].cumulative_length) == prompt.shape[1] + STEPS
+    return torch.cat(generated, dim=1)
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return str(tmp_path_factory.mktemp("decode-cache"))
+
+
+# Llama: batch and sequence dynamic (the cache's batch follows), cache_position passed
+# (checked against the cache).
+@pytest.fixture(scope="module")
+def llama(cache_dir: str) -> tuple[Any, Any]:
+    model = build("llama")
+    ids = torch.randint(0, VOCAB, (2, 7))
+    call = {"input_ids": ids, "past_key_values": new_cache(model), "use_cache": True,
+            "cache_position": torch.arange(7)}  # fmt: skip
+    with torch.no_grad():
+        compiled = precompile.compile_model(
+            model, (), call, dynamic={"input_ids": [0, 1]},
+            hints={("input_ids", 0): [1, 8], ("input_ids", 1): [1, 8]},
+            sizes=[],
+            cache=cache_dir,
+        )  # fmt: skip
+    assert int(call["past_key_values"].layers[0].cumulative_length) == 0  # compiling wrote nothing
+    return model, compiled
+
+
+@pytest.fixture(scope="module")
+def qwen2(cache_dir: str) -> tuple[Any, Any]:
+    model = build("qwen2")
+    call = {"input_ids": torch.randint(0, VOCAB, (1, 7)), "past_key_values": new_cache(model),
+            "use_cache": True}  # fmt: skip
+    with torch.no_grad():
+        compiled = precompile.compile_model(
+            model, (), call, dynamic={"input_ids": [1]}, hints=[8], cache=cache_dir
+        )
+    return model, compiled
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_hand_written_loop_matches_eager(arch: str, request: pytest.FixtureRequest) -> None:
+    model, compiled = request.getfixturevalue(arch)
+    positions = arch == "llama"
+    for seed, length in ((1, 7), (2, 13)):
+        torch.manual_seed(seed)
+        prompt = torch.randint(0, VOCAB, (1, length))
+        eager = greedy(model, model, prompt)
+        assert torch.equal(greedy(compiled, model, prompt, positions), eager)
+
+
+def test_batches_one_to_eight_from_one_compile(llama: tuple[Any, Any]) -> None:
+    model, compiled = llama
+    torch.manual_seed(3)
+    for batch in (1, 3, 8):
+        prompt = torch.randint(0, VOCAB, (batch, 5))
+        assert torch.equal(greedy(compiled, model, prompt, True), greedy(model, model, prompt))
+    # (batch, sequence) hint points: prefill and decode, batch 1 and batched
+    assert sorted(tuple(v.point.values()) for v in compiled.artifact.variants) == [
+        (1, 1), (1, 8), (8, 1), (8, 8)
+    ]  # fmt: skip
+
+
+def test_bad_caches_are_refused_naming_what_differs(llama: tuple[Any, Any]) -> None:
+    model, compiled = llama
+    one = torch.zeros(1, 1, dtype=torch.long)
+
+    def refused(match: str, cache: Any, ids: torch.Tensor = one, **extra: Any) -> None:
+        call = {"cache_position": torch.arange(ids.shape[1]), **extra}
+        with torch.no_grad(), pytest.raises(precompile.InputMismatchError, match=match):
+            compiled(input_ids=ids, past_key_values=cache, use_cache=True, **call)
+
+    refused("max_cache_len 32, but the model was compiled for 64", new_cache(model, length=32))
+    refused(
+        "has batch size 2, but this call's batch is 1", new_cache(model, 2)
+    )  # the call's batch is 1
+    refused("dtype float64, but the model was compiled for float32",
+            new_cache(model, 1, dtype=torch.float64))  # fmt: skip
+    refused("device meta", new_cache(model, 1, device="meta"))
+    deeper = transformers.StaticCache(
+        config=transformers.LlamaConfig(**{**model.config.to_dict(), "num_hidden_layers": 3}),
+        max_cache_len=MAX_CACHE,
+    )
+    refused("has 3 layers, but the model was compiled for a cache of 2", deeper)
+    refused("is a DynamicCache, but the model was compiled for a StaticCache",
+            transformers.DynamicCache(config=model.config))  # fmt: skip
+    cache = new_cache(model)
+    with torch.no_grad():
+        compiled(input_ids=torch.zeros(1, 60, dtype=torch.long), past_key_values=cache,
+                 use_cache=True, cache_position=torch.arange(60))  # fmt: skip
+    keys = cache.layers[0].keys.clone()
+    refused("holds 60 tokens of max_cache_len 64, and this call writes 5 more", cache,
+            torch.zeros(1, 5, dtype=torch.long), cache_position=torch.arange(60, 65))  # fmt: skip
+    refused("cache_position is \\[3\\], but past_key_values holds 60 tokens", cache,
+            cache_position=torch.tensor([3]))  # fmt: skip
+    assert int(cache.layers[0].cumulative_length) == 60 and torch.equal(cache.layers[0].keys, keys)
+    # An eager step on the same cache is seen (its counter's version moved): 61 now.
+    with torch.no_grad():
+        model(input_ids=one, past_key_values=cache, use_cache=True)
+    refused("holds 61 tokens", cache, torch.zeros(1, 4, dtype=torch.long),
+            cache_position=torch.arange(61, 65))  # fmt: skip
+    cache.reset()  # zeroes the counters in place: seen too
+    with torch.no_grad():
+        compiled(input_ids=one, past_key_values=cache, use_cache=True,
+                 cache_position=torch.arange(1))  # fmt: skip
+    assert int(cache.layers[1].cumulative_length) == 1
+
+
+def test_unsupported_caches_are_refused_at_compile(tmp_path: Any) -> None:
+    model = build("llama")
+    ids = torch.zeros(1, 3, dtype=torch.long)
+    with pytest.raises(precompile.UnsupportedGraphError, match="StaticCache"):
+        precompile.compile_model(
+            model, (), {"input_ids": ids, "past_key_values": transformers.DynamicCache(
+                config=model.config), "use_cache": True}, cache=str(tmp_path),
+        )  # fmt: skip
+    with pytest.raises(precompile.InvalidOptionError, match="Dynamo specializes sizes 0 and 1"):
+        precompile.compile_model(
+            model, (), {"input_ids": ids, "past_key_values": new_cache(model), "use_cache": True},
+            dynamic={"input_ids": [0]}, cache=str(tmp_path),
+        )  # fmt: skip
+    with pytest.raises(precompile.InvalidOptionError, match="only its batch"):
+        precompile.compile_model(
+            model, (), {"input_ids": ids, "past_key_values": new_cache(model), "use_cache": True},
+            dynamic={"past_key_values": [2]}, cache=str(tmp_path),
+        )  # fmt: skip
+
+
+WARM = (
+    AUDIT
+    + """
+import sys, time, torch, precompile
+sys.path.insert(0, "tests")
+import test_decode as t
+import torch._inductor.compile_fx as compile_fx
+from torch._dynamo import convert_frame
+compiles, frames = [], []
+original_compile, original_frame = compile_fx.compile_fx, convert_frame._compile
+compile_fx.compile_fx = lambda *a, **k: (compiles.append(1), original_compile(*a, **k))[1]
+convert_frame._compile = lambda *a, **k: (frames.append(1), original_frame(*a, **k))[1]
+model = t.build("llama")
+compiled = precompile.load_model(model, path=sys.argv[1])
+torch.manual_seed(1)
+prompt = torch.randint(0, t.VOCAB, (1, 7))
+ours = t.greedy(compiled, model, prompt, True)
+same = torch.equal(ours, t.greedy(model, model, prompt))
+print("frames", len(frames), "compiles", len(compiles), "spawned", len(spawned), "same", same)
+"""
+)
+
+
+def test_a_fresh_process_decodes_on_a_new_cache_without_tracing(
+    llama: tuple[Any, Any], tmp_path: Any
+) -> None:
+    _, compiled = llama
+    path = os.path.join(str(tmp_path), "llama-decode.pt2c")
+    compiled.save(path)
+    out = run_python(WARM.replace("sys.argv[1]", repr(path)))
+    assert "frames 0 compiles 0 spawned 0 same True" in out, out
+
+
+# -- generate() ----------------------------------------------------------------------------
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_generate_is_served_by_compiled_models(arch: str, cache_dir: str) -> None:
+    model = build(arch)
+    torch.manual_seed(4)
+    prompt = torch.randint(0, VOCAB, (1, 7))
+    options = dict(max_new_tokens=STEPS, do_sample=False, cache_implementation="static",
+                   pad_token_id=0)  # fmt: skip
+    inner: list[int] = []
+    model.model.register_forward_pre_hook(lambda module, args: inner.append(1))
+    with torch.no_grad():
+        eager = model.generate(prompt, **options)
+        eager_calls = len(inner)
+        with precompile.serve_generate(model, hints=[8], cache=cache_dir) as served:
+            first = model.generate(prompt, **options)  # compiles each call structure once
+            inner.clear()
+            torch.manual_seed(5)
+            other = torch.randint(0, VOCAB, (1, 7))
+            second = model.generate(other, **options)
+            served_inner = len(inner)
+        assert "forward" not in vars(model)  # the hook is gone after the block
+        expected = model.generate(other, **options)
+    assert eager_calls == STEPS and served.calls == 2 * STEPS
+    assert torch.equal(first, eager) and torch.equal(second, expected)
+    assert served_inner == 0  # no eager forward ran inside the second generate
+    assert 1 <= len(served.compiled) <= 2  # prefill, and decode where it differs
+
+
+# -- CUDA graphs ---------------------------------------------------------------------------
+def test_graphs_that_write_a_static_cache_are_capturable(llama: tuple[Any, Any]) -> None:
+    """The cache tensors the graph writes are static-address inputs: captured in place
+    (on CUDA); a written input whose address is not static is still refused."""
+    import dataclasses
+
+    from runtime._cudagraphs import why_not_capturable
+    from runtime._manifest import TensorInput
+
+    manifest = llama[1].artifact.manifest
+    written = [i for i, s in enumerate(manifest.inputs)
+               if isinstance(s, TensorInput) and s.mutation == "data"]  # fmt: skip
+    assert len(written) == 6  # keys, values and counter of 2 layers
+    assert all(manifest.inputs[i].static_address for i in written)
+    on_cuda = dataclasses.replace(
+        manifest,
+        environment=dataclasses.replace(manifest.environment, device_type="cuda"),
+        inputs=tuple(
+            dataclasses.replace(s, device="cuda:0") if isinstance(s, TensorInput) else s
+            for s in manifest.inputs
+        ),
+    )
+    assert why_not_capturable(on_cuda) is None
+    inputs = list(on_cuda.inputs)
+    inputs[written[0]] = dataclasses.replace(inputs[written[0]], static_address=False)
+    reason = why_not_capturable(dataclasses.replace(on_cuda, inputs=tuple(inputs)))
+    assert reason is not None and "not static" in reason
+
+
+@pytest.fixture(scope="module")
+def cuda_llama(cache_dir: str) -> tuple[Any, Any, Any]:
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    model = build("llama").to(device="cuda", dtype=torch.bfloat16)
+    call = {"input_ids": torch.randint(0, VOCAB, (2, 7), device="cuda"),
+            "past_key_values": new_cache(model), "use_cache": True}  # fmt: skip
+    options: dict[str, Any] = dict(
+        dynamic={"input_ids": [0, 1]},
+        hints={("input_ids", 0): [1, 8], ("input_ids", 1): [1, 8]},
+        sizes=[],
+        cache=cache_dir,
+    )
+    with torch.no_grad():
+        plain = precompile.compile_model(model, (), call, **options)
+        graphs = precompile.compile_model(model, (), call, cudagraphs=True, **options)
+    return model, plain, graphs
+
+
+@pytest.mark.gpu
+def test_cudagraph_decode_matches_the_same_model_without_graphs(
+    cuda_llama: tuple[Any, Any, Any], caplog: pytest.LogCaptureFixture
+) -> None:
+    model, plain, graphs = cuda_llama
+    torch.manual_seed(6)
+    for batch in (1, 3, 8):
+        prompt = torch.randint(0, VOCAB, (batch, 7), device="cuda")
+        assert torch.equal(greedy(graphs, model, prompt), greedy(plain, model, prompt))
+    decode_graphs = [s for s in graphs.artifact.captured_sizes if 1 in s]
+    assert len(decode_graphs) >= 3, graphs.artifact.captured_sizes  # one per batch size
+    # A graph is bound to the cache it was captured on: another cache object drops it
+    # (the call runs plainly, the next one captures again) and the first cache is never
+    # written through a stale graph.
+    prompt = torch.randint(0, VOCAB, (1, 7), device="cuda")
+    first, second = new_cache(model), new_cache(model)
+    with torch.no_grad():
+        for cache in (first, second):
+            tokens = prompt
+            for _ in range(4):
+                tokens = graphs(input_ids=tokens, past_key_values=cache,
+                                use_cache=True).logits[:, -1:].argmax(-1)  # fmt: skip
+        kept = first.layers[0].keys.clone()
+        with caplog.at_level(logging.INFO, logger="precompile"):
+            for _ in range(4):
+                tokens = graphs(input_ids=tokens, past_key_values=second,
+                                use_cache=True).logits[:, -1:].argmax(-1)  # fmt: skip
+    torch.cuda.synchronize()
+    assert torch.equal(first.layers[0].keys, kept)
+    assert int(first.layers[0].cumulative_length) == 7 + 3
+    assert int(second.layers[0].cumulative_length) == 7 + 3 + 4
+    expected = greedy(plain, model, prompt)
+    assert torch.equal(greedy(graphs, model, prompt), expected)
+
+
+@pytest.mark.gpu
+def test_generate_with_cudagraphs_matches_without(
+    cuda_llama: tuple[Any, Any, Any], cache_dir: str
+) -> None:
+    model = cuda_llama[0]
+    prompt = torch.randint(0, VOCAB, (2, 7), device="cuda")
+    options = dict(max_new_tokens=STEPS, do_sample=False, cache_implementation="static",
+                   pad_token_id=0)  # fmt: skip
+    outputs = []
+    with torch.no_grad():
+        for graphs in (False, True):
+            with precompile.serve_generate(model, hints=[8], cache=cache_dir,
+                                           cudagraphs=graphs) as served:  # fmt: skip
+                outputs.append(model.generate(prompt, **options))
+            assert served.calls == STEPS
+    assert torch.equal(outputs[0], outputs[1])
