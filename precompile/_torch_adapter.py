@@ -593,24 +593,19 @@ def _settle_triton_kernels(payload: bytes) -> bytes:
     return pickle.dumps((entry, kernels, constant_args))
 
 
-def compile_variant(
+def _compile_once(
     gm: torch.fx.GraphModule,
     graph: GraphDescription,
     point: Mapping[sympy.Symbol, int],
-    *,
     dynamic: bool,
     options: Mapping[str, Any],
-) -> CompiledVariant:
-    """Compile one variant with inductor from a fresh ShapeEnv whose symbols mirror the
-    caller's, hinted at ``point`` (``dynamic=False``: fixed to it), so the guards this
-    compile adds are this variant's alone; returns its payload, those guards in the
-    caller's symbols, its built C++ kernels and how it uses its inputs."""
+    size_oblivious: bool,
+) -> tuple[Any, ...]:
+    """One compile of a variant from fresh inputs: their fake mode, the map
+    back to the caller's symbols, the payload, its built kernels and input uses."""
     from torch._inductor.compile_fx import compile_fx
 
     inputs, fake_mode, reverse = _fresh_inputs(graph, point, dynamic)
-    # A point at 0 or 1 is meant to specialize (a decode step's code for one row); any
-    # other dynamic point is traced for every size, 0 and 1 included.
-    size_oblivious = dynamic and all(int(v) >= 2 for v in point.values())
     with (
         _compile_context(fake_mode, size_oblivious),
         _attention_backends(sdpa_settings(dynamic)),
@@ -635,6 +630,44 @@ def compile_variant(
         payload = _settle_triton_kernels(payload)
         kernels = _built_cpp_kernels(payload)
         uses, training = _input_uses(payload, len(inputs))
+    return fake_mode, reverse, payload, kernels, uses, training
+
+
+def compile_variant(
+    gm: torch.fx.GraphModule,
+    graph: GraphDescription,
+    point: Mapping[sympy.Symbol, int],
+    *,
+    dynamic: bool,
+    options: Mapping[str, Any],
+) -> CompiledVariant:
+    """Compile one variant with inductor from a fresh ShapeEnv whose symbols mirror the
+    caller's, hinted at ``point`` (``dynamic=False``: fixed to it), so the guards this
+    compile adds are this variant's alone; returns its payload, those guards in the
+    caller's symbols, its built C++ kernels and how it uses its inputs."""
+    # A point at 0 or 1 is meant to specialize (a decode step's code for one row); any
+    # other dynamic point is traced for every size, 0 and 1 included. Size-oblivious
+    # tracing is experimental in torch: where it fails (torch 2.11 lowering a KV-cache
+    # graph raised KeyError 'unbacked_bindings'), the variant is compiled with 0/1 guards
+    # instead, which keep it away from the sizes it was not traced for.
+    size_oblivious = dynamic and all(int(v) >= 2 for v in point.values())
+    try:
+        fake_mode, reverse, payload, kernels, uses, training = _compile_once(
+            gm, graph, point, dynamic, options, size_oblivious
+        )
+    except UnsupportedGraphError:
+        raise
+    except Exception as exc:
+        if not size_oblivious:
+            raise
+        log.info(
+            "size-oblivious compile failed (%s: %s); compiling with 0/1 guards",
+            type(exc).__name__,
+            str(exc).strip().splitlines()[0][:200] if str(exc).strip() else "",
+        )
+        fake_mode, reverse, payload, kernels, uses, training = _compile_once(
+            gm, graph, point, dynamic, options, False
+        )
     shape_env = fake_mode.shape_env
     guards: list[sympy.Expr] = [g.expr for g in shape_env.guards]
     for symbol, replacement in shape_env.replacements.items():

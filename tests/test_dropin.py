@@ -118,3 +118,28 @@ def test_output_structure_is_checked(tmp_path: Any, linear_under_no_grad: Any) -
     precompile.standalone_compile(gm, inputs, cache=False).save(path=path)
     with pytest.raises(precompile.InvalidOptionError, match="output_structure"):
         precompile.CompiledArtifact.load(path=path, output_structure="tuple")  # type: ignore[arg-type]
+
+
+def test_a_failing_size_oblivious_compile_falls_back_to_guarded_code(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Size-oblivious tracing is experimental in torch (torch 2.11 failed to lower a
+    KV-cache graph with it): a variant whose size-oblivious compile fails is compiled
+    again with 0/1 guards, which then refuse the sizes it was not traced for."""
+    compile_once = compile_adapter._compile_once
+    attempts: list[bool] = []
+
+    def failing_when_oblivious(*args: Any) -> Any:
+        attempts.append(args[-1])
+        if args[-1]:
+            raise KeyError("unbacked_bindings")
+        return compile_once(*args)
+
+    monkeypatch.setattr(compile_adapter, "_compile_once", failing_when_oblivious)
+    x = torch.randn(8, 4)
+    torch._dynamo.mark_dynamic(x, 0)
+    gm, inputs = _capture(lambda t: t * t.shape[0] + (t.sum(-1, keepdim=True) == 1), x)
+    art = precompile.standalone_compile(gm, inputs, hints=[8], cache=False)
+    assert attempts == [True, False]
+    y = torch.randn(5, 4)
+    torch.testing.assert_close(art(5, y)[0], y * 5 + (y.sum(-1, keepdim=True) == 1))
