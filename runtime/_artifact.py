@@ -635,11 +635,9 @@ class CompiledArtifact:
 
     @staticmethod
     def _from_cache(cache: Any, tag: str | None, key: str | None) -> CompiledArtifact:
-        from cache import default_cache
+        from ._cached import cache_to_read, load_cached
 
-        from ._cached import load_cached
-
-        store = default_cache() if cache is None else cache
+        store = cache_to_read(cache)
         if tag is not None:
             key = store.tagged(tag)
             if key is None:

@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from ._environment import check_compatible
-from ._errors import CorruptArtifactError
+from ._errors import CorruptArtifactError, InvalidOptionError
 from ._manifest import Manifest
 from ._payloads import MemoryPayloads
 
@@ -38,6 +38,19 @@ def artifact_from_entry(entry: StoredEntry) -> CompiledArtifact:
     return artifact
 
 
+def cache_to_read(cache: Any) -> ArtifactCache:
+    """``cache=`` of a load by key or tag: None the default cache, a path or an
+    ArtifactCache that one (False, no cache, cannot be read from)."""
+    from cache import resolve_cache
+
+    store = resolve_cache(cache)
+    if store is None:
+        raise InvalidOptionError(
+            "loading by key or tag needs a cache: pass None, a path or an ArtifactCache"
+        )
+    return store
+
+
 def load_cached(cache: ArtifactCache, key: str) -> tuple[CompiledArtifact, dict[str, bytes]] | None:
     """The artifact stored under ``key`` and its auxiliary blobs, or None on a miss."""
     entry = cache.get(key)
@@ -51,9 +64,8 @@ MODEL_ENTRY = "precompile-model"
 
 def load_cached_model(cache: ArtifactCache | None, key: str) -> tuple[CompiledArtifact, Any] | None:
     """The compiled graph and the raw model plan stored under ``key``, or None."""
-    from cache import default_cache
 
-    entry = (cache or default_cache()).get(key)
+    entry = cache_to_read(cache).get(key)
     if entry is None:
         return None
     document = entry.document

@@ -458,6 +458,11 @@ def test_tags_name_entries_for_servers(tmp_path: object) -> None:
     assert store.tags() == {"model": key_of(1)}
     loaded = precompile.CompiledArtifact.load(tag="model", cache=store)
     assert loaded.cache_key == key_of(1)
+    # the cache as a path, as compile functions take it, reads the same entry
+    by_path = precompile.CompiledArtifact.load(tag="model", cache=str(tmp_path))
+    assert by_path.cache_key == key_of(1)
+    with pytest.raises(precompile.InvalidOptionError, match="needs a cache"):
+        precompile.CompiledArtifact.load(tag="model", cache=False)
     store.tag("model", key_of(2))  # retagging replaces; a tag of a missing entry misses
     with pytest.raises(precompile.ArtifactNotFoundError, match="no intact entry"):
         precompile.CompiledArtifact.load(tag="model", cache=store)
