@@ -658,8 +658,8 @@ def compile_variant(
     except UnsupportedGraphError:
         raise
     except Exception as exc:
-        if not size_oblivious:
-            raise
+        if not size_oblivious or not type(exc).__module__.startswith("torch"):
+            raise  # only torch's own compile failures are worth a guarded retry
         log.info(
             "size-oblivious compile failed (%s: %s); compiling with 0/1 guards",
             type(exc).__name__,

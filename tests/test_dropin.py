@@ -132,7 +132,9 @@ def test_a_failing_size_oblivious_compile_falls_back_to_guarded_code(
     def failing_when_oblivious(*args: Any) -> Any:
         attempts.append(args[-1])
         if args[-1]:
-            raise KeyError("unbacked_bindings")
+            from torch._inductor.exc import InductorError
+
+            raise InductorError(KeyError("unbacked_bindings"), None)
         return compile_once(*args)
 
     monkeypatch.setattr(compile_adapter, "_compile_once", failing_when_oblivious)
