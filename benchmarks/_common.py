@@ -88,6 +88,18 @@ def pyplot() -> Any | None:
     return plt
 
 
+def result_figure(path: str, figsize: tuple[float, float]) -> tuple[Any, Any, Any, Any] | None:
+    """pyplot, the result document at ``path`` and a new figure and axis to plot it on;
+    None when matplotlib is not installed."""
+    plt = pyplot()
+    if plt is None:
+        return None
+    with open(path, encoding="utf-8") as handle:
+        document = json.load(handle)
+    figure, axis = plt.subplots(figsize=figsize)
+    return plt, document, figure, axis
+
+
 def count_tracing_and_compiles() -> tuple[list[int], list[int]]:
     """Lists that grow by one per Dynamo frame traced and per inductor compile, from now
     on in this process (patches torch's entry points; for benchmark children only)."""

@@ -574,14 +574,12 @@ def summarize(document: dict[str, Any]) -> str:
 
 
 def plot(path: str) -> None:
-    from _common import pyplot
+    from _common import result_figure
 
-    plt = pyplot()
-    if plt is None:
+    found = result_figure(path, (9, 5))
+    if found is None:
         return
-    with open(path, encoding="utf-8") as handle:
-        document = json.load(handle)
-    figure, axis = plt.subplots(figsize=(9, 5))
+    _, document, figure, axis = found
     batches = document["batches"]
     width = 0.8 / len(ROWS)
     for index, name in enumerate(ROWS):
