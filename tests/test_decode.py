@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import torch
 from conftest import run_python
-from test_warm_start import AUDIT
+from test_warm_start import AUDIT, COUNTED
 
 import precompile
 
@@ -203,16 +203,11 @@ def test_unsupported_caches_are_refused_at_compile(tmp_path: Any) -> None:
 
 WARM = (
     AUDIT
+    + COUNTED
     + """
 import sys, time, torch, precompile
 sys.path.insert(0, "tests")
 import test_decode as t
-import torch._inductor.compile_fx as compile_fx
-from torch._dynamo import convert_frame
-compiles, frames = [], []
-original_compile, original_frame = compile_fx.compile_fx, convert_frame._compile
-compile_fx.compile_fx = lambda *a, **k: (compiles.append(1), original_compile(*a, **k))[1]
-convert_frame._compile = lambda *a, **k: (frames.append(1), original_frame(*a, **k))[1]
 model = t.build("llama")
 compiled = precompile.load_model(model, path=sys.argv[1])
 torch.manual_seed(1)

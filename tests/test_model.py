@@ -12,7 +12,7 @@ import pytest
 import torch
 from conftest import run_python
 from test_real_models import VOCAB, tiny_gpt2, tiny_llama
-from test_warm_start import AUDIT
+from test_warm_start import AUDIT, COUNTED
 
 import precompile
 from cache import ArtifactCache
@@ -65,16 +65,11 @@ def test_gpt2_outputs_match_eager(tmp_path: Any) -> None:
 
 WARM = (
     AUDIT
+    + COUNTED
     + """
 import sys, time, torch, precompile
 sys.path.insert(0, "tests")
 from test_real_models import VOCAB, tiny_llama
-import torch._inductor.compile_fx as compile_fx
-from torch._dynamo import convert_frame
-compiles, frames = [], []
-original_compile, original_frame = compile_fx.compile_fx, convert_frame._compile
-compile_fx.compile_fx = lambda *a, **k: (compiles.append(1), original_compile(*a, **k))[1]
-convert_frame._compile = lambda *a, **k: (frames.append(1), original_frame(*a, **k))[1]
 model = tiny_llama()
 torch.manual_seed(3)
 with torch.no_grad():

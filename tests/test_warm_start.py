@@ -26,6 +26,16 @@ def _audit(event, args):
 sys.addaudithook(_audit)
 """
 
+# Counts inductor compiles and Dynamo frames (a warm start must have none of either).
+COUNTED = """
+import torch._inductor.compile_fx as compile_fx
+from torch._dynamo import convert_frame
+compiles, frames = [], []
+original_compile, original_frame = compile_fx.compile_fx, convert_frame._compile
+compile_fx.compile_fx = lambda *a, **k: (compiles.append(1), original_compile(*a, **k))[1]
+convert_frame._compile = lambda *a, **k: (frames.append(1), original_frame(*a, **k))[1]
+"""
+
 
 def cases(mlp: Compiled, directory: str, sizes: list[int] = SIZES) -> str:
     torch.manual_seed(5)
