@@ -15,21 +15,37 @@ from ._entry import (
     StoredEntry,
     VerifyReport,
 )
+from ._errors import (
+    ArtifactAccessError,
+    CacheWriteError,
+    CorruptArtifactError,
+    InvalidOptionError,
+    PrecompileError,
+    UnsafeCacheError,
+    UntrustedArtifactError,
+)
 from ._root import LAYOUT, resolve_root
 from ._store import DEFAULT_SIZE_LIMIT, ArtifactCache
 
 __all__ = [
     "DEFAULT_SIZE_LIMIT",
     "LAYOUT",
+    "ArtifactAccessError",
     "ArtifactCache",
     "CacheEntry",
     "CacheOption",
     "CacheScan",
     "CacheStats",
+    "CacheWriteError",
+    "CorruptArtifactError",
+    "InvalidOptionError",
     "MissExplanation",
+    "PrecompileError",
     "PrunePlan",
     "RemoteScan",
     "StoredEntry",
+    "UnsafeCacheError",
+    "UntrustedArtifactError",
     "VerifyReport",
     "default_cache",
     "resolve_cache",

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from runtime._payloads import atomic_file
+from ._bytes import atomic_file
 
 FIELDS = (
     "hits",

@@ -18,7 +18,7 @@ import threading
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from runtime._errors import InvalidOptionError
+from ._errors import InvalidOptionError
 
 log = logging.getLogger("precompile.cache")
 T = TypeVar("T")

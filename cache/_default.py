@@ -5,8 +5,7 @@ from __future__ import annotations
 import os
 import threading
 
-from runtime._errors import InvalidOptionError
-
+from ._errors import InvalidOptionError
 from ._root import resolve_root
 from ._store import ArtifactCache
 

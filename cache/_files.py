@@ -11,8 +11,8 @@ from __future__ import annotations
 import os
 import stat
 
-from runtime._errors import CorruptArtifactError, UnsafeCacheError
-from runtime._payloads import read_fd
+from ._bytes import read_fd
+from ._errors import CorruptArtifactError, UnsafeCacheError
 
 FOREIGN_HINT = "fix its ownership, or pass trust_foreign=True"
 

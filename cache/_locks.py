@@ -27,7 +27,7 @@ from contextlib import contextmanager
 
 from filelock import FileLock, Timeout
 
-from runtime._errors import CacheWriteError
+from ._errors import CacheWriteError
 
 __all__ = ["Timeout", "exclusive", "shared_or_exclusive"]
 

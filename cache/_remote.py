@@ -39,8 +39,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from runtime._errors import InvalidOptionError
-
+from ._errors import InvalidOptionError
 from ._root import LAYOUT
 
 log = logging.getLogger("precompile.cache")

@@ -29,15 +29,11 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
 
-from runtime import _signing as signing
-from runtime._errors import (
-    CacheWriteError,
-    CorruptArtifactError,
-    InvalidOptionError,
-    UntrustedArtifactError,
-)
-from runtime._manifest import decode_json
-from runtime._payloads import (
+from . import _deadline as deadline
+from . import _files as files
+from . import _locks as locks
+from . import _signing as signing
+from ._bytes import (
     atomic_file,
     compress,
     decompress,
@@ -45,11 +41,6 @@ from runtime._payloads import (
     max_payload_bytes,
     sha256_hex,
 )
-from runtime._signing import Signature, TrustedKeysOption
-
-from . import _deadline as deadline
-from . import _files as files
-from . import _locks as locks
 from ._counters import Counters
 from ._entry import (
     CacheEntry,
@@ -61,8 +52,16 @@ from ._entry import (
     StoredEntry,
     VerifyReport,
 )
+from ._errors import (
+    CacheWriteError,
+    CorruptArtifactError,
+    InvalidOptionError,
+    UntrustedArtifactError,
+)
+from ._json import decode_json
 from ._remote import Lease, RemoteTier, remote_from_env
 from ._root import LAYOUT, prepare, resolve_root
+from ._signing import Signature, TrustedKeysOption
 from ._tags import Tags
 
 log = logging.getLogger("precompile.cache")

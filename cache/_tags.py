@@ -5,10 +5,9 @@ from __future__ import annotations
 import os
 import re
 
-from runtime._errors import CacheWriteError, InvalidOptionError
-from runtime._payloads import atomic_file
-
 from . import _files as files
+from ._bytes import atomic_file
+from ._errors import CacheWriteError, InvalidOptionError
 
 _NAME = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,99}")
 

@@ -257,7 +257,7 @@ def _sign_command(args: argparse.Namespace) -> int:
 
 
 def _verify_command(args: argparse.Namespace) -> int:
-    from runtime import _signing as signing
+    from cache import _signing as signing
     from runtime._binary_format import read_binary
     from runtime._unpacked_format import read_unpacked
 
@@ -276,7 +276,7 @@ def _verify_command(args: argparse.Namespace) -> int:
 
 
 def _keygen_command(args: argparse.Namespace) -> int:
-    from runtime import _signing as signing
+    from cache import _signing as signing
 
     public = signing.generate(args.keyfile)
     print(f"wrote private key {args.keyfile} (mode 0600) and public key {args.keyfile}.pub")

@@ -12,6 +12,7 @@ import sympy
 import torch
 
 from cache import ArtifactCache, CacheOption, resolve_cache
+from cache._bytes import sha256_hex
 from runtime import CompiledArtifact
 from runtime._cached import load_cached, store_artifact
 from runtime._cudagraphs import CudaGraphsOption, cudagraph_options
@@ -33,7 +34,7 @@ from runtime._manifest import (
     TensorInput,
     Variant,
 )
-from runtime._payloads import MemoryPayloads, sha256_hex
+from runtime._payloads import MemoryPayloads
 
 from . import _torch_adapter as adapter
 from ._cache_key import cache_factors, cache_key

@@ -26,12 +26,12 @@ from typing import Any
 import sympy
 import torch
 
+from cache._bytes import sha256_hex
 from runtime import _torch_adapter as runtime_adapter
 from runtime._build_dir import build_dir
 from runtime._errors import InvalidOptionError, UnsupportedGraphError
 from runtime._manifest import NativeKernel
 from runtime._native_kernels import cpu_features_for_flags, find_cpp_kernels, kernel_key
-from runtime._payloads import sha256_hex
 
 from ._graph import GraphDescription, GraphInput
 

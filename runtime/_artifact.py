@@ -14,8 +14,10 @@ from typing import Any, Literal
 
 import torch
 
+from cache import _signing as signing
+from cache._signing import TrustedKeysOption
+
 from . import _native_kernels as native_kernels
-from . import _signing as signing
 from . import _torch_adapter as adapter
 from ._binary_format import read_binary, write_binary
 from ._calibration import (
@@ -34,7 +36,6 @@ from ._errors import ArtifactNotFoundError, CorruptArtifactError, InvalidOptionE
 from ._execution import DirectExecutor, Executor
 from ._manifest import Calibration, Manifest, Symbol, Variant
 from ._payloads import PayloadStore
-from ._signing import TrustedKeysOption
 from ._unpacked_format import read_unpacked, write_unpacked
 
 # The torch compiler modules that loading and running a variant import: paid here, once,

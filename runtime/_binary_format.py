@@ -21,11 +21,7 @@ import struct
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from ._errors import CorruptArtifactError, IncompatibleArtifactError, InvalidOptionError
-from ._manifest import Manifest, decode_json
-from ._payloads import (
-    LazyPayloads,
-    PayloadStore,
+from cache._bytes import (
     atomic_file,
     compress,
     decompress,
@@ -33,7 +29,12 @@ from ._payloads import (
     read_bounded,
     sha256_hex,
 )
-from ._signing import PUBLIC_KEY_BYTES, SIGNATURE_BYTES, Signature, check, sign
+from cache._json import decode_json
+from cache._signing import PUBLIC_KEY_BYTES, SIGNATURE_BYTES, Signature, check, sign
+
+from ._errors import CorruptArtifactError, IncompatibleArtifactError, InvalidOptionError
+from ._manifest import Manifest
+from ._payloads import LazyPayloads, PayloadStore
 
 MAGIC = b"\x93PRECOMPILE\n"
 BINARY_VERSION = 2  # 2: a signature slot in the header

@@ -33,6 +33,8 @@ from typing import Any
 
 import torch
 
+from cache._bytes import sha256_hex
+
 from . import _torch_adapter as adapter
 from ._artifact import CompiledArtifact
 from ._errors import (
@@ -52,7 +54,6 @@ from ._kv_cache import (
     slot_specs,
 )
 from ._manifest import Manifest, TensorInput
-from ._payloads import sha256_hex
 
 log = logging.getLogger("precompile.runtime")
 PLAN_FORMAT = "precompile-model-plan"
@@ -492,7 +493,8 @@ class CompiledModel:
         it was compiled from: its class, module sources, config and submodule settings,
         and its parameters' and buffers' names, shapes, dtypes and devices (else
         ``IncompatibleArtifactError`` naming the factor; tensors are checked per call too)."""
-        from . import _signing as signing
+        from cache import _signing as signing
+
         from ._binary_format import read_binary_with_model
         from ._environment import check_compatible
         from ._model_identity import check_identity

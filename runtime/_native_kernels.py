@@ -28,11 +28,12 @@ from dataclasses import dataclass
 from functools import cache
 from typing import Any
 
+from cache._bytes import atomic_file
+
 from . import _torch_adapter as adapter
 from ._build_dir import build_dir
 from ._errors import IncompatibleArtifactError
 from ._manifest import NativeKernel
-from ._payloads import atomic_file
 
 log = logging.getLogger("precompile.runtime")
 

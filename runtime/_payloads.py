@@ -1,177 +1,19 @@
-"""Payload bytes: where they come from (memory, a binary file, an unpacked dir, the
-cache), how they are compressed, and how they are read from disk without trusting it.
-
-Every store hands out bytes only after checking them against their sha256 digest, so
-nothing is unpickled or loaded from bytes that are not exactly what was saved. Reads
-and decompression are bounded by sizes the artifact's index commits to (and checked
-against them), and by a maximum, so a hostile file cannot make a load allocate without
-limit: decompressed bytes are counted and hashed in chunks before they are kept.
+"""Payload bytes: where an artifact's payloads come from (memory, a binary file, an
+unpacked dir, the cache). Every store hands out bytes only after checking them against
+their sha256 digest, so nothing is unpickled or loaded from bytes that are not exactly
+what was saved (the checked reads and decompression themselves are ``cache._bytes``).
 """
 
 from __future__ import annotations
 
-import contextlib
-import errno
-import hashlib
-import io
-import os
-import stat
-import tempfile
-from collections.abc import Callable, Iterator, Mapping
-from contextlib import contextmanager
-from typing import IO, Protocol
+from collections.abc import Callable, Mapping
+from typing import Protocol
 
-import zstandard
+from cache._bytes import sha256_hex
 
-from ._errors import ArtifactAccessError, CorruptArtifactError, InvalidOptionError
-
-ZSTD_LEVEL = 3
-_CHUNK = 1 << 22
+from ._errors import CorruptArtifactError
 
 
-def max_payload_bytes() -> int:
-    """The largest payload a load decompresses: ``$PRECOMPILE_MAX_PAYLOAD_BYTES`` or 8 GiB."""
-    text = os.environ.get("PRECOMPILE_MAX_PAYLOAD_BYTES")
-    if not text:
-        return 8 << 30
-    try:
-        value = int(text)
-    except ValueError:
-        raise InvalidOptionError(
-            f"PRECOMPILE_MAX_PAYLOAD_BYTES must be a number of bytes, got {text!r}"
-        ) from None
-    if value <= 0:
-        raise InvalidOptionError(f"PRECOMPILE_MAX_PAYLOAD_BYTES must be > 0, got {value}")
-    return value
-
-
-def sha256_hex(data: bytes | memoryview) -> str:
-    return hashlib.sha256(data).hexdigest()
-
-
-def compress(raw: bytes) -> bytes:
-    return bytes(zstandard.ZstdCompressor(level=ZSTD_LEVEL).compress(raw))
-
-
-def decompress(stored: bytes | memoryview, raw_size: int, digest: str, where: str) -> bytes:
-    """The raw bytes of a zstd payload that must hash to ``digest`` and be exactly
-    ``raw_size`` long. Checked in chunks first (nothing kept), so a frame that claims
-    or produces more than ``raw_size`` bytes, or a ``raw_size`` over the maximum, costs
-    no memory; only verified bytes are then materialized."""
-    limit = max_payload_bytes()
-    if not 0 <= raw_size <= limit:
-        raise CorruptArtifactError(
-            f"{where}: payload {digest[:12]} claims {raw_size} bytes, over the {limit}-byte "
-            "maximum (raise $PRECOMPILE_MAX_PAYLOAD_BYTES if that is really its size)"
-        )
-    try:
-        declared = zstandard.get_frame_parameters(stored).content_size
-        if declared not in (raw_size, zstandard.CONTENTSIZE_UNKNOWN):
-            raise CorruptArtifactError(
-                f"{where}: payload {digest[:12]} declares {declared} bytes, its index {raw_size}"
-            )
-        hasher = hashlib.sha256()
-        seen = 0
-        with zstandard.ZstdDecompressor().stream_reader(io.BytesIO(stored)) as reader:
-            while True:
-                chunk = reader.read(min(_CHUNK, raw_size - seen + 1))
-                if not chunk:
-                    break
-                seen += len(chunk)
-                if seen > raw_size:
-                    raise CorruptArtifactError(
-                        f"{where}: payload {digest[:12]} decompresses past its {raw_size} bytes"
-                    )
-                hasher.update(chunk)
-        if seen != raw_size or hasher.hexdigest() != digest:
-            raise CorruptArtifactError(
-                f"{where}: payload {digest[:12]} does not decompress to its sha256 and size"
-            )
-        with zstandard.ZstdDecompressor().stream_reader(io.BytesIO(stored)) as reader:
-            raw = reader.read(raw_size)
-    except zstandard.ZstdError as exc:
-        raise CorruptArtifactError(f"{where}: payload {digest[:12]}: {exc}") from None
-    if len(raw) != raw_size:  # the same bytes again; a second check costs little
-        raise CorruptArtifactError(f"{where}: payload {digest[:12]} changed while read")
-    return bytes(raw)
-
-
-def fails_own_digest(stored: bytes | memoryview, digest: str) -> bool:
-    """Whether a stored (zstd) payload is certainly not the one named ``digest``: it is
-    not zstd, or what it decompresses to hashes to something else. Judged on its own
-    bytes alone, whatever an index says of its size; False where that cannot be told
-    (it decompresses past the maximum payload size). Streamed: nothing is kept."""
-    limit = max_payload_bytes()
-    hasher = hashlib.sha256()
-    seen = 0
-    try:
-        with zstandard.ZstdDecompressor().stream_reader(io.BytesIO(stored)) as reader:
-            while chunk := reader.read(_CHUNK):
-                seen += len(chunk)
-                if seen > limit:
-                    return False
-                hasher.update(chunk)
-    except zstandard.ZstdError:
-        return True
-    return hasher.hexdigest() != digest
-
-
-# -- reading files that a load will run ----------------------------------------------
-def open_regular(
-    path: str, *, follow: bool = True, dir_fd: int | None = None, where: str | None = None
-) -> int:
-    """A read-only descriptor of a regular file (``follow=False``: not through a
-    symlink). Special files (``/dev/zero``, FIFOs) and directories are refused."""
-    flags = os.O_RDONLY | getattr(os, "O_CLOEXEC", 0)
-    if not follow:
-        flags |= getattr(os, "O_NOFOLLOW", 0)
-    name = where or path
-    try:
-        fd = os.open(path, flags | getattr(os, "O_NONBLOCK", 0), dir_fd=dir_fd)
-    except PermissionError as exc:
-        raise ArtifactAccessError(f"{name} cannot be read by this user: {exc.strerror}") from None
-    except OSError as exc:
-        if exc.errno == errno.ELOOP:
-            raise CorruptArtifactError(
-                f"{name} is a symbolic link; an artifact's files must be its own"
-            ) from None
-        raise
-    info = os.fstat(fd)
-    if not stat.S_ISREG(info.st_mode):
-        os.close(fd)
-        raise InvalidOptionError(f"{name} is not a regular file")
-    return fd
-
-
-def read_fd(fd: int, limit: int, where: str) -> bytes:
-    """All of ``fd`` (a regular file), refusing one larger than ``limit`` bytes."""
-    size = os.fstat(fd).st_size
-    if size > limit:
-        raise CorruptArtifactError(f"{where} is {size} bytes, more than the {limit} it may be")
-    chunks = []
-    left = size
-    while left > 0:
-        chunk = os.read(fd, min(left, _CHUNK))
-        if not chunk:
-            break
-        chunks.append(chunk)
-        left -= len(chunk)
-    data = b"".join(chunks)
-    if len(data) != size or os.read(fd, 1):
-        raise CorruptArtifactError(f"{where} changed size while being read")
-    return data
-
-
-def read_bounded(path: str, limit: int, *, follow: bool = True, dir_fd: int | None = None,
-                 where: str | None = None) -> bytes:  # fmt: skip
-    fd = open_regular(path, follow=follow, dir_fd=dir_fd, where=where)
-    try:
-        return read_fd(fd, limit, where or path)
-    finally:
-        os.close(fd)
-
-
-# -- where payloads come from ---------------------------------------------------------
 class PayloadStore(Protocol):
     def read(self, digest: str) -> bytes:
         """The verified payload bytes for ``digest``."""
@@ -217,24 +59,3 @@ class LazyPayloads:
 
     def edited_source(self, digest: str) -> str | None:
         return self._edited(digest) if self._edited else None
-
-
-@contextmanager
-def atomic_file(path: str, mode: int = 0o600) -> Iterator[IO[bytes]]:
-    """Write ``path`` through a temp file in the same directory and ``os.replace``; on
-    any failure (a full disk among them) the temp file is removed and ``path`` is as
-    it was."""
-    directory = os.path.dirname(os.path.abspath(path)) or "."
-    os.makedirs(directory, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".precompile-", suffix=".tmp", dir=directory)
-    try:
-        os.fchmod(fd, mode)
-        with os.fdopen(fd, "wb") as handle:
-            yield handle
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise

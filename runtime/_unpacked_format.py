@@ -25,6 +25,10 @@ import stat
 import tempfile
 from typing import Any
 
+from cache._bytes import max_payload_bytes, read_bounded, sha256_hex
+from cache._json import decode_json
+from cache._signing import Signature, check, sign
+
 from . import _torch_adapter as adapter
 from ._errors import (
     ArtifactAccessError,
@@ -32,9 +36,8 @@ from ._errors import (
     InvalidOptionError,
     UntrustedArtifactError,
 )
-from ._manifest import Manifest, decode_json
-from ._payloads import LazyPayloads, PayloadStore, max_payload_bytes, read_bounded, sha256_hex
-from ._signing import Signature, check, sign
+from ._manifest import Manifest
+from ._payloads import LazyPayloads, PayloadStore
 
 log = logging.getLogger("precompile.runtime")
 MANIFEST = "manifest.json"

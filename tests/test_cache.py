@@ -16,12 +16,13 @@ from conftest import ROOT, Compiled, assert_close, run_fleet, run_python
 
 import precompile
 from cache import ArtifactCache
+from cache._bytes import sha256_hex
 from precompile import _torch_adapter
 from precompile._cache_key import cache_factors, cache_key
 from runtime._cached import load_cached, store_artifact
 from runtime._environment import current_environment
 from runtime._manifest import Manifest, Symbol, SymbolSource, TensorInput, Variant
-from runtime._payloads import MemoryPayloads, sha256_hex
+from runtime._payloads import MemoryPayloads
 
 put = store_artifact
 get = load_cached

@@ -22,9 +22,10 @@ from cache import ArtifactCache
 
 def random_artifact(size: int) -> precompile.CompiledArtifact:
     """An artifact whose one payload is ``size`` random (incompressible) bytes."""
+    from cache._bytes import sha256_hex
     from runtime._environment import current_environment
     from runtime._manifest import Manifest, Symbol, SymbolSource, TensorInput, Variant
-    from runtime._payloads import MemoryPayloads, sha256_hex
+    from runtime._payloads import MemoryPayloads
 
     payload = os.urandom(size)
     digest = sha256_hex(payload)

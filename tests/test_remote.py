@@ -28,7 +28,7 @@ from test_cache import fake_artifact, get, key_of, put
 import precompile
 from cache import ArtifactCache
 from cache import _deadline as deadline
-from runtime._payloads import sha256_hex
+from cache._bytes import sha256_hex
 
 
 def _free_port() -> int:
@@ -109,7 +109,7 @@ def test_a_local_miss_is_served_from_the_remote_and_kept(
 
 def test_a_remote_entry_is_checked_like_a_local_one(tmp_path: Any, remote: dict[str, Any]) -> None:
     pytest.importorskip("cryptography")
-    from runtime import _signing
+    from cache import _signing
 
     keyfile = str(tmp_path / "key.pem")
     public = _signing.generate(keyfile)

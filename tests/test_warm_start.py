@@ -11,8 +11,9 @@ import torch
 from conftest import Compiled, run_python
 
 import precompile
+from cache._json import decode_json
 from runtime import _native_kernels as native
-from runtime._manifest import Manifest, NativeKernel, decode_json
+from runtime._manifest import Manifest, NativeKernel
 
 SIZES = [1, 3, 5, 16, 100]
 
