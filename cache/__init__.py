@@ -4,7 +4,7 @@ It stores documents and blobs and names them (tags); building an artifact from a
 is the runtime's job (``CompiledArtifact.load(key=..., tag=...)``).
 """
 
-from ._default import CacheOption, default_cache, resolve_cache
+from ._default import CacheOption, cache_to_read, default_cache, resolve_cache
 from ._entry import (
     CacheEntry,
     CacheScan,
@@ -47,6 +47,7 @@ __all__ = [
     "UnsafeCacheError",
     "UntrustedArtifactError",
     "VerifyReport",
+    "cache_to_read",
     "default_cache",
     "resolve_cache",
     "resolve_root",

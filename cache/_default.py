@@ -41,3 +41,14 @@ def resolve_cache(cache: CacheOption) -> ArtifactCache | None:
     raise InvalidOptionError(
         f"cache must be None (the default cache), False, a path or an ArtifactCache, got {cache!r}"
     )
+
+
+def cache_to_read(cache: CacheOption) -> ArtifactCache:
+    """``cache=`` of a load by key or tag: None the default cache, a path or an
+    ArtifactCache that one (False, no cache, cannot be read from)."""
+    store = resolve_cache(cache)
+    if store is None:
+        raise InvalidOptionError(
+            "loading by key or tag needs a cache: pass None, a path or an ArtifactCache"
+        )
+    return store

@@ -21,7 +21,10 @@ from collections.abc import Sequence
 from typing import Any
 
 from cache import ArtifactCache, CacheEntry
+from cache import _signing as signing
+from runtime._binary_format import read_binary, sign_binary
 from runtime._errors import PrecompileError
+from runtime._unpacked_format import read_unpacked, sign_unpacked
 
 
 def _size(n: float) -> str:
@@ -245,9 +248,6 @@ def _cache_command(args: argparse.Namespace) -> int:
 
 
 def _sign_command(args: argparse.Namespace) -> int:
-    from runtime._binary_format import sign_binary
-    from runtime._unpacked_format import sign_unpacked
-
     path = args.path
     signature = (
         sign_unpacked(path, args.key) if os.path.isdir(path) else sign_binary(path, args.key)
@@ -257,10 +257,6 @@ def _sign_command(args: argparse.Namespace) -> int:
 
 
 def _verify_command(args: argparse.Namespace) -> int:
-    from cache import _signing as signing
-    from runtime._binary_format import read_binary
-    from runtime._unpacked_format import read_unpacked
-
     trusted = signing.trusted_keys(args.key or None)
     path = args.path
     if os.path.isdir(path):
@@ -276,8 +272,6 @@ def _verify_command(args: argparse.Namespace) -> int:
 
 
 def _keygen_command(args: argparse.Namespace) -> int:
-    from cache import _signing as signing
-
     public = signing.generate(args.keyfile)
     print(f"wrote private key {args.keyfile} (mode 0600) and public key {args.keyfile}.pub")
     print(f"public key (hex, for PRECOMPILE_TRUSTED_KEYS): {public}")

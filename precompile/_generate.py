@@ -35,6 +35,8 @@ from runtime._kv_cache import is_kv_cache
 from runtime._model import CompiledModel
 from runtime._torch_adapter import tree_flatten
 
+from ._model import compile_model
+
 log = logging.getLogger("precompile.compile")
 _PLAIN = (bool, int, float, str, type(None))
 _SEQUENCE_ARGUMENTS = ("attention_mask", "position_ids", "token_type_ids")
@@ -178,8 +180,6 @@ class GenerateServer:
         return compiled(**kwargs)
 
     def _compile(self, key: tuple[Any, ...], kwargs: Mapping[str, Any]) -> CompiledModel:
-        from ._model import compile_model
-
         with self._lock:
             found = self.compiled.get(key)
             if found is not None:

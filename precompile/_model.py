@@ -46,9 +46,9 @@ from runtime._kv_cache import (
     is_kv_cache,
 )
 from runtime._manifest import FORMAT_VERSION
-from runtime._model import CompiledModel, ModelPlan, class_path, file_digest, stale_reason
+from runtime._model import CompiledModel, ModelPlan, stale_reason
 from runtime._model_identity import canonical_digest as _digest
-from runtime._model_identity import model_identity
+from runtime._model_identity import class_path, file_digest, model_identity
 from runtime._version import __version__
 
 from ._offline import is_offline, refuse
@@ -127,6 +127,8 @@ def _leaf_paths(args: Sequence[Any], kwargs: Mapping[str, Any]) -> list[Any]:
 
 
 def _codegen_config_digest() -> str:
+    # Import time: our compile side's adapter stays unimported in a process that only
+    # loads (``load_model``), as ``_compile`` below does for the rest of it.
     from . import _torch_adapter as adapter
 
     return adapter.codegen_config_digest()

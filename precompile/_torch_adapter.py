@@ -11,6 +11,8 @@ import contextlib
 import copy
 import functools
 import hashlib
+import inspect
+import json
 import logging
 import os
 import pickle
@@ -44,8 +46,6 @@ DYNAMIC_SHAPES = ("from_graph", "from_tracing_context", "from_example_inputs")
 def upstream_standalone_parameters() -> frozenset[str]:
     """The keyword arguments the installed torch's ``standalone_compile`` takes (2.10 and
     2.11 lack ``donate_graph_module`` and ``fake_mode``, 2.13 has both)."""
-    import inspect
-
     from torch._inductor import standalone_compile as upstream
 
     return frozenset(inspect.signature(upstream).parameters)
@@ -794,8 +794,6 @@ def add_caller_guard(shape_env: Any, expr: sympy.Expr) -> None:
 # -- what the cache key needs from torch ---------------------------------------------
 def codegen_config_digest() -> str:
     """sha256 of the inductor and functorch configs, as upstream's FX cache keys them."""
-    import json
-
     import torch._functorch.config as functorch_config
     from torch._inductor import config as inductor_config
 

@@ -14,6 +14,7 @@ from typing import Any, Literal
 
 import torch
 
+from cache import StoredEntry, cache_to_read
 from cache import _signing as signing
 from cache._signing import TrustedKeysOption
 
@@ -35,7 +36,7 @@ from ._environment import check_compatible, current_environment
 from ._errors import ArtifactNotFoundError, CorruptArtifactError, InvalidOptionError
 from ._execution import DirectExecutor, Executor
 from ._manifest import Calibration, Manifest, Symbol, Variant
-from ._payloads import PayloadStore
+from ._payloads import MemoryPayloads, PayloadStore
 from ._unpacked_format import read_unpacked, write_unpacked
 
 # The torch compiler modules that loading and running a variant import: paid here, once,
@@ -636,21 +637,19 @@ class CompiledArtifact:
 
     @staticmethod
     def _from_cache(cache: Any, tag: str | None, key: str | None) -> CompiledArtifact:
-        from ._cached import cache_to_read, load_cached
-
         store = cache_to_read(cache)
         if tag is not None:
             key = store.tagged(tag)
             if key is None:
                 raise ArtifactNotFoundError(f"no entry is tagged {tag!r} in {store.root}")
         assert key is not None
-        found = load_cached(store, key)
-        if found is None:
+        entry = store.get(key)
+        if entry is None:
             raise ArtifactNotFoundError(
                 f"cache {store.root} has no intact entry {key[:12]}"
                 + (f" (tagged {tag!r})" if tag else "")
             )
-        return found[0]
+        return artifact_from_entry(entry)
 
     @staticmethod
     def _from_path(
@@ -664,3 +663,17 @@ class CompiledArtifact:
             manifest, payloads, _ = read_unpacked(source, trusted, run_edited_code=run_edited_code)
         check_compatible(manifest.environment, f"artifact {source!r}")
         return CompiledArtifact(manifest, payloads)
+
+
+def artifact_from_entry(entry: StoredEntry) -> CompiledArtifact:
+    """The artifact a cache entry holds (its document a manifest, its blobs the payloads),
+    checked for every payload and for this build and device."""
+    where = f"cache entry {entry.key[:12]}"
+    manifest = Manifest.from_json(entry.document)
+    missing = [d for d in manifest.payload_digests if d not in entry.blobs]
+    if missing:
+        raise CorruptArtifactError(f"{where} lacks payload {missing[0][:12]}")
+    check_compatible(manifest.environment, where)
+    artifact = CompiledArtifact(manifest, MemoryPayloads(entry.blobs))
+    artifact.cache_key = entry.key
+    return artifact

@@ -1,54 +1,22 @@
-"""Artifacts in an ArtifactCache: the runtime turns entries into artifacts and back.
+"""Artifacts and compiled models in an ArtifactCache: what the compile side stores, and
+what it (and ``load_model`` by key) reads back.
 
-The cache stores a document and blobs; here the document is the artifact's manifest and
-the blobs are its payloads (compiled graphs, built kernels), so an entry references
-exactly ``manifest.payload_digests`` plus its auxiliary blobs.
+The cache stores a document and blobs; here the document is the artifact's manifest (or,
+for a compiled model, that manifest and the model's plan) and the blobs are its payloads
+(compiled graphs, built kernels), so an entry references exactly
+``manifest.payload_digests`` plus its auxiliary blobs. One entry becomes an artifact in
+``_artifact.artifact_from_entry`` (what ``CompiledArtifact.load(tag=..., key=...)`` uses).
 """
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from ._environment import check_compatible
-from ._errors import CorruptArtifactError, InvalidOptionError
-from ._manifest import Manifest
-from ._payloads import MemoryPayloads
+from cache import ArtifactCache, StoredEntry, cache_to_read
 
-if TYPE_CHECKING:
-    from cache import ArtifactCache, StoredEntry
-
-    from ._artifact import CompiledArtifact
-
-log = logging.getLogger("precompile.runtime")
-
-
-def artifact_from_entry(entry: StoredEntry) -> CompiledArtifact:
-    from ._artifact import CompiledArtifact
-
-    where = f"cache entry {entry.key[:12]}"
-    manifest = Manifest.from_json(entry.document)
-    missing = [d for d in manifest.payload_digests if d not in entry.blobs]
-    if missing:
-        raise CorruptArtifactError(f"{where} lacks payload {missing[0][:12]}")
-    check_compatible(manifest.environment, where)
-    artifact = CompiledArtifact(manifest, MemoryPayloads(entry.blobs))
-    artifact.cache_key = entry.key
-    return artifact
-
-
-def cache_to_read(cache: Any) -> ArtifactCache:
-    """``cache=`` of a load by key or tag: None the default cache, a path or an
-    ArtifactCache that one (False, no cache, cannot be read from)."""
-    from cache import resolve_cache
-
-    store = resolve_cache(cache)
-    if store is None:
-        raise InvalidOptionError(
-            "loading by key or tag needs a cache: pass None, a path or an ArtifactCache"
-        )
-    return store
+from ._artifact import CompiledArtifact, artifact_from_entry
+from ._errors import CorruptArtifactError
 
 
 def load_cached(cache: ArtifactCache, key: str) -> tuple[CompiledArtifact, dict[str, bytes]] | None:
@@ -90,9 +58,7 @@ def store_model(
 
 def _with_document(entry: StoredEntry, document: Any) -> StoredEntry:
     """The same entry with ``document`` as its document (a model entry's manifest)."""
-    from cache import StoredEntry as Entry
-
-    return Entry(entry.key, document, entry.blobs, entry.aux, entry.factors)
+    return StoredEntry(entry.key, document, entry.blobs, entry.aux, entry.factors)
 
 
 def store_artifact(

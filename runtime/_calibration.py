@@ -18,6 +18,7 @@ import torch
 
 from ._dtypes import dtype_of
 from ._errors import InvalidOptionError
+from ._expressions import compile_function
 from ._manifest import Calibration, CalibrationEntry, Manifest, TensorInput
 
 # A timer gets a zero-argument call (plus the variant index and the sample point it runs,
@@ -84,8 +85,6 @@ def synthesize_inputs(
 
 
 def eval_size(expression: str, values: Mapping[str, int]) -> int:
-    from ._expressions import compile_function
-
     names = sorted(values)
     function = compile_function((expression,), names, name="size")
     return int(function(*(values[n] for n in names))[0])

@@ -33,11 +33,15 @@ from typing import Any
 
 import torch
 
-from cache._bytes import sha256_hex
+from cache import _signing as signing
 
 from . import _torch_adapter as adapter
 from ._artifact import CompiledArtifact
+from ._binary_format import read_binary_with_model, write_binary
+from ._cached import load_cached_model
+from ._environment import check_compatible
 from ._errors import (
+    ArtifactNotFoundError,
     CorruptArtifactError,
     IncompatibleArtifactError,
     InputMismatchError,
@@ -54,6 +58,7 @@ from ._kv_cache import (
     slot_specs,
 )
 from ._manifest import Manifest, TensorInput
+from ._model_identity import check_identity, class_path, file_digest
 
 log = logging.getLogger("precompile.runtime")
 PLAN_FORMAT = "precompile-model-plan"
@@ -193,19 +198,6 @@ class ModelPlan:
             tokens=(tokens[0], tokens[1]) if tokens is not None else None,
             position_leaf=position,
         )
-
-
-def class_path(model: Any) -> str:
-    cls = type(model)
-    return f"{cls.__module__}.{cls.__qualname__}"
-
-
-def file_digest(path: str) -> str | None:
-    try:
-        with open(path, "rb") as handle:
-            return sha256_hex(handle.read())
-    except OSError:
-        return None
 
 
 def changed_files(plan: ModelPlan) -> list[str]:
@@ -467,8 +459,6 @@ class CompiledModel:
     # -- persistence -----------------------------------------------------------------
     def save(self, path: str | os.PathLike[str], *, signing_key: Any = None) -> None:
         """One file: the compiled graph's artifact with the plan in its index."""
-        from ._binary_format import write_binary
-
         write_binary(
             os.fspath(path),
             self.artifact.manifest,
@@ -493,12 +483,6 @@ class CompiledModel:
         it was compiled from: its class, module sources, config and submodule settings,
         and its parameters' and buffers' names, shapes, dtypes and devices (else
         ``IncompatibleArtifactError`` naming the factor; tensors are checked per call too)."""
-        from cache import _signing as signing
-
-        from ._binary_format import read_binary_with_model
-        from ._environment import check_compatible
-        from ._model_identity import check_identity
-
         if (path is None) == (key is None):
             raise InvalidOptionError("load_model takes exactly one of path= or key=")
         if path is not None:
@@ -510,12 +494,8 @@ class CompiledModel:
             check_compatible(manifest.environment, f"artifact {source!r}")
             artifact = CompiledArtifact(manifest, payloads)
         else:
-            from ._cached import load_cached_model
-
             found = load_cached_model(cache, key)  # type: ignore[arg-type]
             if found is None:
-                from ._errors import ArtifactNotFoundError
-
                 raise ArtifactNotFoundError(f"no intact model entry {key}")
             artifact, raw_plan = found
             where = f"the compiled model in cache entry {str(key)[:12]}"

@@ -19,9 +19,10 @@ from typing import Any
 
 import torch
 
+from cache._bytes import sha256_hex
+
 from ._dtypes import dtype_name
 from ._errors import IncompatibleArtifactError
-from ._model import class_path, file_digest
 
 # Each factor, and what differs where it does (for the error a load raises).
 FACTORS = {
@@ -30,6 +31,19 @@ FACTORS = {
     "model_settings": "its config or a submodule's settings",
     "model_tensors": "its parameters' or buffers' names, shapes, dtypes or devices",
 }
+
+
+def class_path(model: Any) -> str:
+    cls = type(model)
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def file_digest(path: str) -> str | None:
+    try:
+        with open(path, "rb") as handle:
+            return sha256_hex(handle.read())
+    except OSError:
+        return None
 
 
 def canonical_digest(value: Any) -> str:

@@ -26,6 +26,7 @@ from contextvars import ContextVar
 from typing import Any
 
 from ._build_dir import build_dir
+from ._errors import CorruptArtifactError
 
 log = logging.getLogger("precompile.runtime")
 
@@ -304,8 +305,6 @@ def treespec_from_json(text: str) -> Any:
     """Upstream's spec reader, which only builds node types registered under their
     serialized names (no arbitrary import); any failure is a CorruptArtifactError."""
     from torch.utils import _pytree as pytree
-
-    from ._errors import CorruptArtifactError
 
     try:
         return pytree.treespec_loads(text)
