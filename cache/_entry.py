@@ -36,6 +36,9 @@ class CacheEntry:
     factors: Mapping[str, str]
     path: str
     signed: bool = False
+    # what its writer said the entry is, for people (``put(about=...)``); {} where the
+    # writer said nothing (entries written before it was recorded among them)
+    about: Mapping[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

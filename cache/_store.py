@@ -69,6 +69,7 @@ DEFAULT_SIZE_LIMIT = 20 * 2**30
 _TEMP_GRACE_S = 600.0  # a temp file this old belongs to a writer that died
 _MAX_ENTRY_BYTES = 64 << 20
 _HEX = frozenset("0123456789abcdef")
+_ABOUT_ITEMS, _ABOUT_NAME, _ABOUT_TEXT = 32, 64, 4096  # an entry's ``about``: small, plain
 # What one remote entry may ask for, checked before any of its blobs is requested: each
 # blob is one request, and all of them are held in memory until verified. Real entries
 # list tens of blobs (variants and kernel binaries) and megabytes.
@@ -93,6 +94,19 @@ def _size_limit_from_env() -> int:
 
 def _is_digest(text: Any) -> bool:
     return isinstance(text, str) and len(text) == 64 and set(text) <= _HEX
+
+
+def _is_about(value: Any) -> bool:
+    """Whether ``value`` is an entry's ``about``: a small table of plain text."""
+    return (
+        isinstance(value, dict)
+        and len(value) <= _ABOUT_ITEMS
+        and all(
+            isinstance(k, str) and isinstance(v, str) and len(k) <= _ABOUT_NAME
+            and len(v) <= _ABOUT_TEXT
+            for k, v in value.items()
+        )
+    )  # fmt: skip
 
 
 def _signed_digest(document: Mapping[str, Any]) -> bytes:
@@ -276,6 +290,8 @@ class ArtifactCache:
                 raise CorruptArtifactError(f"entry's aux {name!r:.40} names no listed blob")
         if not isinstance(document.get("factors", {}), dict):
             raise CorruptArtifactError("entry's factors are not a table")
+        if not _is_about(document.get("about", {})):
+            raise CorruptArtifactError("entry's about is not a small table of text")
 
     def _read_blob(self, digest: str, raw_size: int, key: str) -> bytes:
         path = self._blob_path(digest)
@@ -326,12 +342,20 @@ class ArtifactCache:
         blobs: Mapping[str, bytes],
         factors: Mapping[str, str],
         aux: Mapping[str, bytes] | None = None,
+        *,
+        about: Mapping[str, str] | None = None,
     ) -> None:
         """Store an entry: ``document`` (any JSON value; an artifact's manifest, say),
-        the ``blobs`` it references by sha256, its key ``factors`` and named ``aux``
-        blobs. Atomic: on failure (``CacheWriteError`` for a full or read-only disk)
-        nothing of it remains. Evicts least recently used entries past the limit."""
+        the ``blobs`` it references by sha256, its key ``factors``, named ``aux`` blobs,
+        and ``about``: what the entry is, in a few words for people (``cache ls``; not
+        part of the key). Atomic: on failure (``CacheWriteError`` for a full or read-only
+        disk) nothing of it remains. Evicts least recently used entries past the limit."""
         path = self.entry_path(key)
+        if about is not None and not _is_about(dict(about)):
+            raise InvalidOptionError(
+                f"about must map at most {_ABOUT_ITEMS} names (<= {_ABOUT_NAME} characters) "
+                f"to text (<= {_ABOUT_TEXT} characters), got {about!r:.200}"
+            )
         for digest, data in blobs.items():
             if sha256_hex(data) != digest:
                 raise InvalidOptionError(f"blob {digest[:12]} given to put() is not its sha256")
@@ -352,6 +376,8 @@ class ArtifactCache:
                     "aux": aux_digests,
                     "document": document,
                 }
+                if about:
+                    entry["about"] = dict(about)
                 if self.signing_key is not None:
                     entry["signature"] = signing.sign(
                         _signed_digest(entry), self.signing_key
@@ -660,9 +686,20 @@ class ArtifactCache:
                     factors=dict(document.get("factors", {})),
                     path=path,
                     signed="signature" in document,
+                    about=dict(document.get("about", {})),
                 )
             )
         return CacheScan(tuple(found), tuple(unreadable))
+
+    def document(self, key: str) -> Any:
+        """The document stored under ``key``, read and checked like a listing reads it (no
+        blob is read, no signature checked, nothing is run: for looking at, not loading).
+        Raises ``FileNotFoundError`` where there is no such entry, ``CorruptArtifactError``
+        where it cannot be read."""
+        raw = files.read_checked(self.entry_path(key), _MAX_ENTRY_BYTES, self.trust_foreign)
+        entry = decode_json(raw, f"cache entry {key[:12]}")
+        self._validate(key, entry)
+        return entry.get("document")
 
     def entries(self) -> list[CacheEntry]:
         """Every readable entry (``scan()`` also says what could not be read)."""

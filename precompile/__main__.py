@@ -17,12 +17,13 @@ import json
 import os
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from cache import ArtifactCache, CacheEntry
 from cache import _signing as signing
 from runtime._binary_format import read_binary, sign_binary
+from runtime._entry_summary import EntrySummary, summarize_entry
 from runtime._errors import PrecompileError
 from runtime._unpacked_format import read_unpacked, sign_unpacked
 
@@ -63,6 +64,71 @@ def _find(store: ArtifactCache, prefix: str) -> CacheEntry:
     raise SystemExit(
         f"precompile: key prefix {prefix!r} matches {len(matches)} entries; give more digits"
     )
+
+
+def _summary(store: ArtifactCache, entry: CacheEntry) -> EntrySummary:
+    """What ``entry`` holds; an entry whose document cannot be read (evicted since the
+    scan, say) is summarized from its factors and ``about`` alone."""
+    try:
+        document = store.document(entry.key)
+    except (OSError, PrecompileError):
+        document = None
+    return summarize_entry(document, entry.factors, entry.about)
+
+
+def _printable(text: str, limit: int = 120) -> str:
+    """Text from a file, safe on a terminal (no control characters) and kept short."""
+    text = "".join(c if c.isprintable() else "?" for c in text)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _what(summary: EntrySummary) -> str:
+    if summary.kind == "model":
+        name = (summary.name or "?").rsplit(".", 1)[-1]  # the class, not its module path
+        return _printable(f"model {name} ({summary.config or '?'})")
+    if summary.kind == "graph":
+        return _printable(f"graph {summary.name or '?'}")
+    return "?"
+
+
+def _inputs_text(summary: EntrySummary, shown: int = 3) -> str:
+    """The graph's inputs, those with dynamic sizes first (a model's graph lists its
+    parameters among them): at most ``shown``, then how many more."""
+    if summary.inputs is None:
+        return "?"
+    symbols = {name for point in (*(summary.hints or ()), *(summary.sizes or ())) for name in point}
+    dynamic = [i for i in summary.inputs if any(s in i for s in symbols)]
+    ordered = dynamic + [i for i in summary.inputs if i not in dynamic]
+    more = len(ordered) - shown
+    return _printable(", ".join(ordered[:shown]) + (f", +{more} more" if more > 0 else ""))
+
+
+def _points_text(points: Sequence[Mapping[str, int]]) -> str:
+    if all(len(p) == 1 for p in points) and len({next(iter(p)) for p in points}) == 1:
+        name = next(iter(points[0]))
+        return f"{name}=" + ",".join(str(p[name]) for p in points)
+    return ", ".join("(" + ", ".join(f"{k}={v}" for k, v in p.items()) + ")" for p in points)
+
+
+def _variants_text(summary: EntrySummary) -> str:
+    if summary.hints is None or summary.sizes is None:
+        return "?"
+    if not summary.hints and all(not p for p in summary.sizes):
+        return "static"  # no dynamic dims: one variant
+    parts = [f"hints {_points_text(summary.hints)}"] if summary.hints else []
+    parts += [f"sizes {_points_text(summary.sizes)}"] if summary.sizes else []
+    return _printable("; ".join(parts))
+
+
+def _table(header: list[str], rows: list[list[str]]) -> list[str]:
+    """Columns as wide as their widest cell (a row may run past the header's last one)."""
+    widths = [max([len(h), *(len(r[n]) for r in rows)]) for n, h in enumerate(header)]
+    return [
+        "  ".join(
+            cell.ljust(widths[n]) if n < len(widths) else cell for n, cell in enumerate(row)
+        ).rstrip()
+        for row in [header, *rows]
+    ]
 
 
 def _plan_text(plan: Any, verb: str) -> str:
@@ -142,6 +208,32 @@ def _sync_command(store: ArtifactCache, args: argparse.Namespace) -> int:
     return 0 if not failed and wanted else 1
 
 
+def _list_entries(store: ArtifactCache, as_json: bool) -> None:
+    """``cache ls``: what each entry holds (a graph's name and inputs, a model's class and
+    config), its variants, device, size, last use and tags; the most recently used first."""
+    scan = store.scan()
+    entries = sorted(scan.entries, key=lambda e: e.last_used, reverse=True)
+    names: dict[str, list[str]] = {}
+    for name, key in sorted(store.tags().items()):
+        names.setdefault(key, []).append(name)
+    listed = [(e, _summary(store, e), names.get(e.key, [])) for e in entries]
+    header = ["KEY", "WHAT", "INPUTS", "VARIANTS", "DEVICE", "SIZE", "LAST USED", "TAGS"]
+    cells = [
+        [e.key[:12], _what(s), _inputs_text(s), _variants_text(s), s.device or "?",
+         _size(e.size), _ago(e.last_used), ", ".join(t) or "-"]
+        + (["signed"] if e.signed else [])
+        for e, s, t in listed
+    ]  # fmt: skip
+    rows = _table(header, cells)
+    rows.append(
+        f"{len(entries)} entries, {_size(sum(e.size for e in entries))} in {store.root}"
+        + ("" if store.writable else " (read-only)")
+    )
+    rows += [f"could not read {path}: {reason}" for path, reason in scan.unreadable]
+    report = [{**dataclasses.asdict(e), **s.to_json(), "tags": t} for e, s, t in listed]
+    _emit(report, as_json, "\n".join(rows))
+
+
 def _cache_command(args: argparse.Namespace) -> int:
     remote = getattr(args, "remote", None)
     store = ArtifactCache(
@@ -166,20 +258,7 @@ def _cache_command(args: argparse.Namespace) -> int:
             "(entries can still be listed, verified and loaded)"
         )
     if args.action == "ls":
-        scan = store.scan()
-        entries = sorted(scan.entries, key=lambda e: e.last_used, reverse=True)
-        rows = [f"{'KEY':14} {'SIZE':>9} {'BLOBS':>5} {'LAST USED':>10}  DEVICE"]
-        rows += [
-            f"{e.key[:12]:14} {_size(e.size):>9} {len(e.blobs):>5} {_ago(e.last_used):>10}  "
-            f"{e.factors.get('device', '?')}{'  signed' if e.signed else ''}"
-            for e in entries
-        ]
-        rows.append(
-            f"{len(entries)} entries, {_size(sum(e.size for e in entries))} in {store.root}"
-            + ("" if store.writable else " (read-only)")
-        )
-        rows += [f"could not read {path}: {reason}" for path, reason in scan.unreadable]
-        _emit([dataclasses.asdict(e) for e in entries], args.json, "\n".join(rows))
+        _list_entries(store, args.json)
     elif args.action == "info":
         entry = _find(store, args.key)
         text = "\n".join(

@@ -29,6 +29,7 @@ from runtime import _torch_adapter as runtime_adapter
 from runtime._cached import load_cached_model, store_model
 from runtime._cudagraphs import CudaGraphsOption, cudagraph_options
 from runtime._dtypes import dtype_name
+from runtime._entry_summary import ABOUT_CONFIG
 from runtime._environment import current_environment
 from runtime._errors import (
     CacheWriteError,
@@ -185,6 +186,37 @@ def _describe_cache_leaf(cache: Any, dynamic_batch: bool) -> list[Any]:
     return rows
 
 
+# A config's sizes worth a glance, and their short names (transformers' attribute_map
+# answers these names for configs that spell them otherwise, GPT-2's n_embd say).
+_CONFIG_SIZES = {
+    "num_hidden_layers": "layers",
+    "hidden_size": "hidden",
+    "num_attention_heads": "heads",
+    "vocab_size": "vocab",
+}
+
+
+def config_summary(model: torch.nn.Module) -> str:
+    """A model's config in short, for ``cache ls``: its ``model_type`` and main sizes
+    (where it has a ``config``), its parameter count and dtypes. Not part of the key."""
+    parts = []
+    config = getattr(model, "config", None)
+    model_type = getattr(config, "model_type", None)
+    if isinstance(model_type, str) and model_type:
+        parts.append(model_type)
+    for field, short in _CONFIG_SIZES.items():
+        value = getattr(config, field, None)
+        if type(value) is int:
+            parts.append(f"{short}={value}")
+    parameters = list(model.parameters())
+    count = sum(p.numel() for p in parameters)
+    dtypes = "/".join(sorted({dtype_name(p.dtype) for p in parameters}))
+    scaled = next((f"{count / s:.1f}{u}" for s, u in ((1e9, "B"), (1e6, "M"), (1e3, "K"))
+                   if count >= s), str(count))  # fmt: skip
+    parts.append(f"{scaled} params" + (f", {dtypes}" if dtypes else ""))
+    return ", ".join(parts)
+
+
 def model_factors(
     model: torch.nn.Module,
     args: Sequence[Any],
@@ -299,7 +331,8 @@ def compile_model(
         )
         compiled.cache_key = key
         try:
-            store_model(store, key, compiled.artifact, compiled.plan.to_json(), factors)
+            about = {ABOUT_CONFIG: config_summary(model)}
+            store_model(store, key, compiled.artifact, compiled.plan.to_json(), factors, about)
         except CacheWriteError as exc:
             log.warning("compiled the model but could not store it: %s", exc)
     finally:

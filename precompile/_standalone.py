@@ -17,6 +17,7 @@ from runtime import CompiledArtifact
 from runtime._cached import load_cached, store_artifact
 from runtime._cudagraphs import CudaGraphsOption, cudagraph_options
 from runtime._dtypes import dtype_name
+from runtime._entry_summary import ABOUT_GRAPH
 from runtime._environment import current_environment
 from runtime._errors import (
     CacheWriteError,
@@ -396,7 +397,8 @@ def standalone_compile(
             refuse(None, key, factors)
         artifact, common = _remembering_failure(key, build)
     else:
-        artifact, common = _cached_or_built(store, key, factors, build, offline)
+        about = {ABOUT_GRAPH: adapter.graph_name(gm)}
+        artifact, common = _cached_or_built(store, key, factors, build, offline, about)
     if graphs is not None:
         artifact.set_cudagraphs(graphs)
     _propagate_common_guards(graph, common)
@@ -409,10 +411,12 @@ def _cached_or_built(
     factors: Mapping[str, str],
     build: Callable[[], tuple[CompiledArtifact, list[sympy.Expr]]],
     offline: bool = False,
+    about: Mapping[str, str] | None = None,
 ) -> tuple[CompiledArtifact, list[sympy.Expr]]:
     """The artifact under ``key`` from the cache, else built once (single flight across
-    processes) and stored. A cache that cannot store (read-only, full) or whose entry is
-    untrusted costs the cache, never the compile: it is logged and the build returned."""
+    processes) and stored (with ``about``, what it is for ``cache ls``). A cache that
+    cannot store (read-only, full) or whose entry is untrusted costs the cache, never
+    the compile: it is logged and the build returned."""
     found = _cached(store, key)
     if found is not None:
         log.info("cache hit for %s", key[:12])
@@ -426,7 +430,7 @@ def _cached_or_built(
             found = _cached(store, key) if recheck else None
             if found is not None:
                 return found  # another process built it while we waited
-            return _build_and_store(store, key, factors, build)
+            return _build_and_store(store, key, factors, build, about)
     except CacheWriteError as exc:  # no lock file: a read-only cache
         log.warning("cache %s cannot take a lock (%s); compiling without storing", store.root, exc)
         return _remembering_failure(key, build)
@@ -451,11 +455,13 @@ def _build_and_store(
     key: str,
     factors: Mapping[str, str],
     build: Callable[[], tuple[CompiledArtifact, list[sympy.Expr]]],
+    about: Mapping[str, str] | None = None,
 ) -> tuple[CompiledArtifact, list[sympy.Expr]]:
     log.info("cache miss: %s", store.explain_miss(key, factors))
     artifact, common = _remembering_failure(key, build)
     try:
-        store_artifact(store, key, artifact, factors, {"caller_guards": pickle.dumps(common)})
+        guards = {"caller_guards": pickle.dumps(common)}
+        store_artifact(store, key, artifact, factors, guards, about)
     except CacheWriteError as exc:
         log.warning("compiled %s but could not store it: %s", key[:12], exc)
     else:

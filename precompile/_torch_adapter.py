@@ -876,3 +876,18 @@ def trace_model(
         traced_files=record["files"],
         artifact=record["artifact"],
     )
+
+
+def graph_name(gm: torch.fx.GraphModule) -> str:
+    """What a person calls the graph: inside a torch.compile backend, the function Dynamo
+    traced it from (``Model.forward (file.py:30)``); else its GraphModule's class (an
+    ``fx.symbolic_trace`` of a module is named after the module's class)."""
+    from torch._guards import TracingContext
+
+    context = TracingContext.try_get()
+    codes = list(getattr(context, "traced_code", None) or [])
+    if not codes:
+        return type(gm).__name__
+    code = codes[0]  # the frame Dynamo compiles; the functions it inlined follow
+    name = getattr(code, "co_qualname", code.co_name)
+    return f"{name} ({os.path.basename(code.co_filename)}:{code.co_firstlineno})"

@@ -16,6 +16,7 @@ from typing import Any
 from cache import ArtifactCache, StoredEntry, cache_to_read
 
 from ._artifact import CompiledArtifact, artifact_from_entry
+from ._entry_summary import MODEL_ENTRY
 from ._errors import CorruptArtifactError
 
 
@@ -25,9 +26,6 @@ def load_cached(cache: ArtifactCache, key: str) -> tuple[CompiledArtifact, dict[
     if entry is None:
         return None
     return artifact_from_entry(entry), dict(entry.aux)
-
-
-MODEL_ENTRY = "precompile-model"
 
 
 def load_cached_model(cache: ArtifactCache | None, key: str) -> tuple[CompiledArtifact, Any] | None:
@@ -49,11 +47,14 @@ def store_model(
     artifact: CompiledArtifact,
     plan: Mapping[str, Any],
     factors: Mapping[str, str],
+    about: Mapping[str, str] | None = None,
 ) -> None:
+    """Store a compiled model under ``key``: its graph's artifact and its plan (``about``:
+    what it is, for ``cache ls``; see ``_entry_summary``)."""
     manifest = artifact.manifest
     blobs = {d: artifact.payload_bytes(d) for d in manifest.payload_digests}
     document = {"kind": MODEL_ENTRY, "manifest": manifest.to_json(), "model": dict(plan)}
-    cache.put(key, document, blobs, factors)
+    cache.put(key, document, blobs, factors, about=about)
 
 
 def _with_document(entry: StoredEntry, document: Any) -> StoredEntry:
@@ -67,9 +68,11 @@ def store_artifact(
     artifact: CompiledArtifact,
     factors: Mapping[str, str],
     aux: Mapping[str, bytes] | None = None,
+    about: Mapping[str, str] | None = None,
 ) -> None:
-    """Store ``artifact`` under ``key`` (raises ``CacheWriteError`` if it cannot)."""
+    """Store ``artifact`` under ``key`` (raises ``CacheWriteError`` if it cannot);
+    ``about``: what it is, for ``cache ls`` (see ``_entry_summary``)."""
     manifest = artifact.manifest
     blobs = {d: artifact.payload_bytes(d) for d in manifest.payload_digests}
-    cache.put(key, manifest.to_json(), blobs, factors, aux)
+    cache.put(key, manifest.to_json(), blobs, factors, aux, about=about)
     artifact.cache_key = key

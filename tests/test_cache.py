@@ -389,6 +389,32 @@ def test_cli_commands(tmp_path: object) -> None:
     assert json.loads(_cli("--root", root, "ls", "--json").stdout) == []
 
 
+def test_cli_ls_shows_what_is_unknown_as_unknown(tmp_path: object) -> None:
+    """Entries written before ``about`` was recorded, documents this version cannot read,
+    and an ``about`` with terminal control characters: all listed, none crashes."""
+    root = str(tmp_path)
+    store = ArtifactCache(root)
+    put(store, key_of(1), fake_artifact(1), {"device": "cpu:old"})  # no about, as before
+    store.put(key_of(2), {"format": "precompile-artifact", "format_version": 99}, {}, {})
+    model = {"kind": "precompile-model", "manifest": None, "model": {"model_class": "m.Net"}}
+    store.put(key_of(3), model, {}, {"device": "cuda:X"}, about={"config": "evil\x1b[2Jtext"})
+    with pytest.raises(precompile.InvalidOptionError, match="about must map"):
+        store.put(key_of(4), None, {}, {}, about={"graph": 3})  # type: ignore[dict-item]
+    listing = _cli("--root", root, "ls")
+    assert listing.returncode == 0, listing.stderr
+    rows = {line[:12]: line.split("  ") for line in listing.stdout.splitlines()}
+    cells = {k: [c.strip() for c in row if c.strip()] for k, row in rows.items()}
+    assert cells[key_of(1)[:12]][1:5] == ["graph ?", "f32[s0, 4]", "hints s0=8", "cpu:old"]
+    assert cells[key_of(2)[:12]][1:5] == ["?", "?", "?", "?"]
+    assert cells[key_of(3)[:12]][1:5] == ["model Net (evil?[2Jtext)", "?", "?", "cuda:X"]
+    assert "\x1b" not in listing.stdout and "3 entries" in listing.stdout
+    listed = {e["key"]: e for e in json.loads(_cli("--root", root, "ls", "--json").stdout)}
+    assert listed[key_of(1)]["kind"] == "graph" and listed[key_of(1)]["name"] is None
+    assert listed[key_of(1)]["hints"] == [{"s0": 8}] and listed[key_of(1)]["about"] == {}
+    assert listed[key_of(2)]["kind"] == "unknown" and listed[key_of(2)]["inputs"] is None
+    assert listed[key_of(3)]["name"] == "m.Net" and listed[key_of(3)]["config"].startswith("evil")
+
+
 def test_miss_explanation_names_the_differing_factor(tmp_path: object) -> None:
     store = ArtifactCache(str(tmp_path))
     put(store, key_of(1), fake_artifact(1), {"graph": "a", "torch": "2.13"})

@@ -104,7 +104,7 @@ def test_no_import_statement_points_up() -> None:
 def test_no_import_cycle_inside_a_package() -> None:
     """Imports inside functions count: one that exists to dodge a cycle is a cycle."""
     imports = _all_imports()
-    graph = {m: {t for t, _ in targets if t in imports and t != m} for m, targets in imports.items()}
+    graph = {m: {t for t, _ in found if t in imports and t != m} for m, found in imports.items()}
     cycles = []
     for start in graph:
         stack = [(start, [start])]

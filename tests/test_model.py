@@ -4,13 +4,16 @@ changed source file is a miss; what cannot be one graph is refused clearly."""
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import textwrap
 from typing import Any
 
 import pytest
 import torch
-from conftest import run_python
+from conftest import MLP, run_python
+from test_cache import _cli
 from test_real_models import VOCAB, tiny_gpt2, tiny_llama
 from test_warm_start import AUDIT, COUNTED
 
@@ -61,6 +64,53 @@ def test_gpt2_outputs_match_eager(tmp_path: Any) -> None:
             model, (ids,), {"use_cache": False}, dynamic={0: [1]}, hints=[16], cache=str(tmp_path)
         )
     _matches_eager(model, compiled)
+
+
+def test_cache_ls_says_what_each_entry_is(
+    compiled_llama: tuple[Any, Any], llama_cache: str
+) -> None:
+    """A cache holding a compile_model model (the module's) and a graph compiled by
+    ``precompile.backend``: each row names the model's class and config, or the graph's
+    function and inputs, with variants, device, size and tags; ``--json`` the same."""
+    _, compiled = compiled_llama
+    store = ArtifactCache(llama_cache)
+    store.tag("tiny-llama", compiled.cache_key)
+    torch.manual_seed(0)
+    mlp = MLP(width=32, hidden=64).eval()
+    x = torch.randn(5, 32)
+    torch._dynamo.mark_dynamic(x, 0)
+    torch._dynamo.reset()
+    with torch.no_grad():
+        torch.compile(mlp, backend=precompile.backend(hints=[16], cache=store))(x)
+    torch._dynamo.reset()
+    (graph_key,) = {e.key for e in store.entries()} - {compiled.cache_key}
+
+    text = _cli("--root", llama_cache, "ls")
+    assert text.returncode == 0, text.stderr
+    rows = {line[:12]: line for line in text.stdout.splitlines()}
+    model_row, graph_row = rows[compiled.cache_key[:12]], rows[graph_key[:12]]
+    device = store.entries()[0].factors["device"]
+    assert "model LlamaForCausalLM (llama, layers=1, hidden=32, heads=2, vocab=128, " in model_row
+    assert re.search(r"i64\[1, (s\d+)\].*hints \1=16; sizes \1=1 ", model_row), model_row
+    assert device in model_row and model_row.rstrip().endswith("tiny-llama")
+    assert re.search(r"graph MLP\.forward \(demo\.py:\d+\)", graph_row), graph_row
+    assert re.search(r"f32\[(s\d+), 32\].* hints \1=16 ", graph_row), graph_row
+    assert device in graph_row and graph_row.rstrip().endswith(" -")
+
+    listed = {e["key"]: e for e in json.loads(_cli("--root", llama_cache, "ls", "--json").stdout)}
+    model, graph = listed[compiled.cache_key], listed[graph_key]
+    assert model["kind"] == "model" and model["tags"] == ["tiny-llama"]
+    assert model["name"] == "transformers.models.llama.modeling_llama.LlamaForCausalLM"
+    assert model["config"].startswith("llama, layers=1, hidden=32, heads=2, vocab=128, ")
+    assert model["config"].endswith(" params, float32")
+    (symbol,) = model["hints"][0]
+    assert model["hints"] == [{symbol: 16}] and model["sizes"] == [{symbol: 1}]
+    assert graph["kind"] == "graph" and graph["tags"] == [] and graph["sizes"] == []
+    assert graph["name"].startswith("MLP.forward (demo.py:")
+    (symbol,) = graph["hints"][0]
+    assert graph["hints"] == [{symbol: 16}] and f"f32[{symbol}, 32]" in graph["inputs"]
+    assert model["device"] == graph["device"] == device
+    assert all(e["size"] > 0 and e["last_used"] > 0 for e in (model, graph))
 
 
 WARM = (
