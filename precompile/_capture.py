@@ -25,6 +25,7 @@ def capture_graph(
     box: dict[str, Any] = {}
 
     def keep(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
+        adapter.name_graph(gm)  # what it was traced from, for when it is compiled later
         box["gm"], box["inputs"] = gm, list(example_inputs)
         return gm.forward
 

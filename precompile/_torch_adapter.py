@@ -878,12 +878,23 @@ def trace_model(
     )
 
 
+_GRAPH_NAME = "precompile_graph_name"  # in a GraphModule's ``meta``
+
+
+def name_graph(gm: torch.fx.GraphModule) -> None:
+    """Keep ``graph_name(gm)`` on the graph (called inside a backend, by ``capture_graph``)."""
+    gm.meta[_GRAPH_NAME] = graph_name(gm)
+
+
 def graph_name(gm: torch.fx.GraphModule) -> str:
-    """What a person calls the graph: inside a torch.compile backend, the function Dynamo
-    traced it from (``Model.forward (file.py:30)``); else its GraphModule's class (an
-    ``fx.symbolic_trace`` of a module is named after the module's class)."""
+    """What a person calls the graph: inside a torch.compile backend (or as kept by
+    ``name_graph``), the function Dynamo traced it from (``Model.forward (file.py:30)``);
+    else its GraphModule's class (``fx.symbolic_trace`` names it after the module's)."""
     from torch._guards import TracingContext
 
+    kept = gm.meta.get(_GRAPH_NAME)
+    if isinstance(kept, str):
+        return kept
     context = TracingContext.try_get()
     codes = list(getattr(context, "traced_code", None) or [])
     if not codes:
