@@ -22,10 +22,8 @@ from typing import Any
 
 from cache import ArtifactCache, CacheEntry
 from cache import _signing as signing
-from runtime._binary_format import read_binary, sign_binary
 from runtime._entry_summary import EntrySummary, summarize_entry
 from runtime._errors import PrecompileError
-from runtime._unpacked_format import read_unpacked, sign_unpacked
 
 
 def _size(n: float) -> str:
@@ -327,6 +325,11 @@ def _cache_command(args: argparse.Namespace) -> int:
 
 
 def _sign_command(args: argparse.Namespace) -> int:
+    # Import time: the artifact formats are for sign and verify; ``cache ls`` and the
+    # other cache commands start without them.
+    from runtime._binary_format import sign_binary
+    from runtime._unpacked_format import sign_unpacked
+
     path = args.path
     signature = (
         sign_unpacked(path, args.key) if os.path.isdir(path) else sign_binary(path, args.key)
@@ -336,6 +339,9 @@ def _sign_command(args: argparse.Namespace) -> int:
 
 
 def _verify_command(args: argparse.Namespace) -> int:
+    from runtime._binary_format import read_binary  # import time: see _sign_command
+    from runtime._unpacked_format import read_unpacked
+
     trusted = signing.trusted_keys(args.key or None)
     path = args.path
     if os.path.isdir(path):
