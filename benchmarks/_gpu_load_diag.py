@@ -8,7 +8,8 @@
 
 Run ``build`` and then ``warm`` with the same PRECOMPILE_CACHE_DIR and fresh, empty
 TORCHINDUCTOR_CACHE_DIR and TRITON_CACHE_DIR for each process. ``warm`` with a TAG starting
-"prof" loads with no warm-up and writes a cProfile of the first call. DIAG_QUICK=1 makes
+"prof" loads with no warm-up and writes a cProfile of the first call; "nowarm": no warm-up,
+no profile; "stacks": every thread's stack every 0.2 s until the first output. DIAG_QUICK=1 makes
 ``build`` stop after compiling. The SETTING argument is historical: the measurements of
 cuDNN attention in hint variants ("none") were taken with PRECOMPILE_CUDNN_ATTENTION=1's
 behaviour; today set that variable instead.
@@ -312,6 +313,7 @@ def warm(out: str, setting: str, tag: str) -> None:
 
     import precompile
 
+    precompile.compile_model  # noqa: B018  (the lazy import belongs to import_s, not to the load)
     imported = time.perf_counter()
     _log_to(os.path.join(out, f"warm-{tag}-torchlog.txt"))
     _set(setting)
@@ -326,6 +328,11 @@ def warm(out: str, setting: str, tag: str) -> None:
         "model_s": built - imported,
     }
     prof = None
+    if tag.startswith("stacks"):  # every thread's stack every 0.2 s during the first call
+        import faulthandler
+
+        stacks = open(os.path.join(out, f"stacks-{tag}.txt"), "w")  # noqa: SIM115
+        faulthandler.dump_traceback_later(0.2, repeat=True, file=stacks)
     if tag.startswith("prof"):
         import cProfile
 
@@ -346,13 +353,15 @@ def warm(out: str, setting: str, tag: str) -> None:
             (x,),
             dynamic={0: [1]},
             hints=[16, 256, 2048],
-            warmup=False if prof else "background",
+            warmup=False if prof or tag.startswith("nowarm") else "background",
         )
         result["load_s"] = time.perf_counter() - t
         compiled(x)
         torch.cuda.synchronize()
         result["first_output_s"] = time.perf_counter() - t
         result["spawned_at_first_output"] = len(SPAWNED)
+        if tag.startswith("stacks"):
+            faulthandler.cancel_dump_traceback_later()
         if prof is not None:
             prof.disable()
             import io
