@@ -8,10 +8,12 @@
 
 Run ``build`` and then ``warm`` with the same PRECOMPILE_CACHE_DIR and fresh, empty
 TORCHINDUCTOR_CACHE_DIR and TRITON_CACHE_DIR for each process. ``warm`` with a TAG starting
-"prof" loads with no warm-up and writes a cProfile of the first call. DIAG_QUICK=1 makes
-``build`` stop after compiling. The SETTING argument is historical: the measurements of
-cuDNN attention in hint variants ("none") were taken with PRECOMPILE_CUDNN_ATTENTION=1's
-behaviour; today set that variable instead.
+"prof" loads with no warm-up and writes a cProfile of the first call; "nowarm": no warm-up,
+no profile; "stacks": every thread's stack every 0.2 s until the first output; "graphs": CUDA
+graphs captured at GRAPH_SIZES in the warm-up, other sizes padded up to the next one.
+DIAG_QUICK=1 makes ``build`` stop after compiling. The SETTING argument is historical: the
+measurements of cuDNN attention in hint variants ("none") were taken with
+PRECOMPILE_CUDNN_ATTENTION=1's behaviour; today set that variable instead.
 """
 
 from __future__ import annotations
@@ -28,6 +30,8 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
 SPAWNED: list[dict] = []
+# Sizes captured (and padded up to) by the "graphs" rows.
+GRAPH_SIZES = (16, 32, 64, 128, 256, 512, 1024, 2048)
 
 
 def audit(event, args):
@@ -312,6 +316,7 @@ def warm(out: str, setting: str, tag: str) -> None:
 
     import precompile
 
+    precompile.compile_model  # noqa: B018  (the lazy import belongs to import_s, not to the load)
     imported = time.perf_counter()
     _log_to(os.path.join(out, f"warm-{tag}-torchlog.txt"))
     _set(setting)
@@ -326,6 +331,11 @@ def warm(out: str, setting: str, tag: str) -> None:
         "model_s": built - imported,
     }
     prof = None
+    if tag.startswith("stacks"):  # every thread's stack every 0.2 s during the first call
+        import faulthandler
+
+        stacks = open(os.path.join(out, f"stacks-{tag}.txt"), "w")  # noqa: SIM115
+        faulthandler.dump_traceback_later(0.2, repeat=True, file=stacks)
     if tag.startswith("prof"):
         import cProfile
 
@@ -346,13 +356,18 @@ def warm(out: str, setting: str, tag: str) -> None:
             (x,),
             dynamic={0: [1]},
             hints=[16, 256, 2048],
-            warmup=False if prof else "background",
+            warmup=False if prof or tag.startswith("nowarm") else "background",
+            cudagraphs=precompile.CudaGraphs(capture_sizes=GRAPH_SIZES, pad=True)
+            if tag.startswith("graphs")
+            else None,
         )
         result["load_s"] = time.perf_counter() - t
         compiled(x)
         torch.cuda.synchronize()
         result["first_output_s"] = time.perf_counter() - t
         result["spawned_at_first_output"] = len(SPAWNED)
+        if tag.startswith("stacks"):
+            faulthandler.cancel_dump_traceback_later()
         if prof is not None:
             prof.disable()
             import io
@@ -380,6 +395,10 @@ def warm(out: str, setting: str, tag: str) -> None:
                 compiled(y)
                 torch.cuda.synchronize()
                 result["call_200_again_ms"] = (time.perf_counter() - s) * 1e3
+        y = ids(333)  # the served logits against eager's (bf16): padding must not show
+        got, want = compiled(y).logits.float(), model(y).logits.float()
+        result["max_abs_diff_333_vs_eager"] = (got - want).abs().max().item()
+        result["max_abs_logit_333"] = want.abs().max().item()
     try:
         from torch._inductor.async_compile import CompiledTritonKernels
 

@@ -4,6 +4,7 @@ a transformers ``StaticCache``, every row side by side in one process.
     python benchmarks/decode.py                 # the issue's Llama, H100/H200
     python benchmarks/decode.py --smoke         # a tiny config, fewer steps (any GPU)
     python benchmarks/decode.py --plot benchmarks/results/decode-llama.json
+    python benchmarks/decode.py --warm-start-only --out OUT.json   # only the fresh processes
 
 Model: ``transformers.LlamaForCausalLM`` from a config (hidden 2048, intermediate 5632,
 4 layers, 16 heads, 4 KV heads, vocab 32000), bf16, random init; one ``StaticCache`` of
@@ -498,6 +499,7 @@ spawned = watch_processes()
 import torch, precompile
 from _common import count_tracing_and_compiles, is_compiler
 from decode import OUR_OPTIONS, PROMPT, build, our_call
+precompile.compile_model  # the lazy import is import time, not load time
 frames, compiles = count_tracing_and_compiles()
 model = build({smoke})
 call = our_call(model, 2, PROMPT, {cache_len})
@@ -541,6 +543,27 @@ def warm_start(smoke: bool, cache: str, cache_len: int) -> dict[str, Any]:
             found[label] = eval(line[len("RESULT ") :])  # our own child's dict literal
         print(f"[decode] {label}: {found[label]}", flush=True)
     return found
+
+
+def warm_start_only(args: argparse.Namespace) -> dict[str, Any]:
+    """Compile the decode model once into a new cache, then the fresh-process rows."""
+    from _common import environment
+
+    import precompile
+
+    cache_dir = args.cache or tempfile.mkdtemp(prefix="precompile-decode-")
+    model = build(args.smoke)
+    with torch.no_grad():
+        example = our_call(model, 2, PROMPT, args.cache_len)
+        precompile.compile_model(model, (), example, cache=cache_dir, warmup=False, **OUR_OPTIONS)
+    document = {
+        "environment": environment("cuda"),
+        "warm_start": warm_start(args.smoke, cache_dir, args.cache_len),
+    }
+    os.makedirs(os.path.dirname(args.out), exist_ok=True)
+    with open(args.out, "w", encoding="utf-8") as handle:
+        json.dump(document, handle, indent=2)
+    return document
 
 
 def summarize(document: dict[str, Any]) -> str:
@@ -609,9 +632,17 @@ def main() -> None:
     parser.add_argument("--cache", help="the precompile artifact cache (default: a new one)")
     parser.add_argument("--out", default=os.path.join(HERE, "results", "decode-llama.json"))
     parser.add_argument("--plot", metavar="JSON", help="only draw the plot of a result file")
+    parser.add_argument(
+        "--warm-start-only",
+        action="store_true",
+        help="compile once into the cache, then only the fresh-process rows (JSON to --out)",
+    )
     args = parser.parse_args()
     if args.plot:
         plot(args.plot)
+        return
+    if args.warm_start_only:
+        print(json.dumps(warm_start_only(args), indent=1))
         return
     document = measure(args)
     os.makedirs(os.path.dirname(args.out), exist_ok=True)

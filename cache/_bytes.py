@@ -1,10 +1,11 @@
-"""Stored bytes, trusted by no reader: sha256 digests, zstd compression that is checked
-against a digest and a size before anything is kept, bounded reads of regular files, and
-atomic writes. The cache stores its blobs with these, the runtime its artifacts' payloads.
+"""Stored bytes, trusted by no reader: sha256 digests, zstd compression and decompression
+checked against a digest and a size, bounded reads of regular files, and atomic writes.
+The cache stores its blobs with these, the runtime its artifacts' payloads.
 
 Reads and decompression are bounded by sizes an index commits to (and checked against
 them), and by a maximum, so a hostile file cannot make a reader allocate without limit:
-decompressed bytes are counted and hashed in chunks before they are kept.
+decompressed bytes are counted and hashed in chunks as they come, and only small
+payloads are kept before they are verified.
 """
 
 from __future__ import annotations
@@ -52,17 +53,25 @@ def compress(raw: bytes) -> bytes:
     return bytes(zstandard.ZstdCompressor(level=ZSTD_LEVEL).compress(raw))
 
 
+# Payloads up to this size are decompressed once, kept as they are checked; larger ones
+# are checked in a first pass that keeps nothing, then decompressed again.
+_ONE_PASS_MAX = 64 << 20
+
+
 def decompress(stored: bytes | memoryview, raw_size: int, digest: str, where: str) -> bytes:
     """The raw bytes of a zstd payload that must hash to ``digest`` and be exactly
-    ``raw_size`` long. Checked in chunks first (nothing kept), so a frame that claims
-    or produces more than ``raw_size`` bytes, or a ``raw_size`` over the maximum, costs
-    no memory; only verified bytes are then materialized."""
+    ``raw_size`` long. Chunks are counted and hashed as they come, so a frame that claims
+    or produces more than ``raw_size`` bytes is refused at the first chunk past it and a
+    ``raw_size`` over the maximum costs nothing. Unverified bytes are held only up to
+    ``_ONE_PASS_MAX`` (what one small payload costs anyway): a larger payload is
+    verified in a pass that keeps nothing, then decompressed again."""
     limit = max_payload_bytes()
     if not 0 <= raw_size <= limit:
         raise CorruptArtifactError(
             f"{where}: payload {digest[:12]} claims {raw_size} bytes, over the {limit}-byte "
             "maximum (raise $PRECOMPILE_MAX_PAYLOAD_BYTES if that is really its size)"
         )
+    keep = raw_size <= _ONE_PASS_MAX
     try:
         declared = zstandard.get_frame_parameters(stored).content_size
         if declared not in (raw_size, zstandard.CONTENTSIZE_UNKNOWN):
@@ -70,6 +79,7 @@ def decompress(stored: bytes | memoryview, raw_size: int, digest: str, where: st
                 f"{where}: payload {digest[:12]} declares {declared} bytes, its index {raw_size}"
             )
         hasher = hashlib.sha256()
+        chunks: list[bytes] = []
         seen = 0
         with zstandard.ZstdDecompressor().stream_reader(io.BytesIO(stored)) as reader:
             while True:
@@ -82,10 +92,14 @@ def decompress(stored: bytes | memoryview, raw_size: int, digest: str, where: st
                         f"{where}: payload {digest[:12]} decompresses past its {raw_size} bytes"
                     )
                 hasher.update(chunk)
+                if keep:
+                    chunks.append(chunk)
         if seen != raw_size or hasher.hexdigest() != digest:
             raise CorruptArtifactError(
                 f"{where}: payload {digest[:12]} does not decompress to its sha256 and size"
             )
+        if keep:
+            return chunks[0] if len(chunks) == 1 else b"".join(chunks)
         with zstandard.ZstdDecompressor().stream_reader(io.BytesIO(stored)) as reader:
             raw = reader.read(raw_size)
     except zstandard.ZstdError as exc:

@@ -26,6 +26,7 @@ import logging
 import os
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from typing import Any
 
@@ -63,6 +64,9 @@ from ._remote import Lease, RemoteTier, remote_from_env
 from ._root import LAYOUT, prepare, resolve_root
 from ._signing import Signature, TrustedKeysOption
 from ._tags import Tags
+
+# An entry's blobs are read in threads when they hold at least this many bytes together.
+_PARALLEL_READ_BYTES = 8 << 20
 
 log = logging.getLogger("precompile.cache")
 DEFAULT_SIZE_LIMIT = 20 * 2**30
@@ -305,6 +309,16 @@ class ArtifactCache:
                 os.replace(path, target)
             raise
 
+    def _read_blobs(self, sizes: Mapping[str, int], key: str) -> dict[str, bytes]:
+        """Every blob of an entry, verified. Several large blobs are read in threads
+        (decompression and hashing release the GIL): a GPU model's four variants load
+        in the time of the largest, not of all four."""
+        if len(sizes) < 2 or sum(sizes.values()) < _PARALLEL_READ_BYTES:
+            return {d: self._read_blob(d, size, key) for d, size in sizes.items()}
+        with ThreadPoolExecutor(max_workers=min(4, len(sizes))) as pool:
+            read = pool.map(lambda item: self._read_blob(item[0], item[1], key), sizes.items())
+            return dict(zip(sizes, read, strict=True))
+
     def get(self, key: str) -> StoredEntry | None:
         """The entry under ``key`` with every blob verified, or None on a miss (a corrupt
         entry is quarantined first). Raises ``UntrustedArtifactError`` where trusted keys
@@ -316,7 +330,7 @@ class ArtifactCache:
             self._count("misses" if fetched is None else "hits")
             return fetched
         try:
-            blobs = {d: self._read_blob(d, size, key) for d, size in document["blobs"].items()}
+            blobs = self._read_blobs(document["blobs"], key)
         except FileNotFoundError:
             if os.path.exists(self.entry_path(key)):
                 self._quarantine(key, "a blob it references is missing")

@@ -108,6 +108,21 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
+def warmup_grace() -> float:
+    """Seconds a background warm-up leaves to the first call: ``$PRECOMPILE_WARMUP_GRACE``
+    (default 1.0; 0 starts at once)."""
+    text = os.environ.get("PRECOMPILE_WARMUP_GRACE", "")
+    try:
+        value = float(text) if text else 1.0
+    except ValueError:
+        value = -1.0
+    if not 0.0 <= value <= 3600.0:
+        raise InvalidOptionError(
+            f"PRECOMPILE_WARMUP_GRACE must be a number of seconds in [0, 3600], got {text!r}"
+        )
+    return value
+
+
 def _exiting() -> bool:
     """The interpreter is shutting down (its main thread has finished). A background
     warm-up stops at its next step then: it is not a daemon, so the interpreter waits for
@@ -167,6 +182,7 @@ class CompiledArtifact:
         self._warming: threading.Thread | None = None
         self._warm_error: BaseException | None = None
         self._foreground = 0  # first calls in progress (a warm-up waits for them)
+        self._called = threading.Event()  # a call has returned (a warm-up may begin)
         self._foreground_lock = threading.Lock()
         _live.add(self)
         self.set_cudagraphs(manifest.cudagraphs if cudagraphs is None else cudagraphs)
@@ -187,6 +203,7 @@ class CompiledArtifact:
         so a background warm-up gives way (between its steps) until it is done."""
         with self._in_foreground():
             result = self._resolve(key)(*args)
+        self._called.set()
         return result if self._unflatten is None else self._unflatten(result)
 
     @contextlib.contextmanager
@@ -214,6 +231,8 @@ class CompiledArtifact:
             with self._in_foreground():
                 function = self._resolve(prepared.key)
         result = function(*prepared.args)
+        if not self._called.is_set():
+            self._called.set()
         for target, source in prepared.writebacks:
             target.copy_(source)
         return result if self._unflatten is None else self._unflatten(result)
@@ -346,7 +365,9 @@ class CompiledArtifact:
 
         With ``background=True`` a thread does it while this thread goes on
         (a server can take requests meanwhile; a call that needs a variant still being
-        loaded waits for it, and a size not yet captured runs plainly). ``wait_warm()``
+        loaded waits for it, and a size not yet captured runs plainly). The thread begins
+        once the first call has returned, or after ``$PRECOMPILE_WARMUP_GRACE`` seconds
+        (default 1) without one, so a first request is not queued behind it. ``wait_warm()``
         joins that thread and re-raises its error. ``runnable(point)``: run a variant at
         its point only where it says so (the others are only loaded).
         """
@@ -370,10 +391,14 @@ class CompiledArtifact:
             ):
                 self.capture()
             return self
+        grace = warmup_grace()
         with self._lock:
             if self._warming is None:
                 self._warming = threading.Thread(
-                    target=self._warm_in_background, name="precompile-warmup", daemon=False
+                    target=self._warm_in_background,
+                    args=(grace,),
+                    name="precompile-warmup",
+                    daemon=False,
                 )
                 self._warming.start()
         return self
@@ -476,8 +501,9 @@ class CompiledArtifact:
         function = self._variant_callable(self._manifest.variants[self._dispatcher.choose(sizes)])
         return executor.padded_call(sizes, target, function, args)
 
-    def _warm_in_background(self) -> None:
+    def _warm_in_background(self, grace: float) -> None:
         try:
+            self._await_first_call(grace)
             self.warmup()
         except BaseException as exc:  # surfaced by wait_warm()
             if _exiting():  # e.g. a thread pool torch shut down at exit; nobody waits
@@ -485,6 +511,17 @@ class CompiledArtifact:
                 return
             log.warning("background warm-up failed: %s", exc)
             self._warm_error = exc
+
+    def _await_first_call(self, grace: float) -> None:
+        """A background warm-up begins once the first call has returned, or after
+        ``grace`` seconds without one: a server's first request, usually right after the
+        load, then has the process (GIL, loader, GPU) to itself instead of queueing
+        behind a variant the warm-up is loading."""
+        deadline = time.monotonic() + grace
+        while not _exiting():
+            left = deadline - time.monotonic()
+            if left <= 0 or self._called.wait(min(left, 0.05)):
+                return
 
     def wait_warm(self, timeout: float | None = None) -> bool:
         """Wait for a background warm-up; True when every variant is loaded."""

@@ -16,6 +16,7 @@ from conftest import ROOT, Compiled, assert_close, run_fleet, run_python
 
 import precompile
 from cache import ArtifactCache
+from cache import _store as cache_store
 from cache._bytes import sha256_hex
 from precompile import _torch_adapter
 from precompile._cache_key import cache_factors, cache_key
@@ -88,10 +89,16 @@ def _blob_files(root: str) -> list[str]:
     return [os.path.join(d, f) for d, _, files in os.walk(base) for f in files]
 
 
+@pytest.mark.parametrize("read", ["serial", "threads"])
 @pytest.mark.parametrize("damage", ["flip", "truncate-blob", "truncate-entry", "garbage-entry"])
-def test_corrupt_entries_are_quarantined_misses(tmp_path: object, damage: str) -> None:
+def test_corrupt_entries_are_quarantined_misses(
+    tmp_path: object, damage: str, read: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     store = ArtifactCache(str(tmp_path))
-    put(store, key_of(1), fake_artifact(1), {})
+    if read == "threads":  # an entry of several blobs read in threads, as large ones are
+        monkeypatch.setattr(cache_store, "_PARALLEL_READ_BYTES", 0)
+    put(store, key_of(1), fake_artifact(1), {}, {"aux": b"x" * 3000} if read == "threads" else None)
+    assert len(_blob_files(str(tmp_path))) == (2 if read == "threads" else 1)
     entry = os.path.join(str(tmp_path), "v2", "entries", key_of(1) + ".json")
     blob = _blob_files(str(tmp_path))[0]
     target = entry if damage.endswith("entry") else blob

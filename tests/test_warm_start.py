@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import os
 import tempfile
+import threading
+from typing import Any
 
 import pytest
 import torch
@@ -218,6 +220,35 @@ def test_variants_load_lazily_and_warm_up_in_the_background(saved: dict[str, str
         precompile.CompiledArtifact.load(path=saved["binary"], warmup="later")  # type: ignore[arg-type]
 
 
+def test_background_warm_up_leaves_the_first_call_to_itself(
+    mlp: Compiled, saved: dict[str, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A server calls right after loading: its variant loads first, in the calling
+    thread, and the warm-up thread loads the others only after that call returned."""
+    art = precompile.CompiledArtifact.load(path=saved["binary"])
+    loads: list[tuple[str, int]] = []
+    original = art._variant_callable
+
+    def recorded(variant: Any) -> Any:
+        found = original(variant)
+        loads.append((threading.current_thread().name, variant.index))
+        return found
+
+    monkeypatch.setattr(art, "_variant_callable", recorded)
+    art.warmup(background=True)
+    x = torch.randn(100, 32)
+    flat = [a.detach() if isinstance(a, torch.Tensor) else a for a in mlp.captured.flat(x)]
+    with torch.no_grad():
+        torch.testing.assert_close(art(*flat)[0], mlp.captured.model(x), rtol=1e-4, atol=1e-4)
+    assert art.wait_warm(timeout=300)
+    assert loads[0] == ("MainThread", art.explain(*flat).chosen), loads
+    assert {name for name, _ in loads[1:]} == {"precompile-warmup"}, loads
+    assert art.loaded_variants == tuple(range(len(art.variants)))
+    monkeypatch.setenv("PRECOMPILE_WARMUP_GRACE", "soon")
+    with pytest.raises(precompile.InvalidOptionError, match="PRECOMPILE_WARMUP_GRACE"):
+        precompile.CompiledArtifact.load(path=saved["binary"], warmup="background")
+
+
 def test_artifact_lists_its_kernels_and_the_binary_is_what_was_built(mlp: Compiled) -> None:
     manifest = mlp.artifact.manifest
     kernels = [k for v in manifest.variants for k in v.kernels]
@@ -303,6 +334,7 @@ def test_a_process_that_exits_during_background_warm_up_exits_cleanly(
     called"), no warning, exit status 0 (run_python checks)."""
     out = in_fresh_process(
         "import time\n"
+        "os.environ['PRECOMPILE_WARMUP_GRACE'] = '0'  # the warm-up starts at once\n"
         "from runtime import _artifact\n"
         "original = _artifact.CompiledArtifact._variant_callable\n"
         "def slow(self, variant):\n"
