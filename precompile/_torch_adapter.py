@@ -1103,11 +1103,51 @@ def lean_plan(payload: bytes, source_digest: Callable[[str], str]) -> LeanPlan:
             for index, info in enumerate(metadata.output_info)
             if info.dynamic_dims is not None
         )
+    attribute = _dynamic_dims_attribute() if dims else None
+    if dims and attribute is None:
+        return LeanPlan(None, source, ("this torch marks outputs' dynamic dims unrecognizably",))
     lean = LeanCall(
         source=source_digest(source),
         externs=externs,
         outputs=int(metadata.num_outputs),
         bump_versions=bumps,
         dynamic_dims=dims,
+        dynamic_attribute=attribute,
     )
     return LeanPlan(lean, source, ())
+
+
+def _global_names(function: Any) -> set[str]:
+    """The global names a function's code, nested functions included, refers to."""
+    names: set[str] = set()
+    stack = [getattr(function, "__code__", None)]
+    while stack:
+        code = stack.pop()
+        if code is None:
+            continue
+        names.update(code.co_names)
+        stack.extend(c for c in code.co_consts if hasattr(c, "co_names"))
+    return names
+
+
+@functools.cache
+def _dynamic_dims_attribute() -> str | None:
+    """The tensor attribute AOTAutograd's inference wrapper records outputs' dynamic dims
+    in (``_dynamo_propagated_dynamic_indices`` in torch 2.13, ``_dynamo_weak_dynamic_indices``
+    in 2.11): found by running the helper this torch's wrapper calls on a probe tensor."""
+    import torch._dynamo  # runtime_wrappers imported first is a circular import
+    from torch._functorch._aot_autograd import runtime_wrappers
+
+    names = _global_names(runtime_wrappers._create_runtime_wrapper)
+    names |= _global_names(getattr(runtime_wrappers, "_codegen_epilogue", None))
+    helpers = [
+        name
+        for name in ("mark_dynamo_propagated_dynamic_indices", "maybe_mark_dynamic_helper")
+        if name in names and callable(getattr(runtime_wrappers, name, None))
+    ]
+    if len(helpers) != 1:
+        return None
+    probe = torch.empty(0)
+    getattr(runtime_wrappers, helpers[0])(probe, {0})
+    found = [name for name, value in vars(probe).items() if value == {0}]
+    return found[0] if len(found) == 1 and found[0].startswith("_dynamo_") else None

@@ -68,6 +68,7 @@ def _runner(
     expected = lean.outputs
     bumps = lean.bump_versions
     marks = tuple((index, frozenset(dims)) for index, dims in lean.dynamic_dims)
+    attribute = lean.dynamic_attribute or ""
     is_grad_enabled = torch.is_grad_enabled
     set_grad_enabled = torch._C._set_grad_enabled
     increment_version = torch.autograd.graph.increment_version
@@ -95,16 +96,19 @@ def _runner(
         if len(outs) != expected:
             raise AssertionError(f"expected {expected} outputs, got {len(outs)}")
         for index, dims in marks:
-            _mark_dynamic(outs[index], dims)
+            _mark_dynamic(outs[index], attribute, dims)
         return outs
 
     run.lean = True  # type: ignore[attr-defined]
     return run
 
 
-def _mark_dynamic(tensor: Any, dims: frozenset[int]) -> None:
-    """What AOTAutograd marks on an output whose dims were dynamic in the graph."""
-    if hasattr(tensor, "_dynamo_propagated_dynamic_indices"):
-        tensor._dynamo_propagated_dynamic_indices |= dims
+def _mark_dynamic(tensor: Any, attribute: str, dims: frozenset[int]) -> None:
+    """What AOTAutograd marks on an output whose dims were dynamic in the graph (torch
+    2.13's ``mark_dynamo_propagated_dynamic_indices``, 2.11's ``maybe_mark_dynamic_helper``:
+    the same but for the attribute's name)."""
+    marked = getattr(tensor, attribute, None)
+    if marked is not None:
+        marked |= dims
     else:
-        tensor._dynamo_propagated_dynamic_indices = set(dims)
+        setattr(tensor, attribute, set(dims))

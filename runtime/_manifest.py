@@ -36,6 +36,7 @@ _DTYPE = re.compile(r"^[a-z][a-z0-9_]{0,31}$")
 _DEVICE = re.compile(r"^[a-z][a-z0-9_]{0,15}(:[0-9]{1,4})?$")
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
 _IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")
+_DYNAMO_ATTRIBUTE = re.compile(r"^_dynamo_[a-z_]{1,48}$")
 _TORCH_PATH = re.compile(r"^torch(\.[A-Za-z_][A-Za-z0-9_]{0,127}){1,6}$")
 
 
@@ -162,8 +163,10 @@ class LeanCall:
     # inputs the graph writes in place: their autograd version counters are bumped
     # before each call (what AOTAutograd does for mutations kept in the graph)
     bump_versions: tuple[int, ...] = ()
-    # per output, the dims marked as dynamic for a Dynamo graph consuming it
+    # per output, the dims marked as dynamic for a Dynamo graph consuming it, and the
+    # tensor attribute this torch marks them in (it differs between torch versions)
     dynamic_dims: tuple[tuple[int, tuple[int, ...]], ...] = ()
+    dynamic_attribute: str | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "externs", MappingProxyType(dict(self.externs)))
@@ -348,6 +351,7 @@ def _lean_to_json(lean: LeanCall | None) -> dict[str, Any] | None:
         "outputs": lean.outputs,
         "bump_versions": list(lean.bump_versions),
         "dynamic_dims": [[index, list(dims)] for index, dims in lean.dynamic_dims],
+        "dynamic_attribute": lean.dynamic_attribute,
     }
 
 
@@ -667,7 +671,8 @@ class _Reader:
         if value is None:
             return None
         raw = self.expect(value, dict, where)
-        if set(raw) != {"source", "externs", "outputs", "bump_versions", "dynamic_dims"}:
+        keys = {"source", "externs", "outputs", "bump_versions", "dynamic_dims"}
+        if set(raw) != keys | {"dynamic_attribute"}:
             raise CorruptArtifactError(f"manifest field {where} has unexpected keys")
         externs: dict[str, str] = {}
         table = self.expect(raw["externs"], dict, f"{where}.externs")
@@ -675,10 +680,11 @@ class _Reader:
             raise CorruptArtifactError(f"manifest field {where}.externs has {len(table)} items")
         for name, path in table.items():
             path = self.text(path, f"{where}.externs", limit=256)
-            if not _IDENTIFIER.match(name) or not _TORCH_PATH.match(path):
+            compiler = {"_inductor", "_dynamo"} & set(path.split("."))
+            if not _IDENTIFIER.match(name) or not _TORCH_PATH.match(path) or compiler:
                 raise CorruptArtifactError(
                     f"manifest field {where}.externs maps {name!r:.40} to {path!r:.80}, not "
-                    "an identifier to a dotted path under torch"
+                    "an identifier to a dotted path under torch outside its compiler"
                 )
             externs[name] = path
         outputs = self.integer(raw["outputs"], f"{where}.outputs", high=_MAX_ITEMS)
@@ -701,12 +707,23 @@ class _Reader:
             if len(listed) > 64:
                 raise CorruptArtifactError(f"manifest field {at} has {len(listed)} dims")
             dims.append((index, tuple(self.integer(d, at, high=63) for d in listed)))
+        attribute = raw["dynamic_attribute"]
+        if attribute is not None:
+            attribute = self.text(attribute, f"{where}.dynamic_attribute", limit=64)
+        if (attribute is None) != (not dims) or (
+            attribute is not None and not _DYNAMO_ATTRIBUTE.match(attribute)
+        ):
+            raise CorruptArtifactError(
+                f"manifest field {where}.dynamic_attribute should name a _dynamo_ tensor "
+                "attribute exactly when dynamic_dims lists outputs"
+            )
         return LeanCall(
             source=self.digest(raw["source"], f"{where}.source"),
             externs=externs,
             outputs=outputs,
             bump_versions=bumps,
             dynamic_dims=tuple(dims),
+            dynamic_attribute=attribute,
         )
 
     def kernels(self, value: Any, where: str) -> tuple[NativeKernel, ...]:
