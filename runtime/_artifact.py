@@ -32,7 +32,7 @@ from ._dispatch import Dispatcher, Explanation
 from ._environment import check_compatible, current_environment
 from ._errors import ArtifactNotFoundError, CorruptArtifactError, InvalidOptionError
 from ._execution import DirectExecutor, Executor
-from ._lean import load_lean
+from ._lean import lean_enabled, load_lean
 from ._manifest import Calibration, Manifest, Symbol, Variant
 from ._payloads import PayloadStore
 from ._signing import TrustedKeysOption
@@ -145,7 +145,7 @@ class CompiledArtifact:
         memo_size: int = DEFAULT_MEMO_SIZE,
         cudagraphs: CudaGraphsOption = None,
     ) -> None:
-        if any(variant.lean is None for variant in manifest.variants):
+        if not lean_enabled() or any(variant.lean is None for variant in manifest.variants):
             # The torch compiler modules that loading and running such a variant import
             # (1-2 s): paid here, once, so that its first call has the short latency a
             # server's first request needs. Lean variants import none of them.
@@ -274,7 +274,7 @@ class CompiledArtifact:
         """The variant run directly (see ``_lean``), or None where it has no lean call or
         its code imports a compiler module after all (then upstream's path runs it)."""
         lean = variant.lean
-        if lean is None:
+        if lean is None or not lean_enabled():
             return None
         source = self._payloads.read(lean.source).decode("utf-8")
         try:

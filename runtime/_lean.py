@@ -23,7 +23,7 @@ through upstream as before.
 
 from __future__ import annotations
 
-import logging
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -34,7 +34,11 @@ from . import _torch_adapter as adapter
 from ._errors import CorruptArtifactError
 from ._manifest import LeanCall
 
-log = logging.getLogger("precompile.runtime")
+
+def lean_enabled() -> bool:
+    """False where ``PRECOMPILE_LEAN=0``: every variant then loads through upstream (a
+    switch to rule the lean path out when chasing a problem)."""
+    return os.environ.get("PRECOMPILE_LEAN", "1") != "0"
 
 
 def _externs(lean: LeanCall) -> dict[str, Any]:

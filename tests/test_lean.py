@@ -117,6 +117,14 @@ def test_mlp_and_attention_are_lean_and_bit_identical(mlp: Compiled, attention: 
         assert len(used) > 1, "the sizes should reach several variants"
 
 
+def test_precompile_lean_0_loads_every_variant_through_upstream(
+    mlp: Compiled, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("PRECOMPILE_LEAN", "0")
+    lean, _ = _twins(mlp.artifact)
+    assert not any(_runs_lean(lean, v.index) for v in lean.variants)
+
+
 def _recording(backend: Callable[..., Any], calls: list[tuple[Any, tuple[Any, ...]]]) -> Any:
     """A backend keeping each graph's artifact and every call's flat inputs."""
 
@@ -133,14 +141,12 @@ def _recording(backend: Callable[..., Any], calls: list[tuple[Any, tuple[Any, ..
     return compile_graph
 
 
-transformers = pytest.importorskip("transformers")
-
-
 @pytest.mark.parametrize("name", ["llama", "gpt2", "bert"])
 def test_transformers_models_are_lean_and_bit_identical(name: str) -> None:
     """The models and hints of test_real_models (so a full run reuses its cache entries):
     every graph Dynamo hands the backend is lean, and replaying each call's inputs on the
     lean and upstream paths gives identical outputs."""
+    pytest.importorskip("transformers")
     from test_real_models import SIZES, VOCAB, tiny_bert, tiny_gpt2, tiny_llama
 
     builds = {"llama": tiny_llama, "gpt2": tiny_gpt2, "bert": tiny_bert}
