@@ -29,6 +29,7 @@ from runtime._errors import (
 from runtime._manifest import (
     InputSpec,
     IntInput,
+    LeanCall,
     Manifest,
     Symbol,
     SymbolSource,
@@ -172,6 +173,7 @@ def _compile_all(
     names = [s.name for s in symbols]
     payloads: dict[str, bytes] = {}
     by_code: dict[str, str] = {}
+    leans: dict[str, LeanCall | None] = {}
     variants: list[Variant] = []
     all_guards: list[tuple[sympy.Expr, ...]] = []
     uses: tuple[adapter.InputUse, ...] | None = None
@@ -209,13 +211,32 @@ def _compile_all(
         if not shared:
             by_code[code] = sha256_hex(compiled.payload)
             payloads[by_code[code]] = compiled.payload
+            plan = adapter.lean_plan(compiled.payload, lambda text: sha256_hex(text.encode()))
+            leans[code] = plan.lean
+            if plan.lean is not None:
+                payloads[plan.lean.source] = plan.source.encode()
+            else:
+                log.info(
+                    "variant %d loads through upstream's deserializer (not the lean path): %s",
+                    number,
+                    "; ".join(plan.reasons),
+                )
         texts = tuple(dict.fromkeys(adapter.print_expr(g) for g in guards))
         point_by_name = dict(zip(names, request.point, strict=True))
         for kernel, binary in compiled.kernels:
             payloads[kernel.binary] = binary
         kernels = tuple(kernel for kernel, _ in compiled.kernels)
         variants.append(
-            Variant(number, request.kind, point_by_name, texts, by_code[code], code, kernels)
+            Variant(
+                number,
+                request.kind,
+                point_by_name,
+                texts,
+                by_code[code],
+                code,
+                kernels,
+                leans[code],
+            )
         )
         log.info(
             "compiled variant %d/%d (%s %s) in %.1f s; %d guards%s",

@@ -20,7 +20,7 @@ import platform
 import re
 import shutil
 import threading
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -32,7 +32,7 @@ from cache._bytes import sha256_hex
 from runtime import _torch_adapter as runtime_adapter
 from runtime._build_dir import build_dir
 from runtime._errors import InvalidOptionError, UnsupportedGraphError
-from runtime._manifest import NativeKernel
+from runtime._manifest import LeanCall, NativeKernel
 from runtime._native_kernels import cpu_features_for_flags, find_cpp_kernels, kernel_key
 
 from ._graph import GraphDescription, GraphInput
@@ -902,3 +902,276 @@ def graph_name(gm: torch.fx.GraphModule) -> str:
     code = codes[0]  # the frame Dynamo compiles; the functions it inlined follow
     name = getattr(code, "co_qualname", code.co_name)
     return f"{name} ({os.path.basename(code.co_filename)}:{code.co_firstlineno})"
+
+
+# -- the lean path: proving a variant's wrapping trivial ------------------------------
+# torch.ops namespaces of torch's own operators: a call into any other namespace is a
+# user's custom op, which AOTAutograd checks for aliasing on a graph's first call.
+_BUILTIN_OP_NAMESPACES = frozenset(
+    {"aten", "prim", "prims", "inductor", "quantized", "_quantized", "mkldnn", "onednn"}
+)
+_TRIVIAL_DISPATCH_WRAPPERS = frozenset(
+    {"AOTDedupeWrapper", "AOTSyntheticBaseWrapper", "EffectTokensWrapper"}
+)
+
+
+def _dotted(node: Any) -> str | None:
+    """``a.b.c`` for an attribute chain rooted at a name, else None."""
+    import ast
+
+    parts = []
+    while isinstance(node, ast.Attribute):
+        parts.append(node.attr)
+        node = node.value
+    if not isinstance(node, ast.Name):
+        return None
+    parts.append(node.id)
+    return ".".join(reversed(parts))
+
+
+def _executed_nodes(tree: Any) -> Iterator[Any]:
+    """Every AST node of a wrapper module that loading or calling it can run: all but
+    inductor's benchmark helpers and the ``if __name__ == "__main__"`` block."""
+    import ast
+
+    for statement in tree.body:
+        if isinstance(statement, ast.FunctionDef) and statement.name in runtime_adapter._UNCALLED:
+            continue
+        if (
+            isinstance(statement, ast.If)
+            and isinstance(statement.test, ast.Compare)
+            and _dotted(statement.test.left) == "__name__"
+        ):
+            continue
+        yield from ast.walk(statement)
+
+
+def lean_source_blockers(source: str) -> tuple[list[str], list[str]]:
+    """Why a generated wrapper module cannot run on the lean path's stand-ins (empty if it
+    can), and the ``extern_kernels`` names it uses."""
+    import ast
+
+    blockers: list[str] = []
+    externs: set[str] = set()
+    tree = ast.parse(source)
+    defined = set()
+    for node in _executed_nodes(tree):
+        if isinstance(node, ast.ImportFrom):
+            module = node.module or ""
+            if node.level:
+                blockers.append(f"a relative import of {module}")
+            elif module.startswith(runtime_adapter._COMPILER_PACKAGES):
+                allowed = runtime_adapter.LEAN_IMPORTS.get(module, frozenset())
+                names = {alias.name for alias in node.names}
+                if not names <= allowed:
+                    blockers.append(f"imports {sorted(names - allowed)} from {module}")
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.startswith(runtime_adapter._COMPILER_PACKAGES):
+                    blockers.append(f"imports {alias.name}")
+        elif isinstance(node, ast.Attribute):
+            path = _dotted(node) or ""
+            if path.startswith(runtime_adapter._COMPILER_PACKAGES):
+                blockers.append(f"uses {path}")
+            elif path.startswith("torch.ops.") and path.count(".") >= 2:
+                namespace = path.split(".")[2]
+                if namespace not in _BUILTIN_OP_NAMESPACES:
+                    blockers.append(f"calls custom operators (torch.ops.{namespace})")
+            elif isinstance(node.value, ast.Name) and node.value.id == "extern_kernels":
+                externs.add(node.attr)
+            elif (
+                isinstance(node.value, ast.Name)
+                and node.value.id == "async_compile"
+                and node.attr not in ("cpp_pybinding", "wait")
+            ):
+                blockers.append(f"compiles kernels with async_compile.{node.attr}")
+        elif isinstance(node, ast.Name) and node.id in ("extern_kernels", "async_compile"):
+            defined.add(node.id)
+    for statement in tree.body:
+        if isinstance(statement, ast.Assign):
+            for target in statement.targets:
+                if isinstance(target, ast.Name):
+                    defined.add(target.id)
+    if "call" not in defined:
+        blockers.append("defines no module-level call")
+    return list(dict.fromkeys(blockers)), sorted(externs)
+
+
+def _extern_path(name: str) -> str | None:
+    """Where ``extern_kernels.<name>`` of this process lives under torch, outside its
+    compiler (``torch.addmm``, ``torch.ops.aten.mm.out``), or None."""
+    from torch._inductor.select_algorithm import extern_kernels
+
+    value = getattr(extern_kernels, name, None)
+    if value is None:
+        return None
+    candidates = [f"torch.{name}"]
+    if isinstance(value, torch._ops.OpOverloadPacket):
+        namespace, _, op = value._qualified_op_name.partition("::")
+        candidates.append(f"torch.ops.{namespace}.{op}")
+    elif isinstance(value, torch._ops.OpOverload):
+        namespace, _, op = value._overloadpacket._qualified_op_name.partition("::")
+        candidates.append(f"torch.ops.{namespace}.{op}.{value._overloadname}")
+    for path in candidates:
+        parts = path.split(".")
+        if parts[1] == "ops" and parts[2] not in _BUILTIN_OP_NAMESPACES:
+            continue
+        try:
+            if runtime_adapter.resolve_torch_path(path) is value:
+                return path
+        except (AttributeError, ValueError, RuntimeError):
+            continue
+    return None
+
+
+def _lean_support_matches() -> list[str]:
+    """Where this torch's inductor differs from what the lean path's stand-ins repeat."""
+    from torch._inductor import utils as inductor_utils
+    from torch._inductor.codegen import memory_planning
+
+    problems = []
+    if getattr(inductor_utils, "ALIGN_BYTES", None) != runtime_adapter.LEAN_ALIGN_BYTES:
+        problems.append("inductor's ALIGN_BYTES is not 64")
+    if getattr(memory_planning, "_align", None) is not getattr(inductor_utils, "_align", 0):
+        problems.append("inductor's _align is not its utils._align")
+    if not runtime_adapter.cpp_loader_matches_inductor():
+        problems.append("inductor's cpp_pybinding loader changed")
+    return problems
+
+
+@dataclass(frozen=True)
+class LeanPlan:
+    """A variant's lean call (None where its wrapping is not provably trivial: then
+    ``reasons`` say why) and the source it runs."""
+
+    lean: LeanCall | None
+    source: str
+    reasons: tuple[str, ...]
+
+
+def lean_plan(payload: bytes, source_digest: Callable[[str], str]) -> LeanPlan:
+    """Decide whether a variant runs on the lean path: what AOTAutograd and inductor wrap
+    around its generated ``call`` at load must be nothing, or only what ``LeanCall``
+    replays (grad mode off during the call, outputs as a list of the expected length,
+    version bumps of inputs the graph writes in place, Dynamo's dynamic-dim marks on
+    outputs, autocast off where it was on at load). Read against torch 2.10 to 2.13's
+    ``runtime_wrappers``, ``aot_autograd_result`` and ``output_code``: any wrapper or
+    field not known to be a no-op here keeps the variant on upstream's path."""
+    entry, _, _ = runtime_adapter.unpickle_bundle(payload)
+    graph = runtime_adapter.forward_graph(entry)
+    source = str(graph.source_code)
+    reasons: list[str] = []
+
+    def require(condition: Any, reason: str) -> None:
+        if not condition:
+            reasons.append(reason)
+
+    metadata = entry.runtime_metadata
+    require(type(entry).__name__ == "BundledAOTAutogradResult", "not a bundled AOTAutograd entry")
+    require(getattr(entry, "compiled_bw", None) is None, "it has a backward graph")
+    require(getattr(entry, "maybe_subclass_meta", None) is None, "it has tensor subclasses")
+    require(not getattr(metadata, "act_input_indices", None), "it has activation inputs")
+    require(not metadata.is_rng_op_functionalized, "it functionalizes RNG state")
+    require(not getattr(metadata, "num_outputs_rng_offset", 0), "it returns an RNG offset")
+    require(len(metadata.tokens) == 0, "it threads effect tokens")
+    require(not metadata.mutated_inp_runtime_indices, "it writes inputs outside the graph")
+    require(metadata.num_outputs_aliased == 0, "an output aliases an input or intermediate")
+    require(metadata.num_intermediate_bases == 0, "it returns intermediate bases")
+    require(metadata.grad_enabled_mutation is None, "it changes grad mode")
+    require(
+        getattr(metadata, "mutated_inp_stream_indices", None) in (None, [])
+        or all(i is None for i in metadata.mutated_inp_stream_indices),
+        "it writes inputs on user streams",
+    )
+    for wrapper in getattr(entry, "dispatch_wrappers", None) or []:
+        name = type(wrapper).__name__
+        require(
+            name in _TRIVIAL_DISPATCH_WRAPPERS
+            and not getattr(wrapper, "needs_post_compile", False),
+            f"its {name} wraps calls",
+        )
+    require(type(graph).__name__ == "CompiledFxGraph", "its output is not a CompiledFxGraph")
+    require(set(getattr(graph, "device_types", ())) <= {"cpu"}, "it runs on a GPU")
+    require(not getattr(graph, "constants", None), "it carries constants")
+    require(not getattr(graph, "torchbind_constants", None), "it carries torchbind constants")
+    require(not getattr(graph, "_wrap_compiled_regions", False), "its regions are wrapped")
+    bundle = getattr(graph, "_triton_bundle", None)
+    require(
+        bundle is None
+        or not (getattr(bundle, "kernel_artifacts", 1) or getattr(bundle, "static_autotuners", 1)),
+        "it bundles Triton kernels",
+    )
+    check = list(getattr(graph, "inputs_to_check", ()) or ())
+    if getattr(graph, "_defers_input_alignment", False):
+        mutated = set(getattr(graph, "mutated_input_idxs", ()) or ())
+        check = [i for i in check if i in mutated]
+    require(not check, "inductor realigns its inputs")
+    blockers, names = lean_source_blockers(source)
+    reasons.extend(f"its code {b}" for b in blockers)
+    externs = {}
+    for name in names:
+        path = _extern_path(name)
+        require(path is not None, f"extern kernel {name} is not a torch operator")
+        if path is not None:
+            externs[name] = path
+    reasons.extend(_lean_support_matches())
+    if reasons:
+        return LeanPlan(None, source, tuple(dict.fromkeys(reasons)))
+    bumps: tuple[int, ...] = ()
+    if entry.sanitized_aot_config.keep_inference_input_mutations:
+        bumps = tuple(int(i) for i in metadata.mutated_graph_handled_indices_seen_by_autograd)
+    dims: tuple[tuple[int, tuple[int, ...]], ...] = ()
+    if metadata.dynamic_outputs:
+        dims = tuple(
+            (index, tuple(sorted(int(d) for d in info.dynamic_dims)))
+            for index, info in enumerate(metadata.output_info)
+            if info.dynamic_dims is not None
+        )
+    attribute = _dynamic_dims_attribute() if dims else None
+    if dims and attribute is None:
+        return LeanPlan(None, source, ("this torch marks outputs' dynamic dims unrecognizably",))
+    lean = LeanCall(
+        source=source_digest(source),
+        externs=externs,
+        outputs=int(metadata.num_outputs),
+        bump_versions=bumps,
+        dynamic_dims=dims,
+        dynamic_attribute=attribute,
+    )
+    return LeanPlan(lean, source, ())
+
+
+def _global_names(function: Any) -> set[str]:
+    """The global names a function's code, nested functions included, refers to."""
+    names: set[str] = set()
+    stack = [getattr(function, "__code__", None)]
+    while stack:
+        code = stack.pop()
+        if code is None:
+            continue
+        names.update(code.co_names)
+        stack.extend(c for c in code.co_consts if hasattr(c, "co_names"))
+    return names
+
+
+@functools.cache
+def _dynamic_dims_attribute() -> str | None:
+    """The tensor attribute AOTAutograd's inference wrapper records outputs' dynamic dims
+    in (``_dynamo_propagated_dynamic_indices`` in torch 2.13, ``_dynamo_weak_dynamic_indices``
+    in 2.11): found by running the helper this torch's wrapper calls on a probe tensor."""
+    import torch._dynamo  # runtime_wrappers imported first is a circular import
+    from torch._functorch._aot_autograd import runtime_wrappers
+
+    names = _global_names(runtime_wrappers._create_runtime_wrapper)
+    names |= _global_names(getattr(runtime_wrappers, "_codegen_epilogue", None))
+    helpers = [
+        name
+        for name in ("mark_dynamo_propagated_dynamic_indices", "maybe_mark_dynamic_helper")
+        if name in names and callable(getattr(runtime_wrappers, name, None))
+    ]
+    if len(helpers) != 1:
+        return None
+    probe = torch.empty(0)
+    getattr(runtime_wrappers, helpers[0])(probe, {0})
+    found = [name for name, value in vars(probe).items() if value == {0}]
+    return found[0] if len(found) == 1 and found[0].startswith("_dynamo_") else None

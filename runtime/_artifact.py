@@ -35,13 +35,10 @@ from ._dispatch import Dispatcher, Explanation
 from ._environment import check_compatible, current_environment
 from ._errors import ArtifactNotFoundError, CorruptArtifactError, InvalidOptionError
 from ._execution import DirectExecutor, Executor
+from ._lean import lean_enabled, load_lean
 from ._manifest import Calibration, Manifest, Symbol, Variant
 from ._payloads import MemoryPayloads, PayloadStore
 from ._unpacked_format import read_unpacked, write_unpacked
-
-# The torch compiler modules that loading and running a variant import: paid here, once,
-# so that load() and the first call have the short latency a server's first request needs.
-adapter.import_runtime_modules()
 
 log = logging.getLogger("precompile.runtime")
 
@@ -165,6 +162,11 @@ class CompiledArtifact:
         memo_size: int = DEFAULT_MEMO_SIZE,
         cudagraphs: CudaGraphsOption = None,
     ) -> None:
+        if not lean_enabled() or any(variant.lean is None for variant in manifest.variants):
+            # The torch compiler modules that loading and running such a variant import
+            # (1-2 s): paid here, once, so that its first call has the short latency a
+            # server's first request needs. Lean variants import none of them.
+            adapter.import_runtime_modules()
         self._manifest = manifest
         self._payloads = payloads
         self._contract = InputContract(manifest)
@@ -277,15 +279,31 @@ class CompiledArtifact:
         with self._lock:
             function = self._callables.get(variant.payload)
             if function is None:
-                payload = self._payloads.read(variant.payload)
                 native_kernels.register(variant.kernels, self._payloads.read)
-                function = adapter.load_variant(
-                    payload,
-                    forward_source=self._payloads.edited_source(variant.payload),
-                    rewrite=native_kernels.redirect_cpp_kernels,
-                )
+                function = self._lean_callable(variant)
+                if function is None:
+                    payload = self._payloads.read(variant.payload)
+                    function = adapter.load_variant(
+                        payload,
+                        forward_source=self._payloads.edited_source(variant.payload),
+                        rewrite=native_kernels.redirect_cpp_kernels,
+                    )
                 self._callables[variant.payload] = function
             return function
+
+    def _lean_callable(self, variant: Variant) -> Callable[..., Any] | None:
+        """The variant run directly (see ``_lean``), or None where it has no lean call or
+        its code imports a compiler module after all (then upstream's path runs it)."""
+        lean = variant.lean
+        if lean is None or not lean_enabled():
+            return None
+        source = self._payloads.read(lean.source).decode("utf-8")
+        try:
+            return load_lean(lean, source, f"variant_{variant.payload[:16]}")
+        except adapter.LeanImportRefused as exc:
+            log.warning("variant %d loads through upstream's path: %s", variant.index, exc)
+            adapter.import_runtime_modules()
+            return None
 
     def payload_bytes(self, digest: str) -> bytes:
         """The verified bytes of one payload (what a save or a cache writes)."""

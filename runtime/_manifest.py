@@ -22,8 +22,11 @@ from ._expressions import check_expression, check_symbol_name
 
 FORMAT_NAME = "precompile-artifact"
 # 3: input layouts (strides, mutation, aliasing, grad), output structure, float inputs.
-FORMAT_VERSION = 3
-READABLE_VERSIONS = (3,)
+# 4: a variant may say how to run its generated code directly (``LeanCall``), with its
+#    source as a payload; version 3 artifacts load as before (every variant through
+#    upstream's deserializer).
+FORMAT_VERSION = 4
+READABLE_VERSIONS = (3, 4)
 VariantKind = Literal["hint", "static"]
 Mutation = Literal["none", "data", "metadata"]
 _MAX_INT = 2**63 - 1
@@ -32,6 +35,9 @@ _MAX_TEXT = 4096
 _DTYPE = re.compile(r"^[a-z][a-z0-9_]{0,31}$")
 _DEVICE = re.compile(r"^[a-z][a-z0-9_]{0,15}(:[0-9]{1,4})?$")
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
+_IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")
+_DYNAMO_ATTRIBUTE = re.compile(r"^_dynamo_[a-z_]{1,48}$")
+_TORCH_PATH = re.compile(r"^torch(\.[A-Za-z_][A-Za-z0-9_]{0,127}){1,6}$")
 
 
 @dataclass(frozen=True)
@@ -140,6 +146,33 @@ class NativeKernel:
 
 
 @dataclass(frozen=True)
+class LeanCall:
+    """How to run a variant's generated wrapper module directly: exec its source and call
+    its ``call``, with no AOTAutograd wrapper and no torch compiler module imported.
+
+    The compile side writes one only where it proved AOTAutograd's runtime wrapping of
+    the graph trivial (an inference graph on CPU with no input mutation outside the
+    graph, no output aliasing an input or intermediate, no subclass, RNG state or effect
+    token, no constants) and every torch compiler name the source uses is one the runtime
+    provides; what wrapping remains is recorded here and replayed exactly.
+    """
+
+    source: str  # sha256 of the wrapper module's source text (UTF-8), a payload
+    externs: Mapping[str, str]  # ``extern_kernels.<name>`` -> the torch callable's path
+    outputs: int  # how many values ``call`` returns (checked on every call, as upstream)
+    # inputs the graph writes in place: their autograd version counters are bumped
+    # before each call (what AOTAutograd does for mutations kept in the graph)
+    bump_versions: tuple[int, ...] = ()
+    # per output, the dims marked as dynamic for a Dynamo graph consuming it, and the
+    # tensor attribute this torch marks them in (it differs between torch versions)
+    dynamic_dims: tuple[tuple[int, tuple[int, ...]], ...] = ()
+    dynamic_attribute: str | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "externs", MappingProxyType(dict(self.externs)))
+
+
+@dataclass(frozen=True)
 class Variant:
     """One compiled graph: a hint point (dynamic) or exact sizes (static), and its guards."""
 
@@ -150,6 +183,7 @@ class Variant:
     payload: str
     code: str
     kernels: tuple[NativeKernel, ...] = ()
+    lean: LeanCall | None = None  # None: runs through upstream's deserialized wrappers
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "point", MappingProxyType(dict(self.point)))
@@ -228,10 +262,17 @@ class Manifest:
         return tuple(dict.fromkeys(k.binary for v in self.variants for k in v.kernels))
 
     @property
+    def source_digests(self) -> tuple[str, ...]:
+        """Each lean variant's wrapper source once, in first-use order."""
+        return tuple(dict.fromkeys(v.lean.source for v in self.variants if v.lean is not None))
+
+    @property
     def payload_digests(self) -> tuple[str, ...]:
-        """Every payload an artifact stores: graphs, then kernel binaries. The one list of
-        what an artifact (and so a cache entry) references."""
-        return tuple(dict.fromkeys((*self.graph_digests, *self.kernel_digests)))
+        """Every payload an artifact stores: graphs, kernel binaries, then lean sources. The
+        one list of what an artifact (and so a cache entry) references."""
+        return tuple(
+            dict.fromkeys((*self.graph_digests, *self.kernel_digests, *self.source_digests))
+        )
 
     def digest(self) -> str:
         """sha256 of the manifest's canonical JSON: names this artifact's contents."""
@@ -271,6 +312,7 @@ class Manifest:
                         }
                         for k in v.kernels
                     ],
+                    "lean": _lean_to_json(v.lean),
                 }
                 for v in self.variants
             ],
@@ -298,6 +340,19 @@ class Manifest:
     def from_json(data: Any) -> Manifest:
         """Validate a decoded manifest document; any defect is a CorruptArtifactError."""
         return _Reader().manifest(data)
+
+
+def _lean_to_json(lean: LeanCall | None) -> dict[str, Any] | None:
+    if lean is None:
+        return None
+    return {
+        "source": lean.source,
+        "externs": dict(lean.externs),
+        "outputs": lean.outputs,
+        "bump_versions": list(lean.bump_versions),
+        "dynamic_dims": [[index, list(dims)] for index, dims in lean.dynamic_dims],
+        "dynamic_attribute": lean.dynamic_attribute,
+    }
 
 
 def _input_to_json(spec: InputSpec) -> dict[str, Any]:
@@ -395,7 +450,7 @@ class _Reader:
         for symbol in symbols:
             for source in symbol.sources:
                 self.check_source(source, symbol.name, inputs)
-        variants = self.variants(data.get("variants"), names)
+        variants = self.variants(data.get("variants"), names, len(inputs))
         output = data.get("output")
         return Manifest(
             environment=environment,
@@ -560,7 +615,7 @@ class _Reader:
             grad_unused=self.boolean(entry.get("grad_unused", False), f"{where}.grad_unused"),
         )
 
-    def variants(self, value: Any, names: Sequence[str]) -> tuple[Variant, ...]:
+    def variants(self, value: Any, names: Sequence[str], input_count: int) -> tuple[Variant, ...]:
         variants: list[Variant] = []
         for n, entry in enumerate(self.expect(value, list, "variants")):
             where = f"variants[{n}]"
@@ -588,11 +643,71 @@ class _Reader:
                     payload=self.digest(entry.get("payload"), f"{where}.payload"),
                     code=self.digest(entry.get("code"), f"{where}.code"),
                     kernels=self.kernels(entry.get("kernels"), f"{where}.kernels"),
+                    lean=self.lean(entry.get("lean"), f"{where}.lean", input_count),
                 )
             )
         if not variants:
             raise CorruptArtifactError("manifest lists no variants")
         return tuple(variants)
+
+    def lean(self, value: Any, where: str, input_count: int) -> LeanCall | None:
+        if value is None:
+            return None
+        raw = self.expect(value, dict, where)
+        keys = {"source", "externs", "outputs", "bump_versions", "dynamic_dims"}
+        if set(raw) != keys | {"dynamic_attribute"}:
+            raise CorruptArtifactError(f"manifest field {where} has unexpected keys")
+        externs: dict[str, str] = {}
+        table = self.expect(raw["externs"], dict, f"{where}.externs")
+        if len(table) > 1024:
+            raise CorruptArtifactError(f"manifest field {where}.externs has {len(table)} items")
+        for name, path in table.items():
+            path = self.text(path, f"{where}.externs", limit=256)
+            compiler = {"_inductor", "_dynamo"} & set(path.split("."))
+            if not _IDENTIFIER.match(name) or not _TORCH_PATH.match(path) or compiler:
+                raise CorruptArtifactError(
+                    f"manifest field {where}.externs maps {name!r:.40} to {path!r:.80}, not "
+                    "an identifier to a dotted path under torch outside its compiler"
+                )
+            externs[name] = path
+        outputs = self.integer(raw["outputs"], f"{where}.outputs", high=_MAX_ITEMS)
+        high = max(0, input_count - 1)
+        bumps = tuple(
+            self.integer(i, f"{where}.bump_versions", high=high)
+            for i in self.expect(raw["bump_versions"], list, f"{where}.bump_versions")
+        )
+        if bumps and not input_count:
+            raise CorruptArtifactError(f"manifest field {where}.bump_versions names no input")
+        dims: list[tuple[int, tuple[int, ...]]] = []
+        for n, pair in enumerate(self.expect(raw["dynamic_dims"], list, f"{where}.dynamic_dims")):
+            at = f"{where}.dynamic_dims[{n}]"
+            if not (isinstance(pair, list) and len(pair) == 2):
+                raise CorruptArtifactError(f"manifest field {at} should be [output, [dims]]")
+            index = self.integer(pair[0], at, high=max(0, outputs - 1))
+            if not outputs:
+                raise CorruptArtifactError(f"manifest field {at} names no output")
+            listed = self.expect(pair[1], list, at)
+            if len(listed) > 64:
+                raise CorruptArtifactError(f"manifest field {at} has {len(listed)} dims")
+            dims.append((index, tuple(self.integer(d, at, high=63) for d in listed)))
+        attribute = raw["dynamic_attribute"]
+        if attribute is not None:
+            attribute = self.text(attribute, f"{where}.dynamic_attribute", limit=64)
+        if (attribute is None) != (not dims) or (
+            attribute is not None and not _DYNAMO_ATTRIBUTE.match(attribute)
+        ):
+            raise CorruptArtifactError(
+                f"manifest field {where}.dynamic_attribute should name a _dynamo_ tensor "
+                "attribute exactly when dynamic_dims lists outputs"
+            )
+        return LeanCall(
+            source=self.digest(raw["source"], f"{where}.source"),
+            externs=externs,
+            outputs=outputs,
+            bump_versions=bumps,
+            dynamic_dims=tuple(dims),
+            dynamic_attribute=attribute,
+        )
 
     def kernels(self, value: Any, where: str) -> tuple[NativeKernel, ...]:
         kernels = []

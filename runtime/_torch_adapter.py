@@ -20,9 +20,10 @@ import os
 import pickle
 import sys
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from contextvars import ContextVar
+from types import MappingProxyType
 from typing import Any
 
 from ._build_dir import build_dir
@@ -285,13 +286,198 @@ def _wrap_bundled_entry(entry: Any) -> Callable[..., Any]:
     return forward
 
 
+# What inductor's cpp_pybinding modules read at import (the C function that gives a
+# tensor's data pointer, defined in torch's guards code) and their entry function's name:
+# CppPythonBindingsCodeCache's ``_load_library_inner`` and ``entry_function``, repeated
+# here so that loading a bundled kernel does not import inductor's codecache (and Dynamo).
+_DATA_PTR_VARIABLE = "_TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR"
+_CPP_ENTRY = "kernel"
+
+
 def import_cpp_kernel(path: str, key: str) -> Callable[..., Any]:
     """Import a built cpp_pybinding ``.so`` the way inductor does, and return its entry."""
+    import importlib.util
+
+    import torch
+
+    os.environ[_DATA_PTR_VARIABLE] = str(
+        torch._C._dynamo.guards._torchinductor_pyobject_tensor_data_ptr  # type: ignore[attr-defined]
+    )
+    name = f"{key}.{_CPP_ENTRY}"
+    module = sys.modules.get(name)
+    if module is None:
+        spec = importlib.util.spec_from_file_location(name, path)
+        if spec is None or spec.loader is None:
+            raise ImportError(f"cannot import a kernel from {path}")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        sys.modules[name] = module
+    function: Callable[..., Any] = getattr(module, _CPP_ENTRY)
+    return function
+
+
+def cpp_loader_matches_inductor() -> bool:
+    """Whether inductor's cpp_pybinding loader is still what ``import_cpp_kernel``
+    repeats (its entry function's name and the variable its modules read)."""
+    import inspect
+
     from torch._inductor.codecache import CppPythonBindingsCodeCache as Bindings
 
-    module = Bindings._load_library(path, key)
-    function: Callable[..., Any] = getattr(module, Bindings.entry_function)
-    return function
+    try:
+        text = inspect.getsource(Bindings._load_library_inner)
+    except (OSError, TypeError):
+        return False
+    return Bindings.entry_function == _CPP_ENTRY and _DATA_PTR_VARIABLE in text
+
+
+# -- the lean path: a variant's generated module run with no torch compiler import ------
+# What inductor's CPU wrapper modules import from torch's compiler packages, all that a
+# lean variant's source may import from them (the compile side checks, see
+# ``lean_blockers``); at load each is served by a stand-in below instead, so that
+# executing the module imports neither inductor nor Dynamo.
+LEAN_IMPORTS: Mapping[str, frozenset[str]] = MappingProxyType(
+    {
+        "torch._inductor.hooks": frozenset({"run_intermediate_hooks"}),
+        "torch._inductor.utils": frozenset({"maybe_profile"}),
+        "torch._inductor.codegen.memory_planning": frozenset({"_align"}),
+        "torch._inductor.async_compile": frozenset({"AsyncCompile"}),
+        "torch._inductor.select_algorithm": frozenset({"extern_kernels"}),
+    }
+)
+_COMPILER_PACKAGES = ("torch._inductor", "torch._dynamo", "torch._functorch")
+# Functions the wrapper defines but never runs when loaded: inductor's benchmark helpers.
+_UNCALLED = frozenset({"get_args", "benchmark_compiled_module"})
+LEAN_ALIGN_BYTES = 64
+
+
+def _lean_align(nbytes: int) -> int:
+    """inductor's ``_align``: round up to a multiple of its ALIGN_BYTES (64)."""
+    return (nbytes + LEAN_ALIGN_BYTES - 1) & -LEAN_ALIGN_BYTES
+
+
+def _lean_run_intermediate_hooks(name: str, value: Any) -> None:
+    """inductor's debug hooks run only where a caller registered some, which takes
+    importing ``torch._inductor.hooks``: delegate there if it is imported."""
+    hooks = sys.modules.get("torch._inductor.hooks")
+    if hooks is not None:
+        hooks.run_intermediate_hooks(name, value)
+
+
+@contextmanager
+def _lean_maybe_profile(should_profile: bool, *args: Any, **kwargs: Any) -> Iterator[Any]:
+    """inductor's ``maybe_profile``."""
+    if should_profile:
+        import torch.profiler
+
+        with torch.profiler.profile(*args, **kwargs) as profile:
+            yield profile
+    else:
+        yield
+
+
+class _InductorAsyncCompile:
+    """inductor's own AsyncCompile, imported only if a kernel must be built here after all
+    (its bundled binary does not run on this CPU)."""
+
+    def cpp_pybinding(self, argtypes: list[str], source: str) -> Any:
+        from torch._inductor.async_compile import AsyncCompile
+
+        function = AsyncCompile().cpp_pybinding(argtypes, source)
+        return function.result() if hasattr(function, "result") else function
+
+
+class _LeanNamespace:
+    """The attributes a generated module imports from one compiler module."""
+
+    def __init__(self, **attributes: Any) -> None:
+        self.__dict__.update(attributes)
+
+
+def _lean_async_compile(
+    load_cpp: Callable[[Any, list[str], str], Any],
+) -> type:
+    inductor = _InductorAsyncCompile()
+
+    class AsyncCompile:
+        """What a CPU wrapper module uses of inductor's AsyncCompile: ``cpp_pybinding``
+        returning the kernel itself (so ``wait`` has no futures to resolve)."""
+
+        def cpp_pybinding(self, argtypes: list[str], source: str) -> Any:
+            return load_cpp(inductor, argtypes, source)
+
+        def wait(self, scope: dict[str, Any]) -> None:
+            pass
+
+    return AsyncCompile
+
+
+def resolve_torch_path(path: str) -> Any:
+    """The object at a dotted path under ``torch`` (``torch.addmm``, ``torch.ops.aten.mm.out``)."""
+    import torch
+
+    parts = path.split(".")
+    if parts[0] != "torch" or any(part in ("_inductor", "_dynamo") for part in parts):
+        raise ValueError(f"{path!r} is not a path under torch outside its compiler")
+    value: Any = torch
+    for part in parts[1:]:
+        value = getattr(value, part)
+    return value
+
+
+class LeanImportRefused(ImportError):
+    """A lean variant's module imported a torch compiler module after all."""
+
+
+def exec_lean_module(
+    source: str,
+    name: str,
+    externs: Mapping[str, Any],
+    load_cpp: Callable[[Any, list[str], str], Any],
+) -> Any:
+    """Execute a generated wrapper module with its compiler imports served by stand-ins
+    (``extern_kernels`` holding exactly ``externs``; C++ kernels through ``load_cpp``) and
+    return the module. Any other import from torch's compiler packages raises
+    ``LeanImportRefused``: nothing of inductor or Dynamo is imported."""
+    import builtins
+    import linecache
+    import types
+
+    served = {
+        "torch._inductor.hooks": _LeanNamespace(
+            run_intermediate_hooks=_lean_run_intermediate_hooks
+        ),
+        "torch._inductor.utils": _LeanNamespace(maybe_profile=_lean_maybe_profile),
+        "torch._inductor.codegen.memory_planning": _LeanNamespace(_align=_lean_align),
+        "torch._inductor.async_compile": _LeanNamespace(AsyncCompile=_lean_async_compile(load_cpp)),
+        "torch._inductor.select_algorithm": _LeanNamespace(
+            extern_kernels=_LeanNamespace(**externs)
+        ),
+    }
+    real_import = builtins.__import__
+
+    def lean_import(
+        module: str,
+        globals: Any = None,
+        locals: Any = None,
+        fromlist: Sequence[str] = (),
+        level: int = 0,
+    ) -> Any:
+        if level == 0 and module in served:
+            stand_in = served[module]
+            missing = [n for n in fromlist or () if not hasattr(stand_in, n)]
+            if not fromlist or missing:
+                raise LeanImportRefused(f"{name} imports {missing or module} from {module}")
+            return stand_in
+        if level == 0 and module.startswith(_COMPILER_PACKAGES):
+            raise LeanImportRefused(f"{name} imports {module}")
+        return real_import(module, globals, locals, fromlist, level)
+
+    filename = f"<precompile lean {name}>"
+    linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
+    module_type = types.ModuleType(name)
+    module_type.__dict__["__builtins__"] = {**builtins.__dict__, "__import__": lean_import}
+    exec(compile(source, filename, "exec"), module_type.__dict__)
+    return module_type
 
 
 def tensor_guard(

@@ -16,6 +16,7 @@ with a WARNING. With trusted keys configured, edits never run (they are not sign
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import json
 import logging
@@ -58,13 +59,18 @@ def write_unpacked(
     staging = tempfile.mkdtemp(prefix=".precompile-", dir=parent)
     try:
         files: dict[str, dict[str, object]] = {}
+        sources = _lean_sources(manifest)
         for digest in manifest.graph_digests:
             raw = payloads.read(digest)
             folder = os.path.join(staging, "variants", digest)
             os.makedirs(folder)
             with open(os.path.join(folder, PAYLOAD), "wb") as handle:
                 handle.write(raw)
-            code = payloads.edited_source(digest) or adapter.variant_source_code(raw)
+            code = payloads.edited_source(digest)
+            if code is None and digest in sources:
+                code = payloads.read(sources[digest]).decode("utf-8")
+            elif code is None:
+                code = adapter.variant_source_code(raw)
             with open(os.path.join(folder, CODE), "w", encoding="utf-8") as handle:
                 handle.write(code)
             files[digest] = {"file": _payload_file(digest), "size": len(raw)}
@@ -86,6 +92,20 @@ def write_unpacked(
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
+
+
+def _lean_sources(manifest: Manifest) -> dict[str, str]:
+    """Graph payload digest -> the digest of its lean source (the same text as its
+    ``output_code.py``, which is where this format keeps it)."""
+    return {v.payload: v.lean.source for v in manifest.variants if v.lean is not None}
+
+
+def _without_lean(manifest: Manifest, graphs: set[str]) -> Manifest:
+    """``manifest`` with the variants of ``graphs`` on upstream's path."""
+    variants = tuple(
+        dataclasses.replace(v, lean=None) if v.payload in graphs else v for v in manifest.variants
+    )
+    return dataclasses.replace(manifest, variants=variants)
 
 
 def _write_signature(directory: str, signature: Signature) -> None:
@@ -215,7 +235,7 @@ def read_unpacked(
         document = decode_json(raw_manifest, f"{where} {MANIFEST}")
         manifest = Manifest.from_json(document)
         sizes = _payload_sizes(document, manifest, where)
-        relative = {d: _payload_file(d) for d in manifest.graph_digests}
+        relative: dict[str, str] = {d: _payload_file(d) for d in manifest.graph_digests}
         relative.update({d: _kernel_file(d) for d in manifest.kernel_digests})
         contents = {d: _read_relative(root, name, sizes[d], where) for d, name in relative.items()}
         codes = {}
@@ -236,10 +256,21 @@ def read_unpacked(
     for digest, data in contents.items():
         if len(data) != sizes[digest]:
             raise CorruptArtifactError(f"{where} file of payload {digest[:12]} has the wrong size")
+    # A lean variant's source is its output_code.py: where that file is missing or
+    # edited, the variant loads through upstream's path, which handles edits as before.
+    lean_sources = _lean_sources(manifest)
+    unchanged = set()
+    for graph, source in lean_sources.items():
+        code = codes.get(graph)
+        if code is not None and sha256_hex(code.encode()) == source:
+            contents[source] = code.encode()
+            unchanged.add(graph)
+    if unchanged != set(lean_sources):
+        manifest = _without_lean(manifest, set(lean_sources) - unchanged)
 
     def edited(digest: str) -> str | None:
         code = codes.get(digest)
-        if code is None:
+        if code is None or digest in unchanged:
             return None
         original = adapter.variant_source_code(store.read(digest))
         if code == original:
@@ -280,7 +311,7 @@ def _payload_sizes(document: Any, manifest: Manifest, where: str) -> dict[str, i
         raise CorruptArtifactError(f"{where} manifest lacks its payload_files table")
     limit = max_payload_bytes()
     sizes = {}
-    for digest in manifest.payload_digests:
+    for digest in (*manifest.graph_digests, *manifest.kernel_digests):
         entry = files.get(digest)
         size = entry.get("size") if isinstance(entry, dict) else None
         if type(size) is not int or not 0 <= size <= limit:

@@ -171,18 +171,20 @@ def _bomb(raw_size: int, declared: int | None) -> bytes:
 
 
 def _with_payload(source: str, target: str, stored: bytes, raw_size: int) -> None:
-    """Replace the first payload's bytes by ``stored`` claiming ``raw_size``, every
+    """Replace the bytes of the first payload a load reads (the first variant's lean
+    source, or its graph where it has none) by ``stored`` claiming ``raw_size``, every
     digest in the index recomputed to match the new bytes."""
     header, index, payloads = _read(source)
     table = index["payloads"]
-    first = min(table, key=lambda d: table[d]["offset"])
+    variant = index["manifest"]["variants"][0]
+    first = variant["lean"]["source"] if variant.get("lean") else variant["payload"]
     old = table[first]
-    rest = payloads[old["size"] :]
+    start, end = old["offset"], old["offset"] + old["size"]
     for entry in table.values():
-        if entry is not old:
+        if entry["offset"] > start:
             entry["offset"] += len(stored) - old["size"]
     old.update(size=len(stored), raw_size=raw_size, stored_sha256=sha256_hex(stored))
-    _write(target, header, json.dumps(index).encode(), stored + rest)
+    _write(target, header, json.dumps(index).encode(), payloads[:start] + stored + payloads[end:])
 
 
 BOUNDED_LOAD = """

@@ -1,0 +1,118 @@
+"""The lean path: a variant's generated code run directly, importing no torch compiler.
+
+Upstream loads a variant by unpickling AOTAutograd's bundled entry, whose classes import
+Dynamo, and by importing the generated wrapper module, whose header imports inductor's
+``select_algorithm``, ``codecache`` and friends: about a second and a half of imports on
+a 2-core CPU before the first call. Where the compile side proved the variant's wrapping
+trivial, the manifest carries a ``LeanCall``: the wrapper module's source is executed
+with its compiler imports served by stand-ins (``_torch_adapter.exec_lean_module``; C++
+kernels come from the artifact's built binaries), and its ``call`` is wrapped with
+exactly what AOTAutograd's inference wrapper would still do for this graph:
+
+- grad mode off during the call (as upstream runs inference graphs), restored after;
+- autocast off during the call if it was on when the variant was loaded (upstream
+  decides that once, at load);
+- the version counters of inputs the graph writes in place bumped before the call;
+- the outputs as a list, of the length the graph returns (checked);
+- outputs' dynamic dims marked for a Dynamo graph that consumes them.
+
+Anything else (a backward graph, input mutations replayed outside the graph, outputs
+aliasing inputs, subclasses, RNG state, GPU kernels) has no ``LeanCall`` and loads
+through upstream as before.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from . import _native_kernels as native_kernels
+from . import _torch_adapter as adapter
+from ._errors import CorruptArtifactError
+from ._manifest import LeanCall
+
+
+def lean_enabled() -> bool:
+    """False where ``PRECOMPILE_LEAN=0``: every variant then loads through upstream (a
+    switch to rule the lean path out when chasing a problem)."""
+    return os.environ.get("PRECOMPILE_LEAN", "1") != "0"
+
+
+def _externs(lean: LeanCall) -> dict[str, Any]:
+    table = {}
+    for name, path in lean.externs.items():
+        try:
+            table[name] = adapter.resolve_torch_path(path)
+        except (AttributeError, ValueError, RuntimeError) as exc:
+            raise CorruptArtifactError(
+                f"the artifact's extern kernel {name} names {path}, which this torch lacks ({exc})"
+            ) from None
+    return table
+
+
+def load_lean(lean: LeanCall, source: str, name: str) -> Callable[..., Any]:
+    """The callable running a lean variant: takes the graph's flat inputs, returns the
+    list of its outputs (as upstream's loaded variants do). Raises
+    ``adapter.LeanImportRefused`` where the module imports a compiler module after all."""
+    module = adapter.exec_lean_module(
+        source, name, _externs(lean), native_kernels.load_cpp_pybinding
+    )
+    call = getattr(module, "call", None)
+    if not callable(call):
+        raise CorruptArtifactError(f"the lean source of {name} defines no call")
+    return _runner(call, lean, disable_autocast=torch._C._is_any_autocast_enabled())
+
+
+def _runner(
+    call: Callable[[list[Any]], Any], lean: LeanCall, *, disable_autocast: bool
+) -> Callable[..., Any]:
+    expected = lean.outputs
+    bumps = lean.bump_versions
+    marks = tuple((index, frozenset(dims)) for index, dims in lean.dynamic_dims)
+    attribute = lean.dynamic_attribute or ""
+    is_grad_enabled = torch.is_grad_enabled
+    set_grad_enabled = torch._C._set_grad_enabled
+    increment_version = torch.autograd.graph.increment_version
+    no_autocast = torch._C._DisableAutocast
+
+    def run(*args: Any) -> list[Any]:
+        if bumps:
+            increment_version(tuple(args[i] for i in bumps))
+        grad = is_grad_enabled()
+        try:
+            if grad:
+                set_grad_enabled(False)
+            if disable_autocast:
+                with no_autocast():
+                    outs = call(list(args))
+            else:
+                outs = call(list(args))
+        finally:
+            if grad:
+                set_grad_enabled(True)
+        if isinstance(outs, tuple):
+            outs = list(outs)
+        elif not isinstance(outs, list):
+            outs = [outs]
+        if len(outs) != expected:
+            raise AssertionError(f"expected {expected} outputs, got {len(outs)}")
+        for index, dims in marks:
+            _mark_dynamic(outs[index], attribute, dims)
+        return outs
+
+    run.lean = True  # type: ignore[attr-defined]
+    return run
+
+
+def _mark_dynamic(tensor: Any, attribute: str, dims: frozenset[int]) -> None:
+    """What AOTAutograd marks on an output whose dims were dynamic in the graph (torch
+    2.13's ``mark_dynamo_propagated_dynamic_indices``, 2.11's ``maybe_mark_dynamic_helper``:
+    the same but for the attribute's name)."""
+    marked = getattr(tensor, attribute, None)
+    if marked is not None:
+        marked |= dims
+    else:
+        setattr(tensor, attribute, set(dims))
