@@ -42,6 +42,13 @@ from ._unpacked_format import read_unpacked, write_unpacked
 
 log = logging.getLogger("precompile.runtime")
 
+if adapter.gpu_build():
+    # GPU variants load through upstream's path, which imports torch's compiler modules
+    # (1-2 s, 10 s on some GPU hosts): paid with this import, while a server builds its
+    # model, rather than in its first request. CPU-only torch imports them only for an
+    # artifact with a variant off the lean path (see CompiledArtifact.__init__).
+    adapter.import_runtime_modules()
+
 
 OutputStructure = Literal["upstream", "graph"]
 _OUTPUT_STRUCTURES = ("upstream", "graph")

@@ -71,15 +71,21 @@ def import_runtime_modules() -> None:
     _prefetch_torch_source_hash()
 
 
+def gpu_build() -> bool:
+    """Whether this torch is built for GPUs (CUDA or ROCm), whose variants never take the
+    lean path."""
+    import torch
+
+    return torch.version.cuda is not None or getattr(torch.version, "hip", None) is not None
+
+
 def _prefetch_torch_source_hash() -> None:
     """Start computing inductor's ``torch_key()`` in the background (GPU builds of torch).
 
     Loading a Triton kernel keys inductor's in-process kernel table with a hash of every
     torch source file, computed once per process: 0.18 s of a first request on an H100
     host. Started at import, it is done while the server builds its model."""
-    import torch
-
-    if torch.version.cuda is None and getattr(torch.version, "hip", None) is None:
+    if not gpu_build():
         return  # CPU kernels are not keyed with it
     torch_key = getattr(importlib.import_module("torch._inductor.codecache"), "torch_key", None)
     if torch_key is None:
