@@ -34,6 +34,7 @@ from ._errors import ArtifactNotFoundError, CorruptArtifactError, InvalidOptionE
 from ._execution import DirectExecutor, Executor
 from ._manifest import Calibration, Manifest, Symbol, Variant
 from ._payloads import PayloadStore
+from ._process_groups import check_groups
 from ._signing import TrustedKeysOption
 from ._unpacked_format import read_unpacked, write_unpacked
 
@@ -166,6 +167,8 @@ class CompiledArtifact:
         self._warm_error: BaseException | None = None
         self._foreground = 0  # first calls in progress (a warm-up waits for them)
         self._foreground_lock = threading.Lock()
+        # the process groups of its collectives, checked before its first run here
+        self._groups_checked = not manifest.process_groups
         _live.add(self)
         self.set_cudagraphs(manifest.cudagraphs if cudagraphs is None else cudagraphs)
 
@@ -238,11 +241,19 @@ class CompiledArtifact:
         call_trusted.artifact = self  # type: ignore[attr-defined]
         return call_trusted
 
+    def _check_process_groups(self) -> None:
+        """Before this process first runs the graph's collectives: the groups they name
+        exist here as they were compiled for (a local check, no collective)."""
+        if not self._groups_checked:
+            check_groups(self._manifest.process_groups, "this artifact")
+            self._groups_checked = True
+
     def _resolve(self, key: tuple[int, ...]) -> Callable[..., Any]:
         with self._lock:
             function = self._memo.get(key)
             if function is not None:
                 return function
+            self._check_process_groups()
             index = self._dispatcher.choose(key)
             variant = self._variant_callable(self._manifest.variants[index])
             function = self._executor.runner(key, index, variant)
@@ -299,6 +310,12 @@ class CompiledArtifact:
         the nearest-hint or exact-size choice only where it beat it by more than
         ``min_gain`` (0.05 = 5%): smaller gaps were within an H200's round-to-round noise.
         """
+        if self._manifest.process_groups:
+            raise InvalidOptionError(
+                "calibrate() times each variant a number of times that differs between "
+                "ranks, and this graph runs collectives, which every rank must run in the "
+                "same order: it would hang; dispatch by the nearest hint instead"
+            )
         points = normalize_sizes(self._manifest, sizes)
         target = device or self._manifest.environment.device_type
         device_name = current_environment(target).device_name
@@ -353,20 +370,7 @@ class CompiledArtifact:
         if runnable is not None:
             self._runnable = runnable
         if not background:
-            for variant in self._manifest.variants:
-                self._give_way_to_calls()
-                if _exiting():
-                    return self
-                self._variant_callable(variant)
-            if self._templates is not None:
-                self._run_each_variant()
-            executor = self._executor
-            if (
-                isinstance(executor, CudaGraphExecutor)
-                and executor.options.capture_sizes
-                and self._templates is not None
-            ):
-                self.capture()
+            self._warm(in_background=False)
             return self
         with self._lock:
             if self._warming is None:
@@ -375,6 +379,31 @@ class CompiledArtifact:
                 )
                 self._warming.start()
         return self
+
+    def _warm(self, *, in_background: bool) -> None:
+        """Load every variant; run each once and capture ``capture_sizes`` where that is
+        safe. A graph with collectives is never run by warm-up: its runs would be
+        collectives that the other ranks do not make at that moment (and a background
+        thread's would interleave with the calling thread's). A foreground warm-up still
+        captures, since every rank captures the same sizes in the same order."""
+        collectives = bool(self._manifest.process_groups)
+        for variant in self._manifest.variants:
+            self._give_way_to_calls()
+            if _exiting():
+                return
+            self._variant_callable(variant)
+        if collectives:
+            log.info("warm-up loaded the variants and ran none: the graph has collectives")
+        elif self._templates is not None:
+            self._run_each_variant()
+        executor = self._executor
+        if (
+            isinstance(executor, CudaGraphExecutor)
+            and executor.options.capture_sizes
+            and self._templates is not None
+            and not (collectives and in_background)
+        ):
+            self.capture()
 
     def _run_each_variant(self) -> None:
         """Run every variant once at its own point, on inputs made from the templates:
@@ -444,6 +473,7 @@ class CompiledArtifact:
         if not wanted or executor.reason is not None:
             return ()
         points = normalize_sizes(self._manifest, wanted, what="capture size")
+        self._check_process_groups()
         with torch.no_grad():
             for point in sorted(points, key=lambda p: (-sum(p), p)):
                 if _exiting():
@@ -476,7 +506,7 @@ class CompiledArtifact:
 
     def _warm_in_background(self) -> None:
         try:
-            self.warmup()
+            self._warm(in_background=True)
         except BaseException as exc:  # surfaced by wait_warm()
             if _exiting():  # e.g. a thread pool torch shut down at exit; nobody waits
                 log.debug("background warm-up stopped at exit: %s", exc)
