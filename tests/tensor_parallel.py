@@ -7,7 +7,9 @@ keeps the collective in the graph). A shard's shapes do not depend on the world 
 the same model class and shapes can be loaded into a world of another size.
 
 Run as ``python tests/tensor_parallel.py SCENARIO DIRECTORY`` with ``RANK``,
-``WORLD_SIZE``, ``MASTER_ADDR`` and ``MASTER_PORT`` set (gloo); it prints one JSON line.
+``WORLD_SIZE``, ``MASTER_ADDR`` and ``MASTER_PORT`` set; it prints one JSON line. On CPU
+the group is gloo; with ``PRECOMPILE_TP_DEVICE=cuda`` it is NCCL, one GPU per rank, bf16,
+and the cold and warm runs also serve the block from CUDA graphs.
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as fc
 
 WIDTH, HEADS, HEAD_DIM, FFN = 32, 2, 8, 32
+DEVICE = os.environ.get("PRECOMPILE_TP_DEVICE", "cpu")
+DTYPE = torch.bfloat16 if DEVICE == "cuda" else torch.float32
 HINTS = [8]  # one hint variant (sizes >= 2), no exact sizes: one compile
 SEQS = [6, 2, 3, 8, 13]
 
@@ -69,7 +73,11 @@ class RankScaled(torch.nn.Module):
 
 def shard(rank: int) -> TPBlock:
     torch.manual_seed(100 + rank)
-    return TPBlock().eval()
+    return TPBlock().eval().to(device=_device(), dtype=DTYPE)
+
+
+def _device() -> str:
+    return f"cuda:{int(os.environ.get('RANK', 0))}" if DEVICE == "cuda" else "cpu"
 
 
 def eager_reference(x: torch.Tensor, world: int) -> torch.Tensor:
@@ -83,7 +91,7 @@ def eager_reference(x: torch.Tensor, world: int) -> torch.Tensor:
 
 def inputs(seq: int) -> torch.Tensor:
     torch.manual_seed(seq)
-    return torch.randn(2, seq, WIDTH)
+    return torch.randn(2, seq, WIDTH).to(device=_device(), dtype=DTYPE)
 
 
 def _max_error(compiled: Any, world: int) -> float:
@@ -128,7 +136,10 @@ def _error(call: Any) -> str:
 def main() -> None:
     scenario, directory = sys.argv[1], sys.argv[2]
     faulthandler.dump_traceback_later(240, exit=True)  # a hang fails the test, with stacks
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
+    if DEVICE == "cuda":
+        torch.cuda.set_device(int(os.environ["RANK"]))
+    group_backend = "nccl" if DEVICE == "cuda" else "gloo"
+    dist.init_process_group(group_backend, timeout=datetime.timedelta(seconds=120))
     rank, world = dist.get_rank(), dist.get_world_size()
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from test_warm_start import COUNTED
@@ -148,6 +159,13 @@ def main() -> None:
         scaled = precompile.compile_model(RankScaled(), (inputs(4),))
         report["scaled_error"] = _rank_scaled_error(scaled, world)
         report["scaled"] = {"compiles": len(compiles), "frames": len(frames)}
+        if DEVICE == "cuda":  # CUDA graphs per size, captured on every rank at its 2nd call
+            graphed = precompile.compile_model(
+                block, (inputs(6),), **compile_block, cudagraphs=True, warmup=False
+            )
+            for _ in range(3):  # plain, then captured, then replayed
+                report["cudagraphs_error"] = _max_error(graphed, world)
+            report["captured"] = [list(s) for s in graphed.artifact.captured_sizes]
         if scenario == "cold":
             compiled.save(os.path.join(directory, f"model-rank{rank}.pt2c"))
             compiled.artifact.save(path=os.path.join(directory, f"block-rank{rank}.pt2c"))
