@@ -157,7 +157,9 @@ def test_nccl_pair_matches_eager_warm_starts_and_replays_cuda_graphs(tmp_path: A
         pytest.skip("needs 2 GPUs")
     cache, env = str(tmp_path / "cache"), {"PRECOMPILE_TP_DEVICE": "cuda"}
     cold = run_ranks("cold", 2, str(tmp_path), cache, env)
-    assert sorted(r["block"]["compiles"] for r in cold) == [0, 1]
+    # Each rank compiles its own: the inputs' device (cuda:0, cuda:1) is in the key, and
+    # inductor's generated code names its device index.
+    assert [r["block"]["compiles"] for r in cold] == [1, 1]
     warm = run_ranks("warm", 2, str(tmp_path), cache, env)
     for report in cold + warm:
         for key in ("block_error", "cudagraphs_error", "backend_error"):
