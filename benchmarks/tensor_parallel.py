@@ -42,7 +42,8 @@ sys.path.insert(0, os.path.dirname(HERE))
 import torch  # noqa: E402
 
 SIZES = [1, 8, 64, 128, 512]
-ROWS = ["eager", "torch.compile", "reduce-overhead", "ours", "ours+cudagraphs"]
+ALL_ROWS = "eager,torch.compile,reduce-overhead,ours,ours+cudagraphs"
+ROWS = os.environ.get("TP_ROWS", ALL_ROWS).split(",")
 FIRST = 128  # the warm start's first call
 
 
@@ -122,7 +123,12 @@ def worker(phase: str, out: str, smoke: bool) -> None:
     from _common import count_tracing_and_compiles, llama
 
     frames, compiles = count_tracing_and_compiles()
+    import faulthandler
+
     import precompile
+
+    faulthandler.dump_traceback_later(float(os.environ.get("TP_HANG_S", 900)), exit=True)
+    torch.set_grad_enabled(False)  # inference artifacts: CUDA graphs capture only those
 
     distributed = not phase.startswith("single")
     rank = int(os.environ.get("RANK", 0))
@@ -272,6 +278,7 @@ def main() -> None:
     parser.add_argument("--phase")
     parser.add_argument("--out")
     parser.add_argument("--json", default=None)
+    parser.add_argument("--phases", default="cold,warm,single-cold,single-warm")
     args = parser.parse_args()
     if args.phase:
         worker(args.phase, args.out, args.smoke)
@@ -285,17 +292,18 @@ def main() -> None:
     document: dict[str, Any] = {"environment": environment(where), "smoke": args.smoke}
     default = "tensor-parallel-smoke.json" if args.smoke else "tensor-parallel-h200.json"
     name = args.json or default
-    for phase, world in (("cold", 2), ("warm", 2), ("single-cold", 1), ("single-warm", 1)):
+    for phase in args.phases.split(","):
+        world = 1 if phase.startswith("single") else 2
         document[phase] = launch(phase, world, directory, cache, args.smoke)
         print(f"{phase} done at {time.perf_counter() - started:.0f} s", flush=True)
         write_json(name, document)  # what is done so far survives a run cut short
-    ranks = document["cold"]
-    sizes = [s for s in SIZES if str(s) in ranks[0]["ms"]["eager"]]
-    names = list(ranks[0]["ms"])
+    ranks = document.get("cold", [])
+    sizes = [s for s in SIZES if ranks and str(s) in ranks[0]["ms"]["eager"]]
+    names = list(ranks[0]["ms"]) if ranks else []
     print(table(["S", *names], [[s, *(f"{ranks[0]['ms'][n][str(s)]:.3f}" for n in names)]
                                 for s in sizes]))  # fmt: skip
     for phase in ("warm", "single-warm", "single-cold"):
-        for report in document[phase]:
+        for report in document.get(phase, []):
             print(phase, "rank", report["rank"], {k: v for k, v in report.items() if k != "ms"})
     for report in ranks:
         print("cold rank", report["rank"], report["errors"], report["build_s"])

@@ -153,6 +153,7 @@ def main() -> None:
     compile_block = {"dynamic": {0: [1]}, "hints": HINTS, "sizes": []}
     report: dict[str, Any] = {"rank": rank, "world": world}
     if scenario in ("cold", "warm"):
+        torch.set_grad_enabled(False)  # inference artifacts (CUDA graphs capture only those)
         compiled = precompile.compile_model(block, (inputs(6),), **compile_block)
         report["block_error"] = _max_error(compiled, world)
         report["block"] = {"compiles": len(compiles), "frames": len(frames)}
@@ -181,6 +182,7 @@ def main() -> None:
             report["backend_error"] = _max_error(traced, world)
             report["backend"] = {"compiles": len(compiles), "frames": len(frames)}
     elif scenario == "mismatch":  # a world of another size, with shards of the same shapes
+        torch.set_grad_enabled(False)
         from precompile import CompiledArtifact, load_model
 
         report["offline"] = _error(
