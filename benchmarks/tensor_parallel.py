@@ -235,9 +235,10 @@ def worker(phase: str, out: str, smoke: bool) -> None:
     with open(out, "w", encoding="utf-8") as handle:
         json.dump(report, handle)
     if distributed:
-        import torch.distributed as dist
-
-        dist.destroy_process_group()
+        # destroy_process_group hung (3+ minutes, both ranks) in processes whose CUDA
+        # graphs (reduce-overhead's, ours) had captured NCCL collectives; the report is
+        # written, so leave at once
+        os._exit(0)
 
 
 def launch(phase: str, world: int, directory: str, cache: str, smoke: bool) -> list[Any]:
