@@ -236,7 +236,7 @@ def worker(phase: str, out: str, smoke: bool) -> None:
         json.dump(report, handle)
     if distributed:
         # destroy_process_group hung (3+ minutes, both ranks) in processes whose CUDA
-        # graphs (reduce-overhead's, ours) had captured NCCL collectives; the report is
+        # graphs (ours) had captured NCCL collectives; the report is
         # written, so leave at once
         os._exit(0)
 
