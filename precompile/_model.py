@@ -50,6 +50,7 @@ from runtime._manifest import FORMAT_VERSION
 from runtime._model import CompiledModel, ModelPlan, stale_reason
 from runtime._model_identity import canonical_digest as _digest
 from runtime._model_identity import class_path, file_digest, model_identity
+from runtime._process_groups import this_rank
 from runtime._version import __version__
 
 from ._offline import is_offline, refuse
@@ -242,7 +243,14 @@ def model_factors(
             described.append(["value", repr(leaf)])
     device = next((str(t.device.type) for t in leaves if isinstance(t, torch.Tensor)), "cpu")
     environment = current_environment("cuda" if device == "cuda" else "cpu")
+    distributed = this_rank()
+    # Under torch.distributed the key is per rank: computed without tracing, it cannot see
+    # whether the trace will bake the rank in (``dist.get_rank()`` in a forward is traced
+    # as a constant). Ranks whose graphs are identical still share one compiled artifact:
+    # it is cached under its graph's own key, which has no rank (see _trace_and_compile).
+    rank = {} if distributed is None else {"distributed": _digest(list(distributed))}
     return {
+        **rank,
         **model_identity(model),  # model_class, model_sources, model_settings, model_tensors
         "model_mode": "train" if model.training else "eval",
         "call": _digest([str(spec), described]),
@@ -310,7 +318,7 @@ def compile_model(
         refuse(store, key, factors, None if store is None else _unused_because(store, key))
     if store is None:
         compiled = _trace_and_compile(
-            model, args, kwargs, leaves, paths, dims, hints, sizes, options
+            model, args, kwargs, leaves, paths, dims, hints, sizes, options, None
         )
         return _finish(compiled, cudagraphs, warmup)
     try:
@@ -319,7 +327,7 @@ def compile_model(
     except CacheWriteError as exc:  # a read-only cache: no single flight, nothing stored
         log.warning("cache %s cannot take a lock (%s); compiling without storing", store.root, exc)
         compiled = _trace_and_compile(
-            model, args, kwargs, leaves, paths, dims, hints, sizes, options
+            model, args, kwargs, leaves, paths, dims, hints, sizes, options, None
         )
         return _finish(compiled, cudagraphs, warmup)
     try:
@@ -327,7 +335,7 @@ def compile_model(
         if found is not None:
             return _finish(found, cudagraphs, warmup)
         compiled = _trace_and_compile(
-            model, args, kwargs, leaves, paths, dims, hints, sizes, options
+            model, args, kwargs, leaves, paths, dims, hints, sizes, options, store
         )
         compiled.cache_key = key
         try:
@@ -398,6 +406,7 @@ def _trace_and_compile(
     hints: Hints,
     sizes: Sizes,
     options: Mapping[str, Any] | None,
+    store: ArtifactCache | None,
 ) -> CompiledModel:
     # The compile side (Dynamo, inductor, sympy) is imported only on a miss: a hit costs
     # none of it.
@@ -427,7 +436,10 @@ def _trace_and_compile(
             sizes=[by_input(s) if isinstance(s, Mapping) else s for s in sizes]
             if sizes is not None
             else None,
-            cache=False,
+            # Under torch.distributed, the graph is cached under its own key too (no rank
+            # in it): of ranks tracing the same graph, one compiles and the others load
+            # (the cache's lock per key). Otherwise the model's entry is the only one.
+            cache=store if store is not None and this_rank() is not None else False,
         )
 
     caches = {i: leaf for i, leaf in enumerate(leaves) if is_kv_cache(leaf)}
@@ -643,6 +655,7 @@ def _plan(
         caches=caches,
         tokens=_token_source(model, leaves, paths, advanced),
         position_leaf=position,
+        distributed=this_rank(),
     )
 
 

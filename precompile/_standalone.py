@@ -31,12 +31,14 @@ from runtime._manifest import (
     IntInput,
     LeanCall,
     Manifest,
+    ProcessGroupSpec,
     Symbol,
     SymbolSource,
     TensorInput,
     Variant,
 )
 from runtime._payloads import MemoryPayloads
+from runtime._process_groups import describe_groups
 
 from . import _torch_adapter as adapter
 from ._cache_key import cache_factors, cache_key
@@ -169,6 +171,7 @@ def _compile_all(
     symbols: tuple[Symbol, ...],
     requests: Sequence[VariantRequest],
     options: Mapping[str, Any],
+    groups: tuple[ProcessGroupSpec, ...] = (),
 ) -> tuple[CompiledArtifact, list[sympy.Expr]]:
     names = [s.name for s in symbols]
     payloads: dict[str, bytes] = {}
@@ -257,6 +260,7 @@ def _compile_all(
         training=training,
         output=graph.output_spec,
         output_shapes=_output_shapes(graph),
+        process_groups=groups,
     )
     artifact = CompiledArtifact(manifest, MemoryPayloads(payloads))
     return artifact, _common_guards(graph, requests, all_guards)
@@ -395,16 +399,28 @@ def standalone_compile(
     if calibration is not None and not symbols:
         log.debug("graph has no dynamic dims: calibrate ignored (one variant, nothing to choose)")
         calibration = None
+    groups = describe_groups(adapter.collective_groups(gm))
+    if groups and calibration is not None:
+        raise InvalidOptionError(
+            "calibrate: this graph runs collectives, and calibrating would run them on the "
+            "compiling rank alone (the others load its result): it would hang"
+        )
     store = resolve_cache(cache)
 
     def build() -> tuple[CompiledArtifact, list[sympy.Expr]]:
-        artifact, common = _compile_all(gm, graph, symbols, requests, options or {})
+        artifact, common = _compile_all(gm, graph, symbols, requests, options or {}, groups)
         if calibration is not None:
             templates = [None if adapter.is_fake(v) else v for v in example_inputs]
             artifact.calibrate(**{"inputs": templates, **calibration})
         return artifact, common
 
     factors = cache_factors(gm, graph, requests, options or {}, dynamic_shapes, _device_of(graph))
+    if groups:
+        # The graph names each group only by its name: what the name stood for is part of
+        # what was compiled. No rank: a graph that depends on it has it in its code.
+        factors["process_groups"] = repr(
+            [(g.name, g.size, g.backend, list(g.ranks)) for g in groups]
+        )
     if calibration is not None:
         # The timer is code, not data: a custom one does not enter the key.
         factors["calibrate"] = repr(sorted((k, v) for k, v in calibration.items() if k != "timer"))

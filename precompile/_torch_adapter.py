@@ -27,6 +27,7 @@ from typing import Any
 
 import sympy
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from cache._bytes import sha256_hex
 from runtime import _torch_adapter as runtime_adapter
@@ -807,6 +808,78 @@ def codegen_config_digest() -> str:
     return hashlib.sha256(text.encode()).hexdigest()
 
 
+# -- collectives ------------------------------------------------------------------------
+_COLLECTIVE_NAMESPACES = ("_c10d_functional", "_c10d_functional_autograd", "c10d_functional")
+
+
+def _op_schema(target: Any) -> Any | None:
+    if isinstance(target, torch._ops.OpOverload):
+        return target._schema
+    if isinstance(target, torch._ops.OpOverloadPacket):
+        overload = getattr(target, "default", None)
+        return None if overload is None else overload._schema
+    return None
+
+
+def collective_groups(gm: torch.fx.GraphModule) -> tuple[str, ...]:
+    """The process-group names the graph's functional collectives (and any other op with
+    a ``group_name`` argument: symmetric memory's, say) run over, in first-use order."""
+    found: dict[str, None] = {}
+    for node in gm.graph.nodes:
+        if node.op != "call_function":
+            continue
+        schema = _op_schema(node.target)
+        if schema is None:
+            continue
+        namespace = schema.name.split("::", 1)[0]
+        names = [a.name for a in schema.arguments]
+        if "group_name" not in names:
+            if namespace in _COLLECTIVE_NAMESPACES and namespace == "c10d_functional":
+                raise UnsupportedGraphError(
+                    f"the graph calls {schema.name}, a legacy collective that names its group "
+                    "by tag and ranks; use torch.distributed._functional_collectives"
+                )
+            continue
+        position = names.index("group_name")
+        value = node.args[position] if position < len(node.args) else node.kwargs.get("group_name")
+        if not isinstance(value, str):
+            raise UnsupportedGraphError(
+                f"the graph calls {schema.name} with group {value!r}; precompile needs the "
+                "group named by a string (what torch.distributed._functional_collectives "
+                "traces to)"
+            )
+        found.setdefault(value)
+    return tuple(found)
+
+
+class _LocalCollectives(TorchDispatchMode):  # type: ignore[misc]
+    """Functional collectives as local no-ops of the same shapes, for one run whose values
+    nobody reads (compile_model's trace: it learns the output structure and what the call
+    writes). A real collective there would wait for ranks that are not tracing."""
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if func.namespace not in _COLLECTIVE_NAMESPACES:
+            return func(*args, **kwargs)
+        name = func._schema.name.split("::", 1)[1]
+        if name in ("wait_tensor", "all_reduce_", "all_reduce_coalesced_", "broadcast_"):
+            return args[0]
+        if name in ("all_reduce", "broadcast"):
+            return args[0].clone()
+        if name == "all_reduce_coalesced":
+            return [t.clone() for t in args[0]]
+        if name in ("all_gather_into_tensor", "all_gather_into_tensor_out"):
+            gathered = torch.cat([args[0]] * int(args[1]))
+            out = kwargs.get("out")
+            return gathered if out is None else out.copy_(gathered)
+        if name == "reduce_scatter_tensor":
+            return args[0].narrow(0, 0, args[0].shape[0] // int(args[2])).clone()
+        raise UnsupportedGraphError(
+            f"compile_model cannot trace a graph that calls {func}: its one traced run "
+            "replaces collectives by local copies, and knows none for this one"
+        )
+
+
 # -- tracing a whole model (compile_model) --------------------------------------------
 @dataclass
 class ModelTrace:
@@ -829,7 +902,8 @@ def trace_model(
 ) -> ModelTrace:
     """Trace the call once with Dynamo (``fullgraph``: a graph break is an
     ``UnsupportedGraphError`` quoting Dynamo's explanation), compile its graph with
-    ``compile_graph(gm, example_inputs)`` inside the backend, and run it once."""
+    ``compile_graph(gm, example_inputs)`` inside the backend, and run it once (with its
+    collectives, if any, made local: ranks trace at different times, or not at all)."""
     from torch._guards import TracingContext
 
     seen: list[dict[str, Any]] = []
@@ -846,8 +920,11 @@ def trace_model(
         }
         seen.append(record)
 
+        collectives = bool(record["artifact"].manifest.process_groups)
+
         def run(*flat: Any) -> Any:
-            outputs = record["artifact"](*flat)
+            with _LocalCollectives() if collectives else contextlib.nullcontext():
+                outputs = record["artifact"](*flat)
             record["outputs"] = list(outputs) if isinstance(outputs, (list, tuple)) else [outputs]
             return outputs
 

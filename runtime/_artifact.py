@@ -38,6 +38,7 @@ from ._execution import DirectExecutor, Executor
 from ._lean import lean_enabled, load_lean
 from ._manifest import Calibration, Manifest, Symbol, Variant
 from ._payloads import MemoryPayloads, PayloadStore
+from ._process_groups import check_groups
 from ._unpacked_format import read_unpacked, write_unpacked
 
 log = logging.getLogger("precompile.runtime")
@@ -193,6 +194,8 @@ class CompiledArtifact:
         self._foreground = 0  # first calls in progress (a warm-up waits for them)
         self._called = threading.Event()  # a call has returned (a warm-up may begin)
         self._foreground_lock = threading.Lock()
+        # the process groups of its collectives, checked before its first run here
+        self._groups_checked = not manifest.process_groups
         _live.add(self)
         self.set_cudagraphs(manifest.cudagraphs if cudagraphs is None else cudagraphs)
 
@@ -268,11 +271,19 @@ class CompiledArtifact:
         call_trusted.artifact = self  # type: ignore[attr-defined]
         return call_trusted
 
+    def _check_process_groups(self) -> None:
+        """Before this process first runs the graph's collectives: the groups they name
+        exist here as they were compiled for (a local check, no collective)."""
+        if not self._groups_checked:
+            check_groups(self._manifest.process_groups, "this artifact")
+            self._groups_checked = True
+
     def _resolve(self, key: tuple[int, ...]) -> Callable[..., Any]:
         with self._lock:
             function = self._memo.get(key)
             if function is not None:
                 return function
+            self._check_process_groups()
             index = self._dispatcher.choose(key)
             variant = self._variant_callable(self._manifest.variants[index])
             function = self._executor.runner(key, index, variant)
@@ -345,6 +356,12 @@ class CompiledArtifact:
         the nearest-hint or exact-size choice only where it beat it by more than
         ``min_gain`` (0.05 = 5%): smaller gaps were within an H200's round-to-round noise.
         """
+        if self._manifest.process_groups:
+            raise InvalidOptionError(
+                "calibrate() times each variant a number of times that differs between "
+                "ranks, and this graph runs collectives, which every rank must run in the "
+                "same order: it would hang; dispatch by the nearest hint instead"
+            )
         points = normalize_sizes(self._manifest, sizes)
         target = device or self._manifest.environment.device_type
         device_name = current_environment(target).device_name
@@ -401,20 +418,7 @@ class CompiledArtifact:
         if runnable is not None:
             self._runnable = runnable
         if not background:
-            for variant in self._manifest.variants:
-                self._give_way_to_calls()
-                if _exiting():
-                    return self
-                self._variant_callable(variant)
-            if self._templates is not None:
-                self._run_each_variant()
-            executor = self._executor
-            if (
-                isinstance(executor, CudaGraphExecutor)
-                and executor.options.capture_sizes
-                and self._templates is not None
-            ):
-                self.capture()
+            self._warm(in_background=False)
             return self
         grace = warmup_grace()
         with self._lock:
@@ -427,6 +431,31 @@ class CompiledArtifact:
                 )
                 self._warming.start()
         return self
+
+    def _warm(self, *, in_background: bool) -> None:
+        """Load every variant; run each once and capture ``capture_sizes`` where that is
+        safe. A graph with collectives is never run by warm-up: its runs would be
+        collectives that the other ranks do not make at that moment (and a background
+        thread's would interleave with the calling thread's). A foreground warm-up still
+        captures, since every rank captures the same sizes in the same order."""
+        collectives = bool(self._manifest.process_groups)
+        for variant in self._manifest.variants:
+            self._give_way_to_calls()
+            if _exiting():
+                return
+            self._variant_callable(variant)
+        if collectives:
+            log.info("warm-up loaded the variants and ran none: the graph has collectives")
+        elif self._templates is not None:
+            self._run_each_variant()
+        executor = self._executor
+        if (
+            isinstance(executor, CudaGraphExecutor)
+            and executor.options.capture_sizes
+            and self._templates is not None
+            and not (collectives and in_background)
+        ):
+            self.capture()
 
     def _run_each_variant(self) -> None:
         """Run every variant once at its own point, on inputs made from the templates:
@@ -496,6 +525,7 @@ class CompiledArtifact:
         if not wanted or executor.reason is not None:
             return ()
         points = normalize_sizes(self._manifest, wanted, what="capture size")
+        self._check_process_groups()
         with torch.no_grad():
             for point in sorted(points, key=lambda p: (-sum(p), p)):
                 if _exiting():
@@ -529,7 +559,7 @@ class CompiledArtifact:
     def _warm_in_background(self, grace: float) -> None:
         try:
             self._await_first_call(grace)
-            self.warmup()
+            self._warm(in_background=True)
         except BaseException as exc:  # surfaced by wait_warm()
             if _exiting():  # e.g. a thread pool torch shut down at exit; nobody waits
                 log.debug("background warm-up stopped at exit: %s", exc)

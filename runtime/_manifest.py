@@ -127,6 +127,18 @@ class TensorInput:
 
 
 @dataclass(frozen=True)
+class ProcessGroupSpec:
+    """A process group the graph's collectives run over, as it was when compiling: the
+    graph names it by ``name`` alone, so a process that runs the graph must have a group
+    registered under that name with the same size, backend and members (global ranks)."""
+
+    name: str
+    size: int
+    backend: str
+    ranks: tuple[int, ...]
+
+
+@dataclass(frozen=True)
 class IntInput:
     value: int | str
 
@@ -246,6 +258,8 @@ class Manifest:
     output_shapes: tuple[tuple[int | str, ...] | None, ...] | None = None
     # the CUDA-graph options a load uses unless it passes its own (CudaGraphs.to_json)
     cudagraphs: Mapping[str, Any] | None = None
+    # the process groups the graph's collectives (``_c10d_functional``) run over
+    process_groups: tuple[ProcessGroupSpec, ...] = ()
 
     @property
     def symbol_names(self) -> tuple[str, ...]:
@@ -281,6 +295,15 @@ class Manifest:
 
     # -- writing -------------------------------------------------------------------
     def to_json(self) -> dict[str, Any]:
+        document = self._to_json()
+        if self.process_groups:  # absent otherwise: earlier manifests keep their digests
+            document["process_groups"] = [
+                {"name": g.name, "size": g.size, "backend": g.backend, "ranks": list(g.ranks)}
+                for g in self.process_groups
+            ]
+        return document
+
+    def _to_json(self) -> dict[str, Any]:
         return {
             "format": FORMAT_NAME,
             "format_version": FORMAT_VERSION,
@@ -462,7 +485,31 @@ class _Reader:
             output=None if output is None else self.text(output, "output", limit=1_000_000),
             output_shapes=self.output_shapes(data.get("output_shapes"), names),
             cudagraphs=self.cudagraphs(data.get("cudagraphs"), names),
+            process_groups=self.process_groups(data.get("process_groups")),
         )
+
+    def process_groups(self, value: Any) -> tuple[ProcessGroupSpec, ...]:
+        if value is None:
+            return ()
+        groups: list[ProcessGroupSpec] = []
+        for n, entry in enumerate(self.expect(value, list, "process_groups")):
+            where = f"process_groups[{n}]"
+            self.expect(entry, dict, where)
+            if set(entry) != {"name", "size", "backend", "ranks"}:
+                raise CorruptArtifactError(f"manifest field {where} has unexpected keys")
+            size = self.integer(entry["size"], f"{where}.size", low=1, high=1 << 24)
+            ranks = self.expect(entry["ranks"], list, f"{where}.ranks")
+            if len(ranks) != size:
+                raise CorruptArtifactError(f"manifest field {where} lists {len(ranks)} ranks")
+            groups.append(
+                ProcessGroupSpec(
+                    name=self.text(entry["name"], f"{where}.name", limit=256),
+                    size=size,
+                    backend=self.text(entry["backend"], f"{where}.backend", limit=256),
+                    ranks=tuple(self.integer(r, f"{where}.ranks", high=1 << 24) for r in ranks),
+                )
+            )
+        return tuple(groups)
 
     def cudagraphs(self, value: Any, names: Sequence[str]) -> dict[str, Any] | None:
         if value is None:

@@ -86,6 +86,9 @@ class ModelPlan:
     caches: Mapping[int, CacheLayout] = field(default_factory=dict)
     tokens: tuple[int, int] | None = None  # (leaf, dim): the tokens a call writes per cache
     position_leaf: int | None = None  # a cache_position argument, checked against the cache
+    # (rank, world size, backend) it was traced on under torch.distributed: the trace may
+    # have baked the rank in, so the plan binds only on that rank of such a world
+    distributed: tuple[int, int, str] | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -103,6 +106,7 @@ class ModelPlan:
             "caches": layouts_to_json(self.caches),
             "tokens": list(self.tokens) if self.tokens is not None else None,
             "position_leaf": self.position_leaf,
+            "distributed": None if self.distributed is None else list(self.distributed),
         }
 
     @staticmethod
@@ -179,6 +183,16 @@ class ModelPlan:
         position = value.get("position_leaf")
         if position is not None and type(position) is not int:
             raise CorruptArtifactError(f"{where} field position_leaf is malformed")
+        distributed = value.get("distributed")
+        if distributed is not None and not (
+            isinstance(distributed, list)
+            and len(distributed) == 3
+            and type(distributed[0]) is int
+            and type(distributed[1]) is int
+            and isinstance(distributed[2], str)
+            and len(distributed[2]) < 256
+        ):
+            raise CorruptArtifactError(f"{where} field distributed is malformed")
         for kind, target in bindings:
             if kind == "cache" and target[0] not in caches:
                 raise CorruptArtifactError(f"{where} binds cache leaf {target[0]}, not a cache")
@@ -197,6 +211,9 @@ class ModelPlan:
             caches=caches,
             tokens=(tokens[0], tokens[1]) if tokens is not None else None,
             position_leaf=position,
+            distributed=None
+            if distributed is None
+            else (distributed[0], distributed[1], distributed[2]),
         )
 
 
@@ -504,12 +521,35 @@ class CompiledModel:
         if stale is not None:
             raise IncompatibleArtifactError(f"{where} is stale: {stale}; compile again")
         check_identity(plan.identity, model, where)
+        _check_rank(plan, where)
         compiled = CompiledModel(model, artifact, plan)
         if cudagraphs is not None:
             artifact.set_cudagraphs(cudagraphs)
         if warmup:
             compiled.warmup(background=warmup == "background")
         return compiled
+
+
+def _check_rank(plan: ModelPlan, where: str) -> None:
+    """A plan traced under torch.distributed binds only on the rank, world size and
+    backend it was traced on (its trace may hold the rank as a constant)."""
+    from ._process_groups import this_rank
+
+    here = this_rank()
+    if plan.distributed is not None and plan.distributed != here:
+
+        def said(value: tuple[int, int, str] | None) -> str:
+            return (
+                "no torch.distributed"
+                if value is None
+                else (f"rank {value[0]} of {value[1]} ({value[2]})")
+            )
+
+        raise IncompatibleArtifactError(
+            f"{where} was traced on {said(plan.distributed)}, this process is "
+            f"{said(here)}; a trace may hold its rank as a constant: load each rank's own "
+            "compiled model (or let the cache find it)"
+        )
 
 
 _FLAT_LEAF_TYPES = (torch.Tensor, torch.nn.Parameter, bool, int, float, str, type(None))

@@ -590,3 +590,19 @@ def serialize_variant(compiled: Any) -> bytes:
         BundledAOTAutogradSerializableCallable(compiled)
     )
     return payload
+
+
+def resolve_process_group(name: str) -> Any | None:
+    """The process group registered under ``name`` in this process (what a graph's
+    ``_c10d_functional`` op resolves its group-name argument to), or None: torch.distributed
+    is unavailable or not initialized, or no group has that name."""
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_initialized():
+        return None
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    try:
+        return _resolve_process_group(name)
+    except (RuntimeError, ValueError, KeyError):
+        return None

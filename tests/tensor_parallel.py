@@ -1,0 +1,213 @@
+"""A tensor-parallel block and the per-rank script the tensor-parallel tests start.
+
+``TPBlock`` is one rank's shard of an attention block and an MLP, written as vLLM's layers
+are: column-parallel projections in (each rank holds ``HEADS`` heads and ``FFN`` hidden
+units), row-parallel projections out, and a functional all-reduce after each (so Dynamo
+keeps the collective in the graph). A shard's shapes do not depend on the world size, so
+the same model class and shapes can be loaded into a world of another size.
+
+Run as ``python tests/tensor_parallel.py SCENARIO DIRECTORY`` with ``RANK``,
+``WORLD_SIZE``, ``MASTER_ADDR`` and ``MASTER_PORT`` set; it prints one JSON line. On CPU
+the group is gloo; with ``PRECOMPILE_TP_DEVICE=cuda`` it is NCCL, one GPU per rank, bf16,
+and the cold and warm runs also serve the block from CUDA graphs.
+"""
+
+from __future__ import annotations
+
+import datetime
+import faulthandler
+import json
+import os
+import sys
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as fc
+
+WIDTH, HEADS, HEAD_DIM, FFN = 32, 2, 8, 32
+DEVICE = os.environ.get("PRECOMPILE_TP_DEVICE", "cpu")
+DTYPE = torch.bfloat16 if DEVICE == "cuda" else torch.float32
+HINTS = [8]  # one hint variant (sizes >= 2), no exact sizes: one compile
+SEQS = [6, 2, 3, 8, 13]
+
+
+def all_reduce(tensor: torch.Tensor) -> torch.Tensor:
+    return fc.all_reduce(tensor, "sum", dist.group.WORLD)
+
+
+class TPBlock(torch.nn.Module):
+    """x + attention(x), then + mlp; each sum over ranks by an all-reduce."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv = torch.nn.Linear(WIDTH, 3 * HEADS * HEAD_DIM)  # column parallel
+        self.o = torch.nn.Linear(HEADS * HEAD_DIM, WIDTH, bias=False)  # row parallel
+        self.up = torch.nn.Linear(WIDTH, FFN)  # column parallel
+        self.down = torch.nn.Linear(FFN, WIDTH, bias=False)  # row parallel
+
+    def attention(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's heads' share of the attention output (to be summed over ranks)."""
+        batch, seq, _ = x.shape
+        q, k, v = self.qkv(x).split(HEADS * HEAD_DIM, dim=-1)
+        q, k, v = (t.reshape(batch, seq, HEADS, HEAD_DIM).transpose(1, 2) for t in (q, k, v))
+        # No causal mask: with one, compile_model's hint variant of this block is guarded
+        # to its hint alone (seen without collectives too; not a tensor-parallel matter).
+        attended = ((q @ k.transpose(-1, -2)) / HEAD_DIM**0.5).softmax(-1) @ v
+        return self.o(attended.transpose(1, 2).reshape(batch, seq, HEADS * HEAD_DIM))
+
+    def mlp(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(torch.relu(self.up(x)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + all_reduce(self.attention(x))
+        return x + all_reduce(self.mlp(x))
+
+
+class RankScaled(torch.nn.Module):
+    """A graph that depends on the rank: ``dist.get_rank()`` is traced as a constant."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return all_reduce(x * (dist.get_rank() + 1))
+
+
+def shard(rank: int) -> TPBlock:
+    torch.manual_seed(100 + rank)
+    return TPBlock().eval().to(device=_device(), dtype=DTYPE)
+
+
+def _device() -> str:
+    return f"cuda:{int(os.environ.get('RANK', 0))}" if DEVICE == "cuda" else "cpu"
+
+
+def eager_reference(x: torch.Tensor, world: int) -> torch.Tensor:
+    """The whole (unsharded) block run eagerly in one process: every shard's partial
+    sums added where the ranks' all-reduce adds them."""
+    shards = [shard(r) for r in range(world)]
+    with torch.no_grad():
+        x = x + sum(s.attention(x) for s in shards)
+        return x + sum(s.mlp(x) for s in shards)
+
+
+def inputs(seq: int) -> torch.Tensor:
+    torch.manual_seed(seq)
+    return torch.randn(2, seq, WIDTH).to(device=_device(), dtype=DTYPE)
+
+
+def _max_error(compiled: Any, world: int) -> float:
+    worst = 0.0
+    with torch.no_grad():
+        for seq in SEQS:
+            x = inputs(seq)
+            got = compiled(x)
+            worst = max(worst, float((got - eager_reference(x, world)).abs().max()))
+    return worst
+
+
+def _rank_scaled_error(compiled: Any, world: int) -> float:
+    x = inputs(4)
+    with torch.no_grad():
+        want = x * sum(r + 1 for r in range(world))
+        return float((compiled(x) - want).abs().max())
+
+
+def _flat_inputs(bindings: list[Any], model: torch.nn.Module, x: torch.Tensor) -> list[Any]:
+    """The compiled graph's flat inputs for ``model(x)``, by the plan's bindings."""
+    flat: list[Any] = []
+    for kind, target in bindings:
+        if kind == "parameter":
+            flat.append(model.get_parameter(target))
+        elif kind == "leaf":
+            flat.append(x)
+        else:
+            flat.append(int(x.shape[target[1]]))
+    return flat
+
+
+def _error(call: Any) -> str:
+    try:
+        with torch.no_grad():
+            call()
+    except Exception as exc:  # the test reads the class and message
+        return f"{type(exc).__name__}: {exc}"
+    return "no error"
+
+
+def main() -> None:
+    scenario, directory = sys.argv[1], sys.argv[2]
+    faulthandler.dump_traceback_later(240, exit=True)  # a hang fails the test, with stacks
+    if DEVICE == "cuda":
+        torch.cuda.set_device(int(os.environ["RANK"]))
+    group_backend = "nccl" if DEVICE == "cuda" else "gloo"
+    dist.init_process_group(group_backend, timeout=datetime.timedelta(seconds=120))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from test_warm_start import COUNTED
+
+    counters: dict[str, Any] = {}
+    exec(COUNTED, counters)
+    compiles, frames = counters["compiles"], counters["frames"]
+    import precompile
+
+    block = shard(rank)
+    compile_block = {"dynamic": {0: [1]}, "hints": HINTS, "sizes": []}
+    report: dict[str, Any] = {"rank": rank, "world": world}
+    if scenario in ("cold", "warm"):
+        torch.set_grad_enabled(False)  # inference artifacts (CUDA graphs capture only those)
+        compiled = precompile.compile_model(block, (inputs(6),), **compile_block)
+        report["block_error"] = _max_error(compiled, world)
+        report["block"] = {"compiles": len(compiles), "frames": len(frames)}
+        scaled = precompile.compile_model(RankScaled(), (inputs(4),))
+        report["scaled_error"] = _rank_scaled_error(scaled, world)
+        report["scaled"] = {"compiles": len(compiles), "frames": len(frames)}
+        if DEVICE == "cuda":  # CUDA graphs per size, captured on every rank at its 2nd call
+            graphed = precompile.compile_model(
+                block, (inputs(6),), **compile_block, cudagraphs=True, warmup=False
+            )
+            for _ in range(3):  # plain, then captured, then replayed
+                report["cudagraphs_error"] = _max_error(graphed, world)
+            report["captured"] = [list(s) for s in graphed.artifact.captured_sizes]
+        if scenario == "cold":
+            compiled.save(os.path.join(directory, f"model-rank{rank}.pt2c"))
+            compiled.artifact.save(path=os.path.join(directory, f"block-rank{rank}.pt2c"))
+            with open(os.path.join(directory, f"bindings-rank{rank}.json"), "w") as handle:
+                json.dump(compiled.plan.bindings, handle)
+            torch._dynamo.reset()
+            backend = precompile.backend(hints=HINTS, sizes=[])
+            traced = torch.compile(shard(rank), backend=backend, dynamic=False)
+            x = inputs(6)
+            torch._dynamo.mark_dynamic(x, 1)
+            with torch.no_grad():
+                traced(x)
+            report["backend_error"] = _max_error(traced, world)
+            report["backend"] = {"compiles": len(compiles), "frames": len(frames)}
+    elif scenario == "mismatch":  # a world of another size, with shards of the same shapes
+        torch.set_grad_enabled(False)
+        from precompile import CompiledArtifact, load_model
+
+        report["offline"] = _error(
+            lambda: precompile.compile_model(block, (inputs(6),), **compile_block, compile=False)
+        )
+        saved = CompiledArtifact.load(path=os.path.join(directory, "block-rank0.pt2c"))
+        with open(os.path.join(directory, "bindings-rank0.json")) as handle:
+            flat = _flat_inputs(json.load(handle), block, inputs(6))
+        report["artifact"] = _error(lambda: saved(*flat))
+        report["load_model"] = _error(
+            lambda: load_model(block, path=os.path.join(directory, "model-rank0.pt2c"))
+        )
+        report["calibrate"] = _error(lambda: saved.calibrate([4]))
+        dist.destroy_process_group()
+        unbound = CompiledArtifact.load(path=os.path.join(directory, "block-rank0.pt2c"))
+        report["no_group"] = _error(lambda: unbound(*flat))
+        report["compiles"] = len(compiles)
+    print(json.dumps(report), flush=True)
+    if DEVICE == "cuda":
+        # On the H200s, destroy_process_group hung (3+ minutes) in processes whose CUDA
+        # graphs had captured NCCL collectives; the report is out, so leave at once.
+        os._exit(0)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,171 @@
+"""Tensor parallel on CPU: two processes over gloo, a block with two all-reduces in its graph.
+
+One cold pair of ranks compiles (module fixture), then a fresh warm pair and a world of
+one process read what it left. The per-rank script is ``tests/tensor_parallel.py``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from typing import Any
+
+import pytest
+from conftest import ROOT
+
+from cache import ArtifactCache
+
+SCRIPT = os.path.join(ROOT, "tests", "tensor_parallel.py")
+TOLERANCE = 1e-5
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def run_ranks(
+    scenario: str, world: int, directory: str, cache: str, env: dict[str, str] | None = None
+) -> list[dict[str, Any]]:
+    """Start ``world`` processes of one gloo group, all at once; their JSON reports by rank.
+    A rank that hangs (a collective no other rank makes) fails the test, never the suite."""
+    port = _free_port()
+    procs = [
+        subprocess.Popen(
+            [sys.executable, SCRIPT, scenario, directory],
+            cwd=ROOT,
+            env={
+                **os.environ,
+                "RANK": str(rank),
+                "WORLD_SIZE": str(world),
+                "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": str(port),
+                "PRECOMPILE_CACHE_DIR": cache,
+                **(env or {}),
+            },
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for rank in range(world)
+    ]
+    reports = []
+    try:
+        for proc in procs:
+            out, err = proc.communicate(timeout=300)
+            failed = f"{scenario} rank failed ({proc.returncode}):\n{err[-4000:]}"
+            assert proc.returncode == 0, failed
+            reports.append(json.loads(out.strip().splitlines()[-1]))
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    return sorted(reports, key=lambda r: r["rank"])
+
+
+@pytest.fixture(scope="module")
+def cold(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    directory = str(tmp_path_factory.mktemp("tensor-parallel"))
+    cache = os.path.join(directory, "cache")
+    return {
+        "directory": directory,
+        "cache": cache,
+        "reports": run_ranks("cold", 2, directory, cache),
+    }
+
+
+def test_cold_pair_matches_eager_and_one_rank_compiles_each_shared_graph(
+    cold: dict[str, Any],
+) -> None:
+    reports = cold["reports"]
+    for report in reports:
+        # compile_model and precompile.backend, at sequence lengths 6, 2, 3, 8 and 13,
+        # against the unsharded block run eagerly in one process
+        assert report["block_error"] < TOLERANCE, report
+        assert report["backend_error"] < TOLERANCE, report
+        assert report["scaled_error"] == 0.0, report
+    # Both ranks trace the same block graph: one compiles it, the other waits and loads
+    # (before, the second rank waited on the model's lock while the first ran its traced
+    # call's all-reduce: a deadlock).
+    assert sorted(r["block"]["compiles"] for r in reports) == [0, 1]
+    # precompile.backend traces the same block to the same graph (under no_grad, as
+    # compile_model's): it finds that graph's entry, on both ranks.
+    backend = [r["backend"]["compiles"] - r["scaled"]["compiles"] for r in reports]
+    assert backend == [0, 0]
+
+
+def test_ranks_share_one_entry_per_identical_graph_and_rank_dependent_graphs_do_not(
+    cold: dict[str, Any],
+) -> None:
+    reports = cold["reports"]
+    # RankScaled's graph holds dist.get_rank() as a constant: each rank compiles its own,
+    # and each gets its own rank's sum (3x), never the other rank's graph (2x)
+    assert [r["scaled"]["compiles"] - r["block"]["compiles"] for r in reports] == [1, 1]
+    entries = ArtifactCache(cold["cache"]).entries()
+    graphs = [e for e in entries if "model_class" not in e.factors]
+    models = [e for e in entries if "model_class" in e.factors]
+    # the block (compile_model's and backend's trace), RankScaled on rank 0 and on rank 1
+    assert len(graphs) == 3, [e.factors for e in graphs]
+    for entry in graphs:
+        assert entry.factors["process_groups"] == "[('0', 2, 'gloo', [0, 1])]"
+    # compile_model keys per rank (its key is computed without tracing, so it cannot
+    # see whether the trace holds the rank); the compiled code is the graph's entry's
+    assert len(models) == 4
+    assert len({e.factors["distributed"] for e in models}) == 2
+
+
+def test_fresh_pair_warm_starts_with_no_trace_and_no_compile(cold: dict[str, Any]) -> None:
+    for report in run_ranks("warm", 2, cold["directory"], cold["cache"]):
+        assert report["block"] == {"compiles": 0, "frames": 0}, report
+        assert report["scaled"] == {"compiles": 0, "frames": 0}, report
+        assert report["block_error"] < TOLERANCE and report["scaled_error"] == 0.0, report
+
+
+def test_another_world_size_is_a_miss_or_a_refusal_before_any_collective(
+    cold: dict[str, Any],
+) -> None:
+    """A world of one process whose shard has the shapes of the two-rank world's: the
+    compiled graph would sum over the wrong ranks (or fail inside generated code)."""
+    (report,) = run_ranks("mismatch", 1, cold["directory"], cold["cache"])
+    assert report["offline"].startswith("ArtifactNotFoundError"), report
+    assert "differs in: distributed" in report["offline"], report
+    assert report["artifact"].startswith("IncompatibleArtifactError"), report
+    assert "process group '0' of 2 ranks [0, 1] (gloo)" in report["artifact"], report
+    assert "has 1 ranks [0]" in report["artifact"], report
+    assert report["load_model"].startswith("IncompatibleArtifactError"), report
+    assert "traced on rank 0 of 2 (gloo)" in report["load_model"], report
+    # calibrating would run collectives a different number of times on each rank
+    assert report["calibrate"].startswith("InvalidOptionError"), report
+    # no process group at all: our error, before the graph's first kernel
+    assert report["no_group"].startswith("IncompatibleArtifactError"), report
+    assert "no group is registered under that name" in report["no_group"], report
+    assert report["compiles"] == 0
+
+
+@pytest.mark.gpu
+def test_nccl_pair_matches_eager_warm_starts_and_replays_cuda_graphs(tmp_path: Any) -> None:
+    """The same block in bf16 over NCCL, one GPU per rank: compile_model and
+    precompile.backend against the unsharded block run eagerly on one GPU, CUDA graphs
+    captured on both ranks, then a fresh pair with no trace and no compile."""
+    import torch
+
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    cache, env = str(tmp_path / "cache"), {"PRECOMPILE_TP_DEVICE": "cuda"}
+    cold = run_ranks("cold", 2, str(tmp_path), cache, env)
+    # Each rank compiles its own: the inputs' device (cuda:0, cuda:1) is in the key, and
+    # inductor's generated code names its device index.
+    assert [r["block"]["compiles"] for r in cold] == [1, 1]
+    warm = run_ranks("warm", 2, str(tmp_path), cache, env)
+    for report in cold + warm:
+        for key in ("block_error", "cudagraphs_error", "backend_error"):
+            if key in report:
+                assert report[key] < 5e-2, report  # bf16, summed in another order
+        assert report["captured"], report
+    for report in warm:
+        assert report["block"] == {"compiles": 0, "frames": 0}, report
