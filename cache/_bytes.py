@@ -23,7 +23,12 @@ from typing import IO
 
 import zstandard
 
-from ._errors import ArtifactAccessError, CorruptArtifactError, InvalidOptionError
+from ._errors import (
+    ArtifactAccessError,
+    CorruptArtifactError,
+    InvalidOptionError,
+    PayloadLimitError,
+)
 
 ZSTD_LEVEL = 3
 _CHUNK = 1 << 22
@@ -43,6 +48,22 @@ def max_payload_bytes() -> int:
     if value <= 0:
         raise InvalidOptionError(f"PRECOMPILE_MAX_PAYLOAD_BYTES must be > 0, got {value}")
     return value
+
+
+def check_payload_size(raw_size: object, digest: str, where: str) -> int:
+    """``raw_size`` as an index commits to it: a non-negative int (else the index is
+    corrupt) within the maximum (else ``PayloadLimitError``, naming the setting)."""
+    if type(raw_size) is not int or raw_size < 0:
+        raise CorruptArtifactError(
+            f"{where}: payload {digest[:12]} has an absurd size: {raw_size!r:.20}"
+        )
+    limit = max_payload_bytes()
+    if raw_size > limit:
+        raise PayloadLimitError(
+            f"{where}: payload {digest[:12]} is {raw_size} bytes, over the {limit}-byte maximum "
+            "(raise $PRECOMPILE_MAX_PAYLOAD_BYTES if that is really its size)"
+        )
+    return raw_size
 
 
 def sha256_hex(data: bytes | memoryview) -> str:
@@ -65,12 +86,7 @@ def decompress(stored: bytes | memoryview, raw_size: int, digest: str, where: st
     ``raw_size`` over the maximum costs nothing. Unverified bytes are held only up to
     ``_ONE_PASS_MAX`` (what one small payload costs anyway): a larger payload is
     verified in a pass that keeps nothing, then decompressed again."""
-    limit = max_payload_bytes()
-    if not 0 <= raw_size <= limit:
-        raise CorruptArtifactError(
-            f"{where}: payload {digest[:12]} claims {raw_size} bytes, over the {limit}-byte "
-            "maximum (raise $PRECOMPILE_MAX_PAYLOAD_BYTES if that is really its size)"
-        )
+    check_payload_size(raw_size, digest, where)
     keep = raw_size <= _ONE_PASS_MAX
     try:
         declared = zstandard.get_frame_parameters(stored).content_size

@@ -20,6 +20,12 @@ class CorruptArtifactError(PrecompileError, ValueError):
     """An artifact is truncated, altered, foreign, or fails its checksum."""
 
 
+class PayloadLimitError(CorruptArtifactError):
+    """A payload is larger than ``$PRECOMPILE_MAX_PAYLOAD_BYTES`` allows: a lying index, or
+    a healthy artifact under a limit set too low. Refused, but never treated as damage (a
+    cache entry is not quarantined for it)."""
+
+
 class UnsafeCacheError(PrecompileError, PermissionError):
     """A cache entry is owned by another user or writable by others; loading it would run
     code that someone else could have written."""

@@ -36,10 +36,10 @@ from . import _locks as locks
 from . import _signing as signing
 from ._bytes import (
     atomic_file,
+    check_payload_size,
     compress,
     decompress,
     fails_own_digest,
-    max_payload_bytes,
     sha256_hex,
 )
 from ._counters import Counters
@@ -57,6 +57,7 @@ from ._errors import (
     CacheWriteError,
     CorruptArtifactError,
     InvalidOptionError,
+    PayloadLimitError,
     UntrustedArtifactError,
 )
 from ._json import decode_json
@@ -267,6 +268,8 @@ class ArtifactCache:
         try:
             document = decode_json(raw, f"cache entry {key[:12]}")
             self._validate(key, document)
+        except PayloadLimitError:
+            raise  # the entry may be healthy: a limit set too low loses nothing
         except CorruptArtifactError as exc:
             self._quarantine(key, str(exc))
             return None
@@ -285,10 +288,10 @@ class ArtifactCache:
         blobs, aux = document.get("blobs"), document.get("aux")
         if not isinstance(blobs, dict) or not isinstance(aux, dict):
             raise CorruptArtifactError("entry lacks its blob table")
-        limit = max_payload_bytes()
         for digest, size in blobs.items():
-            if not _is_digest(digest) or type(size) is not int or not 0 <= size <= limit:
+            if not _is_digest(digest):
                 raise CorruptArtifactError(f"entry lists blob {str(digest)[:12]} oddly")
+            check_payload_size(size, digest, f"cache entry {key[:12]}")
         for name, digest in aux.items():
             if not isinstance(name, str) or digest not in blobs:
                 raise CorruptArtifactError(f"entry's aux {name!r:.40} names no listed blob")

@@ -23,9 +23,9 @@ from typing import Any
 
 from cache._bytes import (
     atomic_file,
+    check_payload_size,
     compress,
     decompress,
-    max_payload_bytes,
     read_bounded,
     sha256_hex,
 )
@@ -147,7 +147,6 @@ def _check_table(
     if not isinstance(table, dict):
         raise CorruptArtifactError(f"{where} payload table is malformed")
     total = 0
-    limit = max_payload_bytes()
     for digest in digests:
         entry = table.get(digest)
         if not isinstance(entry, dict) or not all(
@@ -156,8 +155,9 @@ def _check_table(
             raise CorruptArtifactError(f"{where} lacks payload {digest[:12]}")
         if not isinstance(entry.get("stored_sha256"), str):
             raise CorruptArtifactError(f"{where} payload {digest[:12]} has no stored sha256")
-        if entry["offset"] < 0 or entry["size"] < 0 or not 0 <= entry["raw_size"] <= limit:
+        if entry["offset"] < 0 or entry["size"] < 0:
             raise CorruptArtifactError(f"{where} payload {digest[:12]} has absurd sizes")
+        check_payload_size(entry["raw_size"], digest, where)
         if entry["offset"] + entry["size"] > data_length:
             raise CorruptArtifactError(f"{where} is truncated (payload {digest[:12]} cut short)")
         total += entry["size"]

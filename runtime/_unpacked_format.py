@@ -26,7 +26,7 @@ import stat
 import tempfile
 from typing import Any
 
-from cache._bytes import max_payload_bytes, read_bounded, sha256_hex
+from cache._bytes import check_payload_size, read_bounded, sha256_hex
 from cache._json import decode_json
 from cache._signing import Signature, check, sign
 
@@ -309,12 +309,9 @@ def _payload_sizes(document: Any, manifest: Manifest, where: str) -> dict[str, i
     files = document.get("payload_files") if isinstance(document, dict) else None
     if not isinstance(files, dict):
         raise CorruptArtifactError(f"{where} manifest lacks its payload_files table")
-    limit = max_payload_bytes()
     sizes = {}
     for digest in (*manifest.graph_digests, *manifest.kernel_digests):
         entry = files.get(digest)
         size = entry.get("size") if isinstance(entry, dict) else None
-        if type(size) is not int or not 0 <= size <= limit:
-            raise CorruptArtifactError(f"{where} payload_files has no sane size for {digest[:12]}")
-        sizes[digest] = size
+        sizes[digest] = check_payload_size(size, digest, f"{where} payload_files")
     return sizes

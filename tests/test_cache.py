@@ -120,6 +120,21 @@ def test_corrupt_entries_are_quarantined_misses(
     assert get(store, key_of(1)) is not None
 
 
+def test_a_payload_limit_below_an_entry_refuses_it_and_loses_nothing(
+    tmp_path: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A healthy entry over ``PRECOMPILE_MAX_PAYLOAD_BYTES`` is refused naming the limit,
+    not quarantined as corrupt (found by a client trial: the entry was destroyed)."""
+    store = ArtifactCache(str(tmp_path))
+    put(store, key_of(1), fake_artifact(1), {})
+    monkeypatch.setenv("PRECOMPILE_MAX_PAYLOAD_BYTES", "10")
+    with pytest.raises(precompile.PayloadLimitError, match="PRECOMPILE_MAX_PAYLOAD_BYTES"):
+        get(store, key_of(1))
+    assert store.contains(key_of(1)) and store.stats().corrupt == 0
+    monkeypatch.delenv("PRECOMPILE_MAX_PAYLOAD_BYTES")
+    assert get(store, key_of(1)) is not None
+
+
 def test_entries_writable_by_others_are_refused_unless_trusted(tmp_path: object) -> None:
     store = ArtifactCache(str(tmp_path))
     put(store, key_of(1), fake_artifact(1), {})

@@ -231,7 +231,13 @@ def test_decompression_is_bounded(
         timeout=300,
     )
     assert result.returncode == 0, result.stderr[-2000:]
-    assert "refused CorruptArtifactError" in result.stdout, result.stdout
+    # Over the maximum: refused as such (a healthy artifact may be that large); else damage.
+    refused = (
+        "PayloadLimitError"
+        if raw_size > int(env.get("PRECOMPILE_MAX_PAYLOAD_BYTES", 8 << 30))
+        else "CorruptArtifactError"
+    )
+    assert f"refused {refused}" in result.stdout, result.stdout
     grown = float(result.stdout.split("grown_mb")[1].split()[0])
     assert grown < 200, result.stdout  # streamed and checked in chunks, never held
 
@@ -355,5 +361,5 @@ def test_bad_sizes_in_the_payload_table_are_corrupt(saved: dict[str, str], tmp_p
     document["payload_files"][first]["size"] = 2**62
     with open(path, "w") as handle:
         json.dump(document, handle)
-    with pytest.raises(precompile.CorruptArtifactError, match="no sane size"):
+    with pytest.raises(precompile.CorruptArtifactError, match="over the .*-byte maximum"):
         precompile.CompiledArtifact.load(path=target, format="unpacked")
