@@ -419,7 +419,9 @@ class CompiledModel:
             elif kind == "size":
                 leaf, dim = target
                 tensor = leaves[leaf]
-                flat.append(int(tensor.shape[dim]) if isinstance(tensor, torch.Tensor) else -1)
+                # -1 where there is no such dim: the input check then names the argument
+                known = isinstance(tensor, torch.Tensor) and dim < tensor.dim()
+                flat.append(int(tensor.shape[dim]) if known else -1)
             elif kind == "cache":
                 leaf, layer, name = target
                 flat.append(getattr(leaves[leaf].layers[layer], name))

@@ -212,6 +212,11 @@ def test_calls_outside_the_compiled_structure_are_refused(compiled_llama: tuple[
             compiled(ids, use_cache=True)
         with pytest.raises(precompile.InputMismatchError, match="dtype int64, got int32"):
             compiled(ids.int(), use_cache=False)
+        for wrong_rank in (ids[0], ids[0, 0]):  # read a size off a missing dim: IndexError once
+            with pytest.raises(
+                precompile.InputMismatchError, match=r"argument 0\) should have rank 2"
+            ):
+                compiled(wrong_rank, use_cache=False)
         model.train()
         try:
             with pytest.raises(precompile.InputMismatchError, match="train"):
