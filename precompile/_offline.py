@@ -4,18 +4,18 @@ key and what differs from the nearest entry, instead of a compile on a serving m
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping
 from typing import NoReturn
 
 from cache import ArtifactCache
+from cache._settings import env_flag
 from runtime._errors import ArtifactNotFoundError, InvalidOptionError
 
 
 def is_offline(compile: bool) -> bool:
     if not isinstance(compile, bool):
         raise InvalidOptionError(f"compile must be True or False, got {compile!r}")
-    return not compile or os.environ.get("PRECOMPILE_OFFLINE", "") not in ("", "0")
+    return not compile or env_flag("PRECOMPILE_OFFLINE", default=False)
 
 
 def refuse(

@@ -30,6 +30,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from cache._bytes import sha256_hex
+from cache._settings import env_flag
 from runtime import _torch_adapter as runtime_adapter
 from runtime._build_dir import build_dir
 from runtime._errors import InvalidOptionError, UnsupportedGraphError
@@ -482,7 +483,7 @@ def sdpa_settings(dynamic: bool) -> dict[str, bool]:
         "cudnn": backends.cudnn_sdp_enabled(),
     }
     others = settings["flash"] or settings["mem_efficient"] or settings["math"]
-    if dynamic and others and os.environ.get(CUDNN_ATTENTION_ENV) != "1":
+    if dynamic and others and not env_flag(CUDNN_ATTENTION_ENV, default=False):
         settings["cudnn"] = False
     return settings
 

@@ -23,11 +23,12 @@ through upstream as before.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from typing import Any
 
 import torch
+
+from cache._settings import env_flag
 
 from . import _native_kernels as native_kernels
 from . import _torch_adapter as adapter
@@ -38,7 +39,7 @@ from ._manifest import LeanCall
 def lean_enabled() -> bool:
     """False where ``PRECOMPILE_LEAN=0``: every variant then loads through upstream (a
     switch to rule the lean path out when chasing a problem)."""
-    return os.environ.get("PRECOMPILE_LEAN", "1") != "0"
+    return env_flag("PRECOMPILE_LEAN", default=True)
 
 
 def _externs(lean: LeanCall) -> dict[str, Any]:
