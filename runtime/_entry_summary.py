@@ -102,4 +102,6 @@ def _manifest(document: Any) -> Manifest | None:
 
 
 def _points(manifest: Manifest, kind: str) -> tuple[Mapping[str, int], ...]:
-    return tuple(dict(v.point) for v in manifest.variants if v.kind == kind)
+    """The points of the variants of ``kind``; a graph with no dynamic dim has none (its
+    one variant's point is empty: listed as static)."""
+    return tuple(dict(v.point) for v in manifest.variants if v.kind == kind and v.point)

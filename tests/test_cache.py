@@ -422,6 +422,19 @@ def test_cli_ls_shows_what_is_unknown_as_unknown(tmp_path: object) -> None:
     store.put(key_of(3), model, {}, {"device": "cuda:X"}, about={"config": "evil\x1b[2Jtext"})
     with pytest.raises(precompile.InvalidOptionError, match="about must map"):
         store.put(key_of(4), None, {}, {}, about={"graph": 3})  # type: ignore[dict-item]
+    digest = sha256_hex(b"static")  # a graph with no dynamic dim: one variant, point {}
+    static = Manifest(
+        environment=current_environment("cpu"),
+        symbols=(),
+        inputs=(TensorInput("float32", "cpu", (1, 4)),),
+        variants=(Variant(0, "hint", {}, (), digest, digest),),
+    )
+    put(
+        store,
+        key_of(5),
+        precompile.CompiledArtifact(static, MemoryPayloads({digest: b"static"})),
+        {},
+    )
     listing = _cli("--root", root, "ls")
     assert listing.returncode == 0, listing.stderr
     rows = {line[:12]: line.split("  ") for line in listing.stdout.splitlines()}
@@ -429,12 +442,14 @@ def test_cli_ls_shows_what_is_unknown_as_unknown(tmp_path: object) -> None:
     assert cells[key_of(1)[:12]][1:5] == ["graph ?", "f32[s0, 4]", "hints s0=8", "cpu:old"]
     assert cells[key_of(2)[:12]][1:5] == ["?", "?", "?", "?"]
     assert cells[key_of(3)[:12]][1:5] == ["model Net (evil?[2Jtext)", "?", "?", "cuda:X"]
-    assert "\x1b" not in listing.stdout and "3 entries" in listing.stdout
+    assert cells[key_of(5)[:12]][3] == "static"  # was "hints ()"
+    assert "\x1b" not in listing.stdout and "4 entries" in listing.stdout
     listed = {e["key"]: e for e in json.loads(_cli("--root", root, "ls", "--json").stdout)}
     assert listed[key_of(1)]["kind"] == "graph" and listed[key_of(1)]["name"] is None
     assert listed[key_of(1)]["hints"] == [{"s0": 8}] and listed[key_of(1)]["about"] == {}
     assert listed[key_of(2)]["kind"] == "unknown" and listed[key_of(2)]["inputs"] is None
     assert listed[key_of(3)]["name"] == "m.Net" and listed[key_of(3)]["config"].startswith("evil")
+    assert listed[key_of(5)]["hints"] == [] and listed[key_of(5)]["sizes"] == []
 
 
 def test_miss_explanation_names_the_differing_factor(tmp_path: object) -> None:
