@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 from cache import _signing as signing
+from cache import cache_to_read
 
 from . import _torch_adapter as adapter
 from ._artifact import CompiledArtifact
@@ -59,6 +60,7 @@ from ._kv_cache import (
 )
 from ._manifest import Manifest, TensorInput
 from ._model_identity import check_identity, class_path, file_digest
+from ._process_groups import this_rank
 
 log = logging.getLogger("precompile.runtime")
 PLAN_FORMAT = "precompile-model-plan"
@@ -493,17 +495,22 @@ class CompiledModel:
         *,
         cache: Any = None,
         key: str | None = None,
+        tag: str | None = None,
         trusted_keys: Any = None,
         cudagraphs: Any = None,
         warmup: bool | str = "background",
     ) -> CompiledModel:
-        """Bind a saved model plan (a file from ``save``, or a cache entry by ``key``) to
-        ``model``. The traced source files must be unchanged, and ``model`` must be what
+        """Bind a saved model plan (a file from ``save``, or a cache entry by ``key`` or
+        ``tag``) to ``model``. The traced source files must be unchanged, and ``model`` must be what
         it was compiled from: its class, module sources, config and submodule settings,
         and its parameters' and buffers' names, shapes, dtypes and devices (else
         ``IncompatibleArtifactError`` naming the factor; tensors are checked per call too)."""
-        if (path is None) == (key is None):
-            raise InvalidOptionError("load_model takes exactly one of path= or key=")
+        if sum(x is not None for x in (path, key, tag)) != 1:
+            raise InvalidOptionError("load_model takes exactly one of path=, key= or tag=")
+        if tag is not None:
+            key = cache_to_read(cache).tagged(tag)
+            if key is None:
+                raise ArtifactNotFoundError(f"no entry is tagged {tag!r} in the cache")
         if path is not None:
             source = os.fspath(path)
             where = f"the compiled model {source!r}"
@@ -535,8 +542,6 @@ class CompiledModel:
 def _check_rank(plan: ModelPlan, where: str) -> None:
     """A plan traced under torch.distributed binds only on the rank, world size and
     backend it was traced on (its trace may hold the rank as a constant)."""
-    from ._process_groups import this_rank
-
     here = this_rank()
     if plan.distributed is not None and plan.distributed != here:
 

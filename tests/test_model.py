@@ -175,7 +175,13 @@ def test_a_compiled_model_binds_only_to_the_model_it_was_compiled_from(
     _, compiled = compiled_llama
     path = str(tmp_path / "llama.pt2c")
     compiled.save(path)
-    sources = [{"path": path}, {"key": compiled.cache_key, "cache": ArtifactCache(llama_cache)}]
+    store = ArtifactCache(llama_cache)
+    store.tag("tiny-llama", compiled.cache_key)
+    sources = [
+        {"path": path},
+        {"key": compiled.cache_key, "cache": store},
+        {"tag": "tiny-llama", "cache": store},  # was a TypeError (a client trial tried it)
+    ]
     others = [
         (tiny_llama(num_hidden_layers=2), "model_settings, model_tensors"),
         (tiny_llama(rms_norm_eps=0.5), "model_settings"),
