@@ -50,6 +50,11 @@ def max_payload_bytes() -> int:
     return value
 
 
+def symlink_refused(where: str) -> CorruptArtifactError:
+    """The error for a symbolic link where an artifact's own file was expected."""
+    return CorruptArtifactError(f"{where} is a symbolic link; an artifact's files must be its own")
+
+
 def check_payload_size(raw_size: object, digest: str, where: str) -> int:
     """``raw_size`` as an index commits to it: a non-negative int (else the index is
     corrupt) within the maximum (else ``PayloadLimitError``, naming the setting)."""
@@ -161,9 +166,7 @@ def open_regular(
         raise ArtifactAccessError(f"{name} cannot be read by this user: {exc.strerror}") from None
     except OSError as exc:
         if exc.errno == errno.ELOOP:
-            raise CorruptArtifactError(
-                f"{name} is a symbolic link; an artifact's files must be its own"
-            ) from None
+            raise symlink_refused(name) from None
         raise
     info = os.fstat(fd)
     if not stat.S_ISREG(info.st_mode):

@@ -26,7 +26,7 @@ import stat
 import tempfile
 from typing import Any
 
-from cache._bytes import check_payload_size, read_bounded, sha256_hex
+from cache._bytes import check_payload_size, read_bounded, sha256_hex, symlink_refused
 from cache._json import decode_json
 from cache._signing import Signature, check, sign
 
@@ -172,9 +172,7 @@ def _open_dir(name: str, dir_fd: int | None, where: str) -> int:
         raise CorruptArtifactError(f"{where} is missing") from None
     except NotADirectoryError:
         if dir_fd is not None and _is_link(name, dir_fd):
-            raise CorruptArtifactError(
-                f"{where} is a symbolic link; an artifact's files must be its own"
-            ) from None
+            raise symlink_refused(where) from None
         if dir_fd is None:
             raise InvalidOptionError(
                 f"{where!r} is not a directory; an unpacked artifact is a directory "
@@ -183,9 +181,7 @@ def _open_dir(name: str, dir_fd: int | None, where: str) -> int:
         raise CorruptArtifactError(f"{where} is not a directory") from None
     except OSError as exc:
         if exc.errno == errno.ELOOP:
-            raise CorruptArtifactError(
-                f"{where} is a symbolic link; an artifact's files must be its own"
-            ) from None
+            raise symlink_refused(where) from None
         raise
 
 
