@@ -129,6 +129,33 @@ def _device_of(graph: GraphDescription) -> str:
     return "cuda" if "cuda" in devices else "cpu"
 
 
+def pinning_guards(guards: Sequence[sympy.Expr]) -> list[sympy.Expr]:
+    """The guards that hold a dynamic dim to one value (``Eq(s, 12)``): a hint variant with
+    one serves that size alone."""
+    return [
+        g
+        for g in guards
+        if isinstance(g, sympy.Eq)
+        and any(isinstance(a, sympy.Symbol) for a in g.args)
+        and any(a.is_Integer for a in g.args)
+    ]
+
+
+def _warn_if_pinned(number: int, guards: Sequence[sympy.Expr], *, training: bool) -> None:
+    pinned = pinning_guards(guards)
+    if pinned:
+        log.warning(
+            "hint variant %d is guarded to one size (%s): it serves that size alone, other "
+            "sizes find no variant%s",
+            number,
+            ", ".join(dict.fromkeys(adapter.print_expr(g) for g in pinned)),
+            "; it was compiled with grad enabled (it has a backward graph), which pins "
+            "masked attention this way: compile under torch.no_grad() to serve"
+            if training
+            else "; give exact sizes for the sizes you serve",
+        )
+
+
 def _common_guards(
     graph: GraphDescription,
     requests: Sequence[VariantRequest],
@@ -208,6 +235,8 @@ def _compile_all(
         guards = compiled.guards
         if request.kind == "static":
             guards = (*(sympy.Eq(s, v) for s, v in point.items()), *guards)
+        else:
+            _warn_if_pinned(number, guards, training=compiled.training)
         all_guards.append(guards)
         code = adapter.variant_code_digest(compiled.payload)
         shared = code in by_code

@@ -85,3 +85,16 @@ def test_a_static_graph_ignores_hints_and_sizes(caplog: pytest.LogCaptureFixture
     assert plan_variants([], {}, [], hints={"s0": [4]}, sizes=None) == [VariantRequest("hint", ())]
     with pytest.raises(InvalidOptionError, match="hints must be"):
         plan_variants([], {}, [], hints="16", sizes=None)
+
+
+def test_a_hint_variant_held_to_one_size_is_named() -> None:
+    """A hint variant whose guards hold a dim to one value serves that size alone: the
+    compile warns (seen with grad enabled on causal attention: ``12 == s27``)."""
+    import sympy
+
+    from precompile._standalone import pinning_guards
+
+    s, t = sympy.Symbol("s27", integer=True), sympy.Symbol("s3", integer=True)
+    pinned = sympy.Eq(s, 12)
+    assert pinning_guards([sympy.Ge(s, 2), sympy.Ne(s, 1), pinned, sympy.Eq(s, t)]) == [pinned]
+    assert pinning_guards([sympy.Ge(s, 2), sympy.Lt(s * 2, 4096)]) == []
