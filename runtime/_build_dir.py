@@ -20,7 +20,7 @@ import stat
 import tempfile
 import threading
 
-from ._errors import UnsafeCacheError
+from ._errors import InvalidOptionError, UnsafeCacheError
 
 _lock = threading.Lock()
 _directory: str | None = None
@@ -54,7 +54,15 @@ def build_dir() -> str:
             return _directory
         configured = os.environ.get("PRECOMPILE_BUILD_DIR")
         if configured:
-            os.makedirs(configured, mode=0o700, exist_ok=True)
+            try:  # the last component only: a typo never creates a tree of directories
+                os.mkdir(configured, mode=0o700)
+            except FileExistsError:
+                pass
+            except FileNotFoundError:
+                raise InvalidOptionError(
+                    f"PRECOMPILE_BUILD_DIR={configured!r}: its parent directory does not "
+                    "exist (only the directory itself is created, private to this user)"
+                ) from None
             check_private(configured, "PRECOMPILE_BUILD_DIR")
             _directory = configured
         else:

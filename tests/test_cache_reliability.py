@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import stat
 import subprocess
 import sys
 import textwrap
@@ -434,6 +435,22 @@ def test_a_planted_kernel_in_a_shared_build_dir_is_replaced(
             ),
             env={"PRECOMPILE_BUILD_DIR": build},
         )
+
+
+def test_a_build_dir_under_a_missing_parent_is_refused(tmp_path: Any) -> None:
+    """PRECOMPILE_BUILD_DIR creates its last component only (a client trial's typo created
+    /nonexistent, mode 755, and used it)."""
+    missing = os.path.join(str(tmp_path), "missing", "build")
+    with pytest.raises(AssertionError, match=r"InvalidOptionError.*parent directory"):
+        run_python(
+            "from runtime._build_dir import build_dir\nbuild_dir()\n",
+            env={"PRECOMPILE_BUILD_DIR": missing},
+        )
+    assert not os.path.exists(os.path.dirname(missing))
+    made = os.path.join(str(tmp_path), "build")
+    run_python("from runtime._build_dir import build_dir\nprint(build_dir())\n",
+               env={"PRECOMPILE_BUILD_DIR": made})  # fmt: skip
+    assert stat.S_IMODE(os.stat(made).st_mode) == 0o700
 
 
 FORK = """
