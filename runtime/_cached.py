@@ -17,7 +17,7 @@ from cache import ArtifactCache, StoredEntry, cache_to_read
 
 from ._artifact import CompiledArtifact, artifact_from_entry
 from ._entry_summary import MODEL_ENTRY
-from ._errors import CorruptArtifactError
+from ._errors import InvalidOptionError
 
 
 def load_cached(cache: ArtifactCache, key: str) -> tuple[CompiledArtifact, dict[str, bytes]] | None:
@@ -36,7 +36,10 @@ def load_cached_model(cache: ArtifactCache | None, key: str) -> tuple[CompiledAr
         return None
     document = entry.document
     if not isinstance(document, dict) or document.get("kind") != MODEL_ENTRY:
-        raise CorruptArtifactError(f"cache entry {key[:12]} is not a compiled model")
+        raise InvalidOptionError(
+            f"cache entry {key[:12]} is not a compiled model (a graph: load it with "
+            "CompiledArtifact.load)"
+        )
     graph = _with_document(entry, document.get("manifest"))
     return artifact_from_entry(graph), document.get("model")
 

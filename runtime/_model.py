@@ -517,6 +517,11 @@ class CompiledModel:
             manifest, payloads, _, raw_plan = read_binary_with_model(
                 source, signing.trusted_keys(trusted_keys)
             )
+            if raw_plan is None:
+                raise InvalidOptionError(
+                    f"{source!r} is a compiled graph, not a compiled model: load it with "
+                    "CompiledArtifact.load (load_model takes what CompiledModel.save wrote)"
+                )
             check_compatible(manifest.environment, f"artifact {source!r}")
             artifact = CompiledArtifact(manifest, payloads)
         else:

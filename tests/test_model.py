@@ -208,6 +208,18 @@ def test_a_compiled_model_binds_only_to_the_model_it_was_compiled_from(
             )
 
 
+def test_load_model_of_a_graph_artifact_says_what_it_is(
+    compiled_llama: tuple[Any, Any], saved: dict[str, str]
+) -> None:
+    """A graph artifact is not a compiled model: the error names the file and what to
+    use (was 'model plan is missing or not a model plan', naming no file)."""
+    model, _ = compiled_llama
+    with pytest.raises(
+        precompile.InvalidOptionError, match=r"is a compiled graph.*CompiledArtifact"
+    ):
+        precompile.load_model(model, saved["binary"], warmup=False)
+
+
 def test_calls_outside_the_compiled_structure_are_refused(compiled_llama: tuple[Any, Any]) -> None:
     model, compiled = compiled_llama
     ids = torch.randint(0, VOCAB, (1, 7))
