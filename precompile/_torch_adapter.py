@@ -435,6 +435,14 @@ def variant_code_digest(payload: bytes) -> str:
     return digest.hexdigest()
 
 
+def _pinned_to_a_size(shape_env: Any, symbols: Mapping[Any, Any]) -> bool:
+    """Whether a compile replaced one of the variant's symbols by a constant."""
+    return any(
+        symbol in symbols and sympy.sympify(value).is_Integer
+        for symbol, value in shape_env.replacements.items()
+    )
+
+
 @contextmanager
 def _compile_context(fake_mode: Any, size_oblivious: bool) -> Iterator[None]:
     """Inductor's settings for one variant's compile. ``size_oblivious``: answer 0/1
@@ -670,6 +678,16 @@ def compile_variant(
         fake_mode, reverse, payload, kernels, uses, training = _compile_once(
             gm, graph, point, dynamic, options, False
         )
+    else:
+        if size_oblivious and _pinned_to_a_size(fake_mode.shape_env, reverse):
+            # Seen with a backward graph of masked attention: size-oblivious tracing held
+            # the dim to its hint (12 == s); traced with 0/1 guards it serves every size.
+            log.info(
+                "size-oblivious compile held a dynamic dim to one size; compiling with 0/1 guards"
+            )
+            fake_mode, reverse, payload, kernels, uses, training = _compile_once(
+                gm, graph, point, dynamic, options, False
+            )
     shape_env = fake_mode.shape_env
     guards: list[sympy.Expr] = [g.expr for g in shape_env.guards]
     for symbol, replacement in shape_env.replacements.items():

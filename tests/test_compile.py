@@ -382,3 +382,26 @@ def test_a_graph_inductor_cannot_compile_fails_once_with_the_reason(
         assert "RuntimeError: lowering exploded" in str(info.value)
         assert ("not retried" in str(info.value)) == (attempt > 0)
     assert len(calls) == 1
+
+
+def test_a_hint_variant_with_a_backward_graph_serves_other_sizes(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Causal attention compiled with grad enabled: size-oblivious tracing of its backward
+    held the hint variant to its hint (``12 == s``, every other size NoVariantError, found
+    by the tensor-parallel work); such a variant is compiled again with 0/1 guards."""
+    from conftest import AttentionBlock
+
+    torch.manual_seed(0)
+    block = AttentionBlock()
+    with caplog.at_level("INFO", logger="precompile"):
+        compiled = precompile.compile_model(
+            block, (torch.randn(1, 8, 32),), dynamic={0: [1]}, hints=[12], warmup=False,
+            cache=False,
+        )  # fmt: skip
+    hint = next(v for v in compiled.artifact.manifest.variants if v.kind == "hint")
+    assert not any("==" in guard for guard in hint.guards), hint.guards
+    assert "held a dynamic dim to one size" in caplog.text
+    for length in (5, 12, 40):
+        x = torch.randn(1, length, 32)
+        torch.testing.assert_close(compiled(x), block(x), rtol=1e-5, atol=1e-5)
