@@ -59,6 +59,8 @@ def _find(store: ArtifactCache, prefix: str) -> CacheEntry:
     if not matches and len(unreadable) == 1:
         path, reason = unreadable[0]
         raise SystemExit(f"precompile: could not read entry {path}: {reason}")
+    if not matches:
+        raise SystemExit(f"precompile: no entry's key starts with {prefix!r} in this cache")
     raise SystemExit(
         f"precompile: key prefix {prefix!r} matches {len(matches)} entries; give more digits"
     )

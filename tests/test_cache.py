@@ -450,6 +450,8 @@ def test_cli_ls_shows_what_is_unknown_as_unknown(tmp_path: object) -> None:
     assert listed[key_of(2)]["kind"] == "unknown" and listed[key_of(2)]["inputs"] is None
     assert listed[key_of(3)]["name"] == "m.Net" and listed[key_of(3)]["config"].startswith("evil")
     assert listed[key_of(5)]["hints"] == [] and listed[key_of(5)]["sizes"] == []
+    missing = _cli("--root", root, "explain", "f" * 64)  # said "matches 0 entries; give more"
+    assert missing.returncode != 0 and "no entry's key starts with 'ffff" in missing.stderr
 
 
 def test_miss_explanation_names_the_differing_factor(tmp_path: object) -> None:
