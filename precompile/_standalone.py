@@ -131,13 +131,14 @@ def _device_of(graph: GraphDescription) -> str:
 
 def pinning_guards(guards: Sequence[sympy.Expr]) -> list[sympy.Expr]:
     """The guards that hold a dynamic dim to one value (``Eq(s, 12)``): a hint variant with
-    one serves that size alone."""
+    one serves that size alone. A variant hinted at 0 or 1 specializes there by design
+    (a decode step's code for one row), so ``Eq(s, 1)`` is not one of them."""
     return [
         g
         for g in guards
         if isinstance(g, sympy.Eq)
         and any(isinstance(a, sympy.Symbol) for a in g.args)
-        and any(a.is_Integer for a in g.args)
+        and any(a.is_Integer and int(a) > 1 for a in g.args)
     ]
 
 

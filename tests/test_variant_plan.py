@@ -98,3 +98,4 @@ def test_a_hint_variant_held_to_one_size_is_named() -> None:
     pinned = sympy.Eq(s, 12)
     assert pinning_guards([sympy.Ge(s, 2), sympy.Ne(s, 1), pinned, sympy.Eq(s, t)]) == [pinned]
     assert pinning_guards([sympy.Ge(s, 2), sympy.Lt(s * 2, 4096)]) == []
+    assert pinning_guards([sympy.Eq(s, 1), sympy.Eq(t, 0)]) == []  # hint 0/1: by design
