@@ -357,9 +357,12 @@ class CompiledModel:
             (args, dict(sorted(kwargs.items()))), is_leaf=is_kv_cache
         )
         if spec != self._in_spec:
+            said, compiled = adapter.call_structure(spec), adapter.call_structure(self._in_spec)
+            if said == compiled:  # the same arguments, nested differently
+                said, compiled = str(spec), str(self._in_spec)
             raise InputMismatchError(
-                f"this call's arguments are structured as {spec}, but the model was compiled "
-                f"for {self._in_spec}; compile again for this call structure"
+                f"this call's arguments are structured as {said}, but the model was compiled "
+                f"for {compiled}; compile again for this call structure"
             )
         return leaves
 

@@ -530,6 +530,18 @@ def tree_flatten(value: Any, is_leaf: Callable[[Any], bool] | None = None) -> tu
     return leaves, spec
 
 
+def call_structure(spec: Any) -> str:
+    """A call's ``(args, kwargs)`` structure said as a person would: how many positional
+    arguments and which keywords; the tree itself where it is not that shape."""
+    try:
+        children = spec.children() if callable(getattr(spec, "children", None)) else None
+        args, kwargs = children if children is not None else spec.children_specs
+        keywords = ", ".join(str(k) for k in kwargs.context) or "none"
+        return f"{args.num_children} positional argument(s) and keywords: {keywords}"
+    except (AttributeError, TypeError, ValueError):
+        return str(spec)
+
+
 def tree_unflatten(leaves: list[Any], spec: Any) -> Any:
     from torch.utils import _pytree as pytree
 
