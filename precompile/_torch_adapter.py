@@ -661,33 +661,25 @@ def compile_variant(
     # graph raised KeyError 'unbacked_bindings'), the variant is compiled with 0/1 guards
     # instead, which keep it away from the sizes it was not traced for.
     size_oblivious = dynamic and all(int(v) >= 2 for v in point.values())
+    retry: str | None = None
     try:
-        fake_mode, reverse, payload, kernels, uses, training = _compile_once(
-            gm, graph, point, dynamic, options, size_oblivious
-        )
+        result = _compile_once(gm, graph, point, dynamic, options, size_oblivious)
     except UnsupportedGraphError:
         raise
     except Exception as exc:
         if not size_oblivious or not type(exc).__module__.startswith("torch"):
             raise  # only torch's own compile failures are worth a guarded retry
-        log.info(
-            "size-oblivious compile failed (%s: %s); compiling with 0/1 guards",
-            type(exc).__name__,
-            str(exc).strip().splitlines()[0][:200] if str(exc).strip() else "",
-        )
-        fake_mode, reverse, payload, kernels, uses, training = _compile_once(
-            gm, graph, point, dynamic, options, False
-        )
+        first_line = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else ""
+        retry = f"size-oblivious compile failed ({type(exc).__name__}: {first_line})"
     else:
-        if size_oblivious and _pinned_to_a_size(fake_mode.shape_env, reverse):
+        if size_oblivious and _pinned_to_a_size(result[0].shape_env, result[1]):
             # Seen with a backward graph of masked attention: size-oblivious tracing held
             # the dim to its hint (12 == s); traced with 0/1 guards it serves every size.
-            log.info(
-                "size-oblivious compile held a dynamic dim to one size; compiling with 0/1 guards"
-            )
-            fake_mode, reverse, payload, kernels, uses, training = _compile_once(
-                gm, graph, point, dynamic, options, False
-            )
+            retry = "size-oblivious compile held a dynamic dim to one size"
+    if retry is not None:
+        log.info("%s; compiling with 0/1 guards", retry)
+        result = _compile_once(gm, graph, point, dynamic, options, False)
+    fake_mode, reverse, payload, kernels, uses, training = result
     shape_env = fake_mode.shape_env
     guards: list[sympy.Expr] = [g.expr for g in shape_env.guards]
     for symbol, replacement in shape_env.replacements.items():
