@@ -29,6 +29,7 @@ from ._errors import (
     InvalidOptionError,
     PayloadLimitError,
 )
+from ._settings import env_bytes
 
 ZSTD_LEVEL = 3
 _CHUNK = 1 << 22
@@ -36,18 +37,7 @@ _CHUNK = 1 << 22
 
 def max_payload_bytes() -> int:
     """The largest payload a load decompresses: ``$PRECOMPILE_MAX_PAYLOAD_BYTES`` or 8 GiB."""
-    text = os.environ.get("PRECOMPILE_MAX_PAYLOAD_BYTES")
-    if not text:
-        return 8 << 30
-    try:
-        value = int(text)
-    except ValueError:
-        raise InvalidOptionError(
-            f"PRECOMPILE_MAX_PAYLOAD_BYTES must be a number of bytes, got {text!r}"
-        ) from None
-    if value <= 0:
-        raise InvalidOptionError(f"PRECOMPILE_MAX_PAYLOAD_BYTES must be > 0, got {value}")
-    return value
+    return env_bytes("PRECOMPILE_MAX_PAYLOAD_BYTES", 8 << 30)
 
 
 def symlink_refused(where: str) -> CorruptArtifactError:

@@ -1,6 +1,6 @@
-"""``PRECOMPILE_*`` switches read from the environment, one parser for all of them: a
-typo (``PRECOMPILE_OFFLINE=ture``) is an error naming the variable, never a silent
-"on" or "off"."""
+"""``PRECOMPILE_*`` settings read from the environment, one parser per kind: a typo
+(``PRECOMPILE_OFFLINE=ture``, ``PRECOMPILE_CACHE_SIZE_LIMIT=1KB``) is an error naming the
+variable, never a silent "on", "off" or default."""
 
 from __future__ import annotations
 
@@ -25,3 +25,17 @@ def env_flag(name: str, default: bool) -> bool:
     raise InvalidOptionError(
         f"{name} must be 1/true/yes/on or 0/false/no/off, got {os.environ[name]!r}"
     )
+
+
+def env_bytes(name: str, default: int) -> int:
+    """A positive number of bytes from ``name``; unset or empty is ``default``."""
+    text = os.environ.get(name)
+    if not text:
+        return default
+    try:
+        value = int(text)
+    except ValueError:
+        raise InvalidOptionError(f"{name} must be a number of bytes, got {text!r}") from None
+    if value <= 0:
+        raise InvalidOptionError(f"{name} must be > 0, got {value}")
+    return value

@@ -63,6 +63,7 @@ from ._errors import (
 from ._json import decode_json
 from ._remote import Lease, RemoteTier, remote_from_env
 from ._root import LAYOUT, prepare, resolve_root
+from ._settings import env_bytes
 from ._signing import Signature, TrustedKeysOption
 from ._tags import Tags
 
@@ -83,18 +84,7 @@ REMOTE_ENTRY_MAX_BYTES = 4 << 30
 
 
 def _size_limit_from_env() -> int:
-    text = os.environ.get("PRECOMPILE_CACHE_SIZE_LIMIT")
-    if not text:
-        return DEFAULT_SIZE_LIMIT
-    try:
-        value = int(text)
-    except ValueError:
-        raise InvalidOptionError(
-            f"PRECOMPILE_CACHE_SIZE_LIMIT must be a number of bytes, got {text!r}"
-        ) from None
-    if value <= 0:
-        raise InvalidOptionError(f"PRECOMPILE_CACHE_SIZE_LIMIT must be > 0, got {value}")
-    return value
+    return env_bytes("PRECOMPILE_CACHE_SIZE_LIMIT", DEFAULT_SIZE_LIMIT)
 
 
 def _is_digest(text: Any) -> bool:

@@ -13,6 +13,7 @@ other caller, and this thread outside a load, gets inductor's own answer unchang
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib
 import logging
@@ -64,8 +65,10 @@ _RUNTIME_MODULES = (
 )
 
 
+@functools.cache
 def import_runtime_modules() -> None:
-    """Import the torch modules that loading and running a variant need."""
+    """Import the torch modules that loading and running a variant need (once: every
+    artifact with a variant off the lean path asks)."""
     for name in _RUNTIME_MODULES:
         importlib.import_module(name)
     _prefetch_torch_source_hash()
