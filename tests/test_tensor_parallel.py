@@ -29,14 +29,20 @@ def _free_port() -> int:
 
 
 def run_ranks(
-    scenario: str, world: int, directory: str, cache: str, env: dict[str, str] | None = None
+    scenario: str,
+    world: int,
+    directory: str,
+    cache: str,
+    env: dict[str, str] | None = None,
+    script: str = SCRIPT,
 ) -> list[dict[str, Any]]:
-    """Start ``world`` processes of one gloo group, all at once; their JSON reports by rank.
-    A rank that hangs (a collective no other rank makes) fails the test, never the suite."""
+    """Start ``world`` processes of one gloo group running ``script``, all at once; their
+    JSON reports by rank. A rank that hangs (a collective no other rank makes) fails the
+    test, never the suite."""
     port = _free_port()
     procs = [
         subprocess.Popen(
-            [sys.executable, SCRIPT, scenario, directory],
+            [sys.executable, script, scenario, directory],
             cwd=ROOT,
             env={
                 **os.environ,
