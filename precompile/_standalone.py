@@ -193,6 +193,39 @@ def _propagate_common_guards(graph: GraphDescription, common: Sequence[sympy.Exp
             adapter.add_caller_guard(env, expr)
 
 
+def _size_one_requests(
+    graph: GraphDescription,
+    requests: Sequence[VariantRequest],
+    guards: Sequence[tuple[sympy.Expr, ...]],
+) -> list[VariantRequest]:
+    """Variants at 1 for the dims no compiled variant serves at 1 but whose range holds it.
+
+    Tracing at a hint of 2 or more can leave guards such as ``Ne(s, 1)`` (torch's stride
+    rules for a view, say), so a range meant to start at 1 (vLLM's ``[1, max tokens]``,
+    a batch of one) would be refused at 1. Such a dim gets a variant specialized at 1,
+    the others at their hints: one compile per such dim, found after the requested ones.
+    """
+    added = []
+    for index, symbol in enumerate(graph.symbols):
+        low, high = graph.ranges[symbol]
+        if low > 1 or (high is not None and high < 1):
+            continue
+        point = tuple(1 if n == index else graph.hints[s] for n, s in enumerate(graph.symbols))
+        values = dict(zip(graph.symbols, point, strict=True))
+        if any(all(adapter.evaluate(g, values) for g in gs) for gs in guards):
+            continue
+        request = VariantRequest("hint", point)
+        if request in requests or request in added:
+            continue
+        log.info(
+            "no variant serves %s=1, which its range holds (their guards exclude it): "
+            "compiling one more, specialized at 1",
+            symbol,
+        )
+        added.append(request)
+    return added
+
+
 def _compile_all(
     gm: torch.fx.GraphModule,
     graph: GraphDescription,
@@ -210,7 +243,11 @@ def _compile_all(
     uses: tuple[adapter.InputUse, ...] | None = None
     training = False
     grad_enabled = torch.is_grad_enabled()
-    for number, request in enumerate(requests):
+    queue = list(requests)  # the requested variants, then any a dim's 1 needs
+    number = -1
+    while number + 1 < len(queue):
+        number += 1
+        request = queue[number]
         point = dict(zip(graph.symbols, request.point, strict=True))
         started = time.perf_counter()
         try:
@@ -274,13 +311,15 @@ def _compile_all(
         log.info(
             "compiled variant %d/%d (%s %s) in %.1f s; %d guards%s",
             number + 1,
-            len(requests),
+            len(queue),
             request.kind,
             ", ".join(f"{n}={v}" for n, v in point_by_name.items()) or "-",
             time.perf_counter() - started,
             len(texts),
             "; same code as an earlier variant" if shared else "",
         )
+        if number + 1 == len(queue):
+            queue += _size_one_requests(graph, queue, all_guards)
     assert uses is not None
     manifest = Manifest(
         environment=current_environment(_device_of(graph)),
@@ -293,7 +332,7 @@ def _compile_all(
         process_groups=groups,
     )
     artifact = CompiledArtifact(manifest, MemoryPayloads(payloads))
-    return artifact, _common_guards(graph, requests, all_guards)
+    return artifact, _common_guards(graph, queue, all_guards)
 
 
 CalibrateOption = Sequence[Any] | Mapping[str, Any] | None
@@ -429,7 +468,8 @@ def standalone_compile(
     if calibration is not None and not symbols:
         log.debug("graph has no dynamic dims: calibrate ignored (one variant, nothing to choose)")
         calibration = None
-    groups = describe_groups(adapter.collective_groups(gm))
+    collectives = adapter.graph_collectives(gm)
+    groups = describe_groups(collectives.groups, collectives.opaque)
     if groups and calibration is not None:
         raise InvalidOptionError(
             "calibrate: this graph runs collectives, and calibrating would run them on the "

@@ -694,8 +694,9 @@ def compile_variant(
     translated = []
     for guard in guards:
         expr = sympy.sympify(guard).xreplace(reverse)
-        if not dynamic:
-            # A static variant has every size fixed, yet AOTAutograd still turns int
+        if not dynamic or not graph.symbols:
+            # A static variant (or any variant of a graph with no symbol: one compiled
+            # from_example_inputs) has every size fixed, yet AOTAutograd still turns int
             # inputs (a SymInt placeholder's value) into fresh symbols; each equals the
             # int it was made from, which the variant's exact-size guards already pin.
             leftover = expr.free_symbols - set(graph.symbols)
@@ -820,7 +821,15 @@ def codegen_config_digest() -> str:
 
 
 # -- collectives ------------------------------------------------------------------------
-_COLLECTIVE_NAMESPACES = ("_c10d_functional", "_c10d_functional_autograd", "c10d_functional")
+# torch's collectives whose ``group_name`` argument is a name torch registered a process
+# group under (resolved again by the op at every call)
+_TORCH_COLLECTIVE_NAMESPACES = (
+    "_c10d_functional",
+    "_c10d_functional_autograd",
+    "c10d_functional",
+    "symm_mem",
+    "_dtensor",
+)
 
 
 def _op_schema(target: Any) -> Any | None:
@@ -832,10 +841,21 @@ def _op_schema(target: Any) -> Any | None:
     return None
 
 
-def collective_groups(gm: torch.fx.GraphModule) -> tuple[str, ...]:
-    """The process-group names the graph's functional collectives (and any other op with
-    a ``group_name`` argument: symmetric memory's, say) run over, in first-use order."""
-    found: dict[str, None] = {}
+@dataclass(frozen=True)
+class GraphCollectives:
+    """What a graph's collectives run over. ``groups``: the names of the torch process
+    groups torch's own collectives name. ``opaque``: other ops taking a ``group_name`` (a
+    framework's own collectives: vLLM's ``vllm::all_reduce(x, group_name="tp:0")`` names
+    its own registry, not torch's), whose group this library cannot see."""
+
+    groups: tuple[str, ...]
+    opaque: tuple[str, ...]
+
+
+def graph_collectives(gm: torch.fx.GraphModule) -> GraphCollectives:
+    """The graph's collectives, in first-use order."""
+    groups: dict[str, None] = {}
+    opaque: dict[str, None] = {}
     for node in gm.graph.nodes:
         if node.op != "call_function":
             continue
@@ -845,11 +865,14 @@ def collective_groups(gm: torch.fx.GraphModule) -> tuple[str, ...]:
         namespace = schema.name.split("::", 1)[0]
         names = [a.name for a in schema.arguments]
         if "group_name" not in names:
-            if namespace in _COLLECTIVE_NAMESPACES and namespace == "c10d_functional":
+            if namespace == "c10d_functional":
                 raise UnsupportedGraphError(
                     f"the graph calls {schema.name}, a legacy collective that names its group "
                     "by tag and ranks; use torch.distributed._functional_collectives"
                 )
+            continue
+        if namespace not in _TORCH_COLLECTIVE_NAMESPACES:
+            opaque.setdefault(schema.name)
             continue
         position = names.index("group_name")
         value = node.args[position] if position < len(node.args) else node.kwargs.get("group_name")
@@ -859,36 +882,66 @@ def collective_groups(gm: torch.fx.GraphModule) -> tuple[str, ...]:
                 "group named by a string (what torch.distributed._functional_collectives "
                 "traces to)"
             )
-        found.setdefault(value)
-    return tuple(found)
+        groups.setdefault(value)
+    return GraphCollectives(tuple(groups), tuple(opaque))
+
+
+def _writes_nothing(func: Any, args: Any, kwargs: Any) -> Any:
+    """What a collective returns, run here alone: outputs of the shapes, strides and
+    dtypes its fake implementation gives, filled with zeros; nothing is written."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        fake = func(*args, **kwargs)
+
+    def real(value: Any) -> Any:
+        if not isinstance(value, torch.Tensor):
+            return value
+        empty = torch.empty_strided(
+            value.shape, value.stride(), dtype=value.dtype, device=value.device
+        )
+        return empty.zero_()
+
+    return real(fake) if len(func._schema.returns) == 1 else tuple(real(v) for v in fake)
 
 
 class _LocalCollectives(TorchDispatchMode):  # type: ignore[misc]
-    """Functional collectives as local no-ops of the same shapes, for one run whose values
-    nobody reads (compile_model's trace: it learns the output structure and what the call
+    """Collectives as local no-ops of the same shapes, for one run whose values nobody
+    reads (compile_model's trace: it learns the output structure and what the call
     writes). A real collective there would wait for ranks that are not tracing."""
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
-        if func.namespace not in _COLLECTIVE_NAMESPACES:
+        takes_group = any(a.name == "group_name" for a in func._schema.arguments)
+        if func.namespace not in _TORCH_COLLECTIVE_NAMESPACES and not takes_group:
             return func(*args, **kwargs)
         name = func._schema.name.split("::", 1)[1]
-        if name in ("wait_tensor", "all_reduce_", "all_reduce_coalesced_", "broadcast_"):
-            return args[0]
-        if name in ("all_reduce", "broadcast"):
-            return args[0].clone()
-        if name == "all_reduce_coalesced":
-            return [t.clone() for t in args[0]]
-        if name in ("all_gather_into_tensor", "all_gather_into_tensor_out"):
-            gathered = torch.cat([args[0]] * int(args[1]))
-            out = kwargs.get("out")
-            return gathered if out is None else out.copy_(gathered)
-        if name == "reduce_scatter_tensor":
-            return args[0].narrow(0, 0, args[0].shape[0] // int(args[2])).clone()
-        raise UnsupportedGraphError(
-            f"compile_model cannot trace a graph that calls {func}: its one traced run "
-            "replaces collectives by local copies, and knows none for this one"
-        )
+        if func.namespace in _TORCH_COLLECTIVE_NAMESPACES[:3]:
+            if name in ("wait_tensor", "all_reduce_", "all_reduce_coalesced_", "broadcast_"):
+                return args[0]
+            if name in ("all_reduce", "broadcast"):
+                return args[0].clone()
+            if name == "all_reduce_coalesced":
+                return [t.clone() for t in args[0]]
+            if name in ("all_gather_into_tensor", "all_gather_into_tensor_out"):
+                gathered = torch.cat([args[0]] * int(args[1]))
+                out = kwargs.get("out")
+                return gathered if out is None else out.copy_(gathered)
+            if name == "reduce_scatter_tensor":
+                return args[0].narrow(0, 0, args[0].shape[0] // int(args[2])).clone()
+        if not takes_group:
+            raise UnsupportedGraphError(
+                f"compile_model cannot trace a graph that calls {func}: its one traced run "
+                "replaces collectives by local copies, and knows none for this one"
+            )
+        try:
+            return _writes_nothing(func, args, kwargs)
+        except Exception as exc:  # no fake implementation, or one that fails
+            raise UnsupportedGraphError(
+                f"compile_model cannot trace a graph that calls {func}: its one traced run "
+                "makes collectives local (a real one would wait for ranks that are not "
+                f"tracing), from the op's fake implementation, which failed: {exc}"
+            ) from exc
 
 
 # -- tracing a whole model (compile_model) --------------------------------------------

@@ -14,11 +14,14 @@ collectives does.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 
 from . import _torch_adapter as adapter
 from ._errors import IncompatibleArtifactError, UnsupportedGraphError
 from ._manifest import ProcessGroupSpec
+
+log = logging.getLogger("precompile.runtime")
 
 
 def describe_group(name: str) -> ProcessGroupSpec | None:
@@ -36,10 +39,25 @@ def describe_group(name: str) -> ProcessGroupSpec | None:
     )
 
 
-def describe_groups(names: Sequence[str]) -> tuple[ProcessGroupSpec, ...]:
-    """The groups a graph being compiled names; each must exist in the compiling process."""
+def describe_groups(
+    names: Sequence[str], opaque: Sequence[str] = ()
+) -> tuple[ProcessGroupSpec, ...]:
+    """The groups a graph being compiled names; each must exist in the compiling process.
+
+    ``opaque``: the graph's other collectives, a framework's own ops that name groups of
+    its own registry (vLLM's ``vllm::all_reduce(x, group_name="tp:0")``), which this
+    library cannot resolve. For those the default group stands in: the world the graph
+    was compiled in, so that a world of another size or backend is a miss or a refusal.
+    """
+    wanted = set(names)
+    if opaque:
+        world = default_group_name()
+        if world is None:
+            log.debug("collectives %s outside torch.distributed: keyed by nothing", opaque)
+        else:
+            wanted.add(world)
     found = []
-    for name in sorted(set(names)):
+    for name in sorted(wanted):
         spec = describe_group(name)
         if spec is None:
             raise UnsupportedGraphError(
@@ -48,6 +66,16 @@ def describe_groups(names: Sequence[str]) -> tuple[ProcessGroupSpec, ...]:
             )
         found.append(spec)
     return tuple(found)
+
+
+def default_group_name() -> str | None:
+    """The name the default group is registered under here, or None outside
+    torch.distributed."""
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_initialized():
+        return None
+    return str(dist.group.WORLD.group_name)
 
 
 def _said(spec: ProcessGroupSpec) -> str:

@@ -21,7 +21,8 @@ from typing import Any
 
 import pytest
 import vllm_adaptor_harness as harness
-from conftest import run_python
+from conftest import ROOT, run_python
+from test_tensor_parallel import run_ranks
 
 CONFIGS = ["older-binary", "older-unpacked", "newer-binary", "newer-unpacked"]
 
@@ -111,3 +112,54 @@ def test_fresh_process_outputs_match_eager(warm: dict[str, Any], config: str) ->
     problems = warm[config]
     assert isinstance(problems, list), problems  # the error the fresh process raised
     assert problems == [], "\n".join(problems)
+
+
+# -- tensor parallel: vLLM's own collective ops ------------------------------------------
+# vLLM's layers sum over ranks with ``torch.ops.vllm.all_reduce(x, group_name="tp:0")``, a
+# custom op naming a group of vLLM's registry. ``vllm_tensor_parallel.py`` runs the
+# decoder layer sharded over two gloo ranks that way, through vLLM's adaptor (saved under
+# ``rank_<r>_0``), ``precompile.backend`` and ``compile_model``.
+VLLM_TP_SCRIPT = os.path.join(ROOT, "tests", "vllm_tensor_parallel.py")
+
+
+@pytest.fixture(scope="module")
+def vllm_tp(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    directory = str(tmp_path_factory.mktemp("vllm-tp"))
+    cache = os.path.join(directory, "cache")
+
+    def ranks(scenario: str, world: int) -> list[dict[str, Any]]:
+        return run_ranks(scenario, world, directory, cache, script=VLLM_TP_SCRIPT)
+
+    return {"cold": ranks("cold", 2), "warm": ranks("warm", 2), "mismatch": ranks("mismatch", 1)}
+
+
+@pytest.mark.subprocess
+def test_tensor_parallel_graphs_with_vllms_collective_ops_match_the_unsharded_layer(
+    vllm_tp: dict[str, Any],
+) -> None:
+    """Before, every such graph was refused ('process group tp:0 is not registered'), and
+    the adaptor's compile-size pieces failed on the layer's per-head views."""
+    for report in vllm_tp["cold"] + vllm_tp["warm"]:
+        for path in ("vllm", "backend", "model"):
+            assert report[f"{path}_error"] < 1e-5, (path, report)
+        # the op's group is vLLM's: the world the graph was compiled in stands for it
+        assert report["process_groups"] == [["0", 2, "gloo", [0, 1]]], report
+    cold = vllm_tp["cold"]
+    # the ranks' graphs are identical: one rank compiles each, the other loads it
+    assert sorted(r["vllm_compiles"] for r in cold) == [0, 3], cold  # size 8; range and 1
+    assert sorted(r["backend_compiles"] for r in cold) == [0, 2], cold
+    for report in vllm_tp["warm"]:
+        assert report["vllm_compiles"] == report["backend_compiles"] == 0, report
+        assert report["model_compiles"] == 0, report
+
+
+@pytest.mark.subprocess
+def test_vllm_tensor_parallel_artifact_in_another_world_is_refused_not_summed(
+    vllm_tp: dict[str, Any],
+) -> None:
+    """A world of one, with rank 0's shard: vLLM's 'tp:0' there is a group of one rank,
+    and the graph would have returned rank 0's share of the sum as the sum."""
+    (report,) = vllm_tp["mismatch"]
+    assert report["vllm"].startswith("IncompatibleArtifactError"), report
+    assert "process group '0' of 2 ranks [0, 1] (gloo)" in report["vllm"], report
+    assert "has 1 ranks [0]" in report["vllm"], report

@@ -71,19 +71,26 @@ SPLITTING_OPS = (torch.ops.precompile_vllm_test.attention,)
 
 
 class TinyDecoderLayer(torch.nn.Module):
-    """One pre-norm decoder layer over [tokens, hidden], attention through the custom op."""
+    """One pre-norm decoder layer over [tokens, hidden], attention through the custom op,
+    per-head q/k norms before it."""
 
     def __init__(self) -> None:
         super().__init__()
         self.input_norm = torch.nn.RMSNorm(HIDDEN)
         self.qkv = torch.nn.Linear(HIDDEN, 3 * HIDDEN)
+        self.q_norm = torch.nn.RMSNorm(HIDDEN // HEADS)
+        self.k_norm = torch.nn.RMSNorm(HIDDEN // HEADS)
         self.o_proj = torch.nn.Linear(HIDDEN, HIDDEN)
         self.post_norm = torch.nn.RMSNorm(HIDDEN)
         self.up = torch.nn.Linear(HIDDEN, 2 * HIDDEN)
         self.down = torch.nn.Linear(2 * HIDDEN, HIDDEN)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        tokens = x.shape[0]
         q, k, v = self.qkv(self.input_norm(x)).chunk(3, dim=-1)
+        # Qwen3's per-head norms, outside vLLM's attention op: views by the token count
+        q = self.q_norm(q.reshape(tokens, HEADS, -1)).reshape(tokens, -1)
+        k = self.k_norm(k.reshape(tokens, HEADS, -1)).reshape(tokens, -1)
         x = x + self.o_proj(torch.ops.precompile_vllm_test.attention(q, k, v))
         return x + self.down(F.silu(self.up(self.post_norm(x))))
 
