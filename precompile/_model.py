@@ -35,6 +35,7 @@ from runtime._errors import (
     CacheWriteError,
     IncompatibleArtifactError,
     InvalidOptionError,
+    NoVariantError,
     UnsupportedGraphError,
     UntrustedArtifactError,
 )
@@ -46,7 +47,7 @@ from runtime._kv_cache import (
     describe_cache,
     is_kv_cache,
 )
-from runtime._manifest import FORMAT_VERSION
+from runtime._manifest import FORMAT_VERSION, TensorInput
 from runtime._model import CompiledModel, ModelPlan, stale_reason
 from runtime._model_identity import canonical_digest as _digest
 from runtime._model_identity import class_path, file_digest, model_identity
@@ -461,7 +462,103 @@ def _trace_and_compile(
     plan = _plan(model, leaves, paths, trace, advanced)
     _check_dynamic(plan, trace.artifact.manifest, dims, paths, leaves)
     log.info("traced and compiled %s in %.1f s", class_path(model), time.perf_counter() - started)
-    return CompiledModel(model, trace.artifact, plan)
+    compiled = CompiledModel(model, trace.artifact, plan)
+    if not caches:
+        compiled = _refusing_other_branches(model, compiled, args, kwargs, paths)
+    return compiled
+
+
+def _refusing_other_branches(
+    model: torch.nn.Module,
+    compiled: CompiledModel,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    paths: list[Any],
+) -> CompiledModel:
+    """Refuse length 1 of a dim where the model's Python code takes another branch.
+
+    Dynamo traces a dynamic dim as at least 2 and decides a branch on it (``if
+    x.shape[0] > 1``) from that, recording no guard; the graph holds the ``> 1`` branch
+    only, yet its variants admit 1 (the default exact size 1; size-oblivious hints). So
+    at 1, per dim, the compiled model is run beside the model itself on the example
+    narrowed to 1: where they differ, every variant is guarded away from 1. A check on
+    one input, not a proof (random ops, dropout in training mode, differ from eager and
+    are refused at 1); skipped for calls that write their inputs (a KV cache) and graphs
+    with collectives (a run is a collective the other ranks do not make).
+    """
+    artifact = compiled.artifact
+    manifest = artifact.manifest
+    if manifest.process_groups:
+        return compiled
+    if any(isinstance(s, TensorInput) and s.mutation != "none" for s in manifest.inputs):
+        return compiled
+    bindings = compiled.plan.bindings
+    for symbol in manifest.symbols:
+        places = [
+            (bindings[src.input_index][1], src.dim)
+            for src in symbol.sources
+            if src.dim is not None and bindings[src.input_index][0] == "leaf"
+        ]
+        if not places:
+            continue
+        leaves, spec = runtime_adapter.tree_flatten((args, kwargs), is_leaf=is_kv_cache)
+        if all(leaves[leaf].shape[dim] == 1 for leaf, dim in places):
+            continue  # traced at 1: its branch is the graph's
+        for leaf, dim in places:
+            leaves[leaf] = leaves[leaf].narrow(dim, 0, 1).contiguous()
+        call_args, call_kwargs = runtime_adapter.tree_unflatten(leaves, spec)
+        try:
+            with torch.no_grad():
+                got = compiled(*call_args, **call_kwargs)
+                want = model(*call_args, **call_kwargs)
+        except NoVariantError:
+            continue  # nothing serves 1: nothing to refuse
+        difference = _difference(got, want)
+        if difference is None:
+            continue
+        where = ", ".join(f"{_argument_name(paths[leaf])} dim {dim}" for leaf, dim in places)
+        log.warning(
+            "compile_model: at length 1 of %s the compiled graph and the model disagree "
+            "(%s): the model's Python branches on that length, and Dynamo traced the "
+            "longer branch; calls there are refused (NoVariantError). Compile a second "
+            "model from an example of length 1 to serve them.",
+            where,
+            difference,
+        )
+        artifact = artifact.excluding(f"{symbol.name} != 1")
+        compiled = CompiledModel(model, artifact, compiled.plan)
+    return compiled
+
+
+def _difference(got: Any, want: Any) -> str | None:
+    """How two outputs differ beyond compiled-vs-eager rounding, or None."""
+    got_leaves, got_spec = runtime_adapter.tree_flatten(got)
+    want_leaves, want_spec = runtime_adapter.tree_flatten(want)
+    if got_spec != want_spec:
+        return "their output structures differ"
+    for index, (a, b) in enumerate(zip(got_leaves, want_leaves, strict=True)):
+        if not isinstance(b, torch.Tensor):
+            if a != b:
+                return f"output {index}: {a!r} against {b!r}"
+            continue
+        if not isinstance(a, torch.Tensor) or a.shape != b.shape or a.dtype != b.dtype:
+            return f"output {index}: {_said(a)} against {_said(b)}"
+        if not a.dtype.is_floating_point:
+            if not torch.equal(a, b):
+                return f"output {index} differs"
+            continue
+        tolerance = 5e-2 if a.element_size() <= 2 else 1e-4
+        if not torch.allclose(a.float(), b.float(), rtol=tolerance, atol=tolerance):
+            return (
+                f"output {index} differs by up to {float((a.float() - b.float()).abs().max()):.3g}"
+            )
+    return None
+
+
+def _said(value: Any) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"{value.dtype} {tuple(value.shape)}"
+    return type(value).__name__
 
 
 def _check_dynamic(

@@ -608,6 +608,15 @@ class CompiledArtifact:
         key = self._sizes(args)
         return self._dispatcher.explain(key)
 
+    def excluding(self, guard: str) -> CompiledArtifact:
+        """The same variants, each also guarded by ``guard`` (a size they must not serve:
+        ``"s77 != 1"``), sharing this artifact's payloads and loaded code."""
+        variants = tuple(
+            dataclasses.replace(v, guards=(*v.guards, guard)) for v in self._manifest.variants
+        )
+        manifest = dataclasses.replace(self._manifest, variants=variants, calibration=None)
+        return CompiledArtifact(manifest, self._payloads, loaded=self._callables)
+
     def variant_for(self, *args: Any) -> int:
         """Index of the variant a call with these inputs runs (raises like a call would)."""
         key = self._sizes(args)

@@ -326,6 +326,35 @@ class _Breaks(torch.nn.Module):
         return x - 1
 
 
+class BranchesOnLength(torch.nn.Module):
+    """Twice its input for more than one row, three times for one: Dynamo traces the first
+    branch from its lower bound of 2 and records no guard."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * 2 if x.shape[0] > 1 else x * 3
+
+
+def test_a_model_that_branches_on_a_dynamic_length_is_refused_there_never_wrong(
+    tmp_path: Any,
+) -> None:
+    """Before, the default exact size 1 (and the hint variant) ran the traced branch at 1:
+    2x where the model returns 3x. The tiny Llama's branches on its length give the same
+    values at 1, so it is still served there (test_llama_outputs_match_eager)."""
+    model, cache = BranchesOnLength(), str(tmp_path)
+    with torch.no_grad():
+        compiled = precompile.compile_model(
+            model, (torch.randn(8, 4),), dynamic={0: [0]}, hints=[8], cache=cache
+        )
+        found = precompile.compile_model(
+            model, (torch.randn(8, 4),), dynamic={0: [0]}, hints=[8], cache=cache, compile=False
+        )
+        for served in (compiled, found):
+            y = torch.randn(5, 4)
+            torch.testing.assert_close(served(y), y * 2)
+            with pytest.raises(precompile.NoVariantError, match=r"s[0-9]+ != 1"):
+                served(torch.randn(1, 4))
+
+
 def test_a_graph_break_is_refused_with_dynamos_explanation(tmp_path: Any) -> None:
     with pytest.raises(precompile.UnsupportedGraphError, match="graph break") as info:
         precompile.compile_model(_Breaks(), (torch.randn(4, 8),), cache=str(tmp_path))
