@@ -51,7 +51,7 @@ from runtime._manifest import FORMAT_VERSION, TensorInput
 from runtime._model import CompiledModel, ModelPlan, stale_reason
 from runtime._model_identity import canonical_digest as _digest
 from runtime._model_identity import class_path, file_digest, model_identity
-from runtime._process_groups import this_rank
+from runtime._process_groups import registered_groups, this_rank
 from runtime._version import __version__
 
 from ._offline import is_offline, refuse
@@ -249,7 +249,13 @@ def model_factors(
     # whether the trace will bake the rank in (``dist.get_rank()`` in a forward is traced
     # as a constant). Ranks whose graphs are identical still share one compiled artifact:
     # it is cached under its graph's own key, which has no rank (see _trace_and_compile).
-    rank = {} if distributed is None else {"distributed": _digest(list(distributed))}
+    # Nor can it see which groups the trace will name ("1" is whichever group this process
+    # made first after the default one): the key has every group registered here, so a
+    # process that made its groups in another order or of other members misses.
+    rank = {}
+    if distributed is not None:
+        groups = [[g.name, g.size, g.backend, list(g.ranks)] for g in registered_groups()]
+        rank = {"distributed": _digest([*distributed, groups])}
     return {
         **rank,
         **model_identity(model),  # model_class, model_sources, model_settings, model_tensors

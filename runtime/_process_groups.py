@@ -78,6 +78,13 @@ def default_group_name() -> str | None:
     return str(dist.group.WORLD.group_name)
 
 
+def registered_groups() -> tuple[ProcessGroupSpec, ...]:
+    """Every group registered in this process, by name: what a graph traced here can name
+    (the layout a process made, in the order it made it)."""
+    found = (describe_group(name) for name in adapter.process_group_names())
+    return tuple(spec for spec in found if spec is not None)
+
+
 def _said(spec: ProcessGroupSpec) -> str:
     return f"{spec.size} ranks {list(spec.ranks)} ({spec.backend})"
 

@@ -621,3 +621,15 @@ def resolve_process_group(name: str) -> Any | None:
         return _resolve_process_group(name)
     except (RuntimeError, ValueError, KeyError):
         return None
+
+
+def process_group_names() -> list[str]:
+    """The names of every process group registered in this process (the default group
+    and each ``new_group`` this rank is a member of); empty outside torch.distributed."""
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_initialized():
+        return []
+    from torch.distributed.distributed_c10d import _world
+
+    return sorted(str(name) for name in _world.pg_names.values())

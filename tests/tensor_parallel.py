@@ -14,11 +14,13 @@ and the cold and warm runs also serve the block from CUDA graphs.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import faulthandler
 import json
 import os
 import sys
+import time
 from typing import Any
 
 import torch
@@ -26,14 +28,27 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as fc
 
 WIDTH, HEADS, HEAD_DIM, FFN = 32, 2, 8, 32
+VOCAB_SHARD = 24  # each rank's rows of a vocab-parallel lm_head
 DEVICE = os.environ.get("PRECOMPILE_TP_DEVICE", "cpu")
 DTYPE = torch.bfloat16 if DEVICE == "cuda" else torch.float32
 HINTS = [8]  # one hint variant (sizes >= 2), no exact sizes: one compile
 SEQS = [6, 2, 3, 8, 13]
 
 
+# The tensor-parallel subgroup (``dist.new_group``), set in main: group "1" where it is the
+# first group made after the default one, "2" in the remote pairs, which make a one-rank
+# group first (groups created in another order).
+TP_GROUP: Any = None
+
+
 def all_reduce(tensor: torch.Tensor) -> torch.Tensor:
     return fc.all_reduce(tensor, "sum", dist.group.WORLD)
+
+
+def gathered_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """A vocab-parallel lm_head: this rank's vocabulary rows, the logits gathered over the
+    tensor-parallel subgroup along the vocabulary dim."""
+    return fc.all_gather_tensor(torch.nn.functional.linear(x, weight), 2, TP_GROUP)
 
 
 class TPBlock(torch.nn.Module):
@@ -71,6 +86,22 @@ class RankScaled(torch.nn.Module):
         return all_reduce(x * (dist.get_rank() + 1))
 
 
+class VocabParallelHead(torch.nn.Module):
+    """An all-gather over the subgroup (``gathered_logits``) as a model."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(VOCAB_SHARD, WIDTH))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return gathered_logits(x, self.weight)
+
+
+def head_shard(rank: int) -> VocabParallelHead:
+    torch.manual_seed(200 + rank)
+    return VocabParallelHead().eval().to(device=_device(), dtype=DTYPE)
+
+
 def shard(rank: int) -> TPBlock:
     torch.manual_seed(100 + rank)
     return TPBlock().eval().to(device=_device(), dtype=DTYPE)
@@ -89,18 +120,25 @@ def eager_reference(x: torch.Tensor, world: int) -> torch.Tensor:
         return x + sum(s.mlp(x) for s in shards)
 
 
+def head_reference(x: torch.Tensor, world: int) -> torch.Tensor:
+    """The unsharded lm_head: every rank's vocabulary rows, in rank order."""
+    with torch.no_grad():
+        weights = [head_shard(r).weight for r in range(world)]
+        return torch.cat([torch.nn.functional.linear(x, w) for w in weights], -1)
+
+
 def inputs(seq: int) -> torch.Tensor:
     torch.manual_seed(seq)
     return torch.randn(2, seq, WIDTH).to(device=_device(), dtype=DTYPE)
 
 
-def _max_error(compiled: Any, world: int) -> float:
+def _max_error(compiled: Any, world: int, reference: Any = eager_reference) -> float:
     worst = 0.0
     with torch.no_grad():
         for seq in SEQS:
             x = inputs(seq)
             got = compiled(x)
-            worst = max(worst, float((got - eager_reference(x, world)).abs().max()))
+            worst = max(worst, float((got - reference(x, world)).abs().max()))
     return worst
 
 
@@ -133,14 +171,81 @@ def _error(call: Any) -> str:
     return "no error"
 
 
+def _make_groups(scenario: str, world: int) -> None:
+    """The tensor-parallel subgroup, made by every rank. The remote pairs make a one-rank
+    group first: their subgroup is registered as "2", and "1" is rank 0 alone (rank 1,
+    not a member, has no "1")."""
+    global TP_GROUP
+    if world < 2:
+        return
+    if scenario.startswith("remote"):
+        dist.new_group([0])
+    TP_GROUP = dist.new_group(list(range(world)))
+
+
+def _capture_head(weight: torch.Tensor) -> tuple[Any, list[str]]:
+    """vLLM's way to a compiled graph: a torch.compile backend receives Dynamo's FX graph
+    of ``gathered_logits`` and hands it to ``precompile.standalone_compile``. The artifact,
+    and what each of its flat inputs is ("seq", "x" or "weight")."""
+    import precompile
+
+    x = inputs(6)
+    torch._dynamo.mark_dynamic(x, 1)
+    captured: dict[str, Any] = {}
+
+    def backend(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
+        captured["artifact"] = precompile.standalone_compile(
+            gm, example_inputs, dynamic_shapes="from_graph", hints=HINTS
+        )
+        captured["flat"] = [
+            "x" if v is x else "weight" if v is weight else "seq" for v in example_inputs
+        ]
+        return gm.forward
+
+    torch._dynamo.reset()
+    torch.compile(gathered_logits, backend=backend, dynamic=False)(x, weight)
+    torch._dynamo.reset()
+    return captured["artifact"], captured["flat"]
+
+
+def _standalone_caller(artifact: Any, flat: list[str], weight: torch.Tensor) -> Any:
+    """``model(x)`` through a loaded artifact: its flat inputs by name, the output [0]."""
+    return lambda x: artifact(*[{"seq": x.shape[1], "x": x, "weight": weight}[n] for n in flat])[0]
+
+
+def _groups_of(compiled: Any) -> list[list[Any]]:
+    return [[g.name, g.size, g.backend, list(g.ranks)] for g in compiled.manifest.process_groups]
+
+
+def _time_remote_leases(waits: list[dict[str, Any]]) -> None:
+    """Record each wait for a remote lease: how long, and whether this rank got it (to
+    compile) or waited for another's entry."""
+    from cache import ArtifactCache
+
+    original = ArtifactCache._remote_lease
+
+    def timed(self: Any, key: str) -> Any:
+        started = time.monotonic()
+        lease = original(self, key)
+        waits.append({"key": key, "seconds": time.monotonic() - started,
+                      "leased": lease is not None, "ended": time.time()})  # fmt: skip
+        return lease
+
+    ArtifactCache._remote_lease = timed  # type: ignore[method-assign]
+
+
 def main() -> None:
     scenario, directory = sys.argv[1], sys.argv[2]
     faulthandler.dump_traceback_later(240, exit=True)  # a hang fails the test, with stacks
+    per_rank = os.environ.get("PRECOMPILE_TP_CACHE_PER_RANK")
+    if per_rank:  # ranks as on separate machines: a local cache each
+        os.environ["PRECOMPILE_CACHE_DIR"] = os.path.join(per_rank, f"rank{os.environ['RANK']}")
     if DEVICE == "cuda":
         torch.cuda.set_device(int(os.environ["RANK"]))
     group_backend = "nccl" if DEVICE == "cuda" else "gloo"
     dist.init_process_group(group_backend, timeout=datetime.timedelta(seconds=120))
     rank, world = dist.get_rank(), dist.get_world_size()
+    _make_groups(scenario, world)
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from test_warm_start import COUNTED
 
@@ -149,9 +254,12 @@ def main() -> None:
     compiles, frames = counters["compiles"], counters["frames"]
     import precompile
 
-    block = shard(rank)
+    block, head = shard(rank), head_shard(rank)
+    weight = head.weight.detach()
     compile_block = {"dynamic": {0: [1]}, "hints": HINTS, "sizes": []}
-    report: dict[str, Any] = {"rank": rank, "world": world}
+    standalone_path = os.path.join(directory, "head-standalone.pt2c")
+    launcher = "torchrun" if "TORCHELASTIC_RUN_ID" in os.environ else "popen"
+    report: dict[str, Any] = {"rank": rank, "world": world, "launcher": launcher}
     if scenario in ("cold", "warm"):
         torch.set_grad_enabled(False)  # inference artifacts (CUDA graphs capture only those)
         compiled = precompile.compile_model(block, (inputs(6),), **compile_block)
@@ -181,6 +289,26 @@ def main() -> None:
                 traced(x)
             report["backend_error"] = _max_error(traced, world)
             report["backend"] = {"compiles": len(compiles), "frames": len(frames)}
+            artifact, flat = _capture_head(weight)
+            caller = _standalone_caller(artifact, flat, weight)
+            report["standalone_error"] = _max_error(caller, world, head_reference)
+            report["standalone"] = {"compiles": len(compiles), "groups": _groups_of(artifact)}
+            if rank == 0:
+                artifact.save(path=standalone_path)
+                with open(standalone_path + ".json", "w") as handle:
+                    json.dump(flat, handle)
+        else:
+            with open(standalone_path + ".json") as handle:
+                flat = json.load(handle)
+            loaded = precompile.CompiledArtifact.load(path=standalone_path)
+            caller = _standalone_caller(loaded, flat, weight)
+            report["standalone_error"] = _max_error(caller, world, head_reference)
+            report["standalone"] = {"compiles": len(compiles), "frames": len(frames)}
+        # the all-gather over the subgroup, as a whole model
+        gathered = precompile.compile_model(head, (inputs(6),), **compile_block)
+        report["head_error"] = _max_error(gathered, world, head_reference)
+        report["head"] = {"compiles": len(compiles), "frames": len(frames),
+                          "groups": _groups_of(gathered.artifact)}  # fmt: skip
     elif scenario == "mismatch":  # a world of another size, with shards of the same shapes
         torch.set_grad_enabled(False)
         from precompile import CompiledArtifact, load_model
@@ -200,7 +328,37 @@ def main() -> None:
         unbound = CompiledArtifact.load(path=os.path.join(directory, "block-rank0.pt2c"))
         report["no_group"] = _error(lambda: unbound(*flat))
         report["compiles"] = len(compiles)
+    elif scenario in ("remote-cold", "remote-warm"):
+        torch.set_grad_enabled(False)
+        waits: list[dict[str, Any]] = []
+        _time_remote_leases(waits)
+        if scenario == "remote-cold":
+            # Made for the subgroup registered as "1" (the cold pair's order); here "1"
+            # is rank 0 alone, and rank 1 has no "1": refused, before any collective.
+            with open(standalone_path + ".json") as handle:
+                flat = json.load(handle)
+            loaded = precompile.CompiledArtifact.load(path=standalone_path)
+            report["other_order"] = _error(lambda: _standalone_caller(loaded, flat, weight)(
+                inputs(6)))  # fmt: skip
+            # The cold pair's local cache holds this model compiled in the other order:
+            # not this process's model (its key has the groups registered here).
+            other = precompile.ArtifactCache(os.environ["PRECOMPILE_TP_OTHER_CACHE"])
+            report["other_order_model"] = _error(
+                lambda: precompile.compile_model(
+                    head, (inputs(6),), **compile_block, cache=other, compile=False
+                )(inputs(6))
+            )
+        gathered = precompile.compile_model(head, (inputs(6),), **compile_block)
+        report["head_error"] = _max_error(gathered, world, head_reference)
+        report["head"] = {"compiles": len(compiles), "frames": len(frames),
+                          "groups": _groups_of(gathered.artifact)}  # fmt: skip
+        report["lease_waits"] = waits
+        report["stats"] = dataclasses.asdict(precompile.ArtifactCache().stats())
     print(json.dumps(report), flush=True)
+    reports = os.environ.get("PRECOMPILE_TP_REPORTS")
+    if reports:  # torchrun interleaves its ranks' stdout
+        with open(os.path.join(reports, f"{scenario}-rank{rank}.json"), "w") as handle:
+            json.dump(report, handle)
     if DEVICE == "cuda":
         # On the H200s, destroy_process_group hung (3+ minutes) in processes whose CUDA
         # graphs had captured NCCL collectives; the report is out, so leave at once.

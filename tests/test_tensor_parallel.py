@@ -1,7 +1,11 @@
-"""Tensor parallel on CPU: two processes over gloo, a block with two all-reduces in its graph.
+"""Tensor parallel on CPU: two processes over gloo, a block with two all-reduces in its graph
+and a vocab-parallel lm_head whose logits are all-gathered over a ``dist.new_group``.
 
-One cold pair of ranks compiles (module fixture), then a fresh warm pair and a world of
-one process read what it left. The per-rank script is ``tests/tensor_parallel.py``.
+One cold pair of ranks compiles into a shared local cache (module fixture), then a fresh
+warm pair and a world of one process read what it left. Then ranks as on separate
+machines: a local cache each and one shared remote tier, cold (started by Popen), then
+warm with new empty local caches (started by torchrun). The per-rank script is
+``tests/tensor_parallel.py``.
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ from typing import Any
 import pytest
 from conftest import ROOT
 
-from cache import ArtifactCache
+from cache import LAYOUT, ArtifactCache
 
 SCRIPT = os.path.join(ROOT, "tests", "tensor_parallel.py")
 TOLERANCE = 1e-5
@@ -74,6 +78,23 @@ def run_ranks(
     return sorted(reports, key=lambda r: r["rank"])
 
 
+def run_torchrun(
+    scenario: str, world: int, directory: str, env: dict[str, str]
+) -> list[dict[str, Any]]:
+    """``run_ranks`` started as users start ranks: ``torchrun --standalone`` sets RANK,
+    WORLD_SIZE, LOCAL_RANK and MASTER_ADDR/PORT (its own rendezvous on a free port)."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               "--nproc-per-node", str(world), SCRIPT, scenario, directory]  # fmt: skip
+    env = {**os.environ, **env, "PRECOMPILE_TP_REPORTS": directory}
+    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, f"torchrun {scenario} failed:\n{done.stderr[-4000:]}"
+    reports = []
+    for rank in range(world):
+        with open(os.path.join(directory, f"{scenario}-rank{rank}.json")) as handle:
+            reports.append(json.load(handle))
+    return sorted(reports, key=lambda r: r["rank"])
+
+
 @pytest.fixture(scope="module")
 def cold(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     directory = str(tmp_path_factory.mktemp("tensor-parallel"))
@@ -97,12 +118,35 @@ def test_cold_pair_matches_eager_and_one_rank_compiles_each_shared_graph(
         assert report["scaled_error"] == 0.0, report
     # Both ranks trace the same block graph: one compiles it, the other waits and loads
     # (before, the second rank waited on the model's lock while the first ran its traced
-    # call's all-reduce: a deadlock).
-    assert sorted(r["block"]["compiles"] for r in reports) == [0, 1]
+    # call's all-reduce: a deadlock). Two compiles: the hint variant (whose head views
+    # leave Ne(s, 1)) and the variant at 1 the range then needs.
+    assert sorted(r["block"]["compiles"] for r in reports) == [0, 2]
     # precompile.backend traces the same block to the same graph (under no_grad, as
     # compile_model's): it finds that graph's entry, on both ranks.
     backend = [r["backend"]["compiles"] - r["scaled"]["compiles"] for r in reports]
     assert backend == [0, 0]
+
+
+def test_all_gather_over_a_subgroup_matches_eager_and_records_the_group(
+    cold: dict[str, Any],
+) -> None:
+    """The vocab-parallel lm_head: logits all-gathered over ``dist.new_group([0, 1])``
+    (registered as "1"), through ``standalone_compile`` called on the FX graph a
+    torch.compile backend received (vLLM's way) and through ``compile_model``."""
+    reports = cold["reports"]
+    subgroup = [["1", 2, "gloo", [0, 1]]]
+    for report in reports:
+        assert report["standalone_error"] < TOLERANCE, report
+        assert report["head_error"] < TOLERANCE, report
+        assert report["standalone"]["groups"] == subgroup, report
+        assert report["head"]["groups"] == subgroup, report
+    # each a graph both ranks trace alike: one rank compiles, the other loads
+    standalone = [r["standalone"]["compiles"] - r["backend"]["compiles"] for r in reports]
+    assert sorted(standalone) == [0, 1]
+    head = [r["head"]["compiles"] - r["standalone"]["compiles"] for r in reports]
+    assert sorted(head) == [0, 1]
+    keyed = {e.factors.get("process_groups") for e in ArtifactCache(cold["cache"]).entries()}
+    assert "[('1', 2, 'gloo', [0, 1])]" in keyed, keyed
 
 
 def test_ranks_share_one_entry_per_identical_graph_and_rank_dependent_graphs_do_not(
@@ -115,13 +159,14 @@ def test_ranks_share_one_entry_per_identical_graph_and_rank_dependent_graphs_do_
     entries = ArtifactCache(cold["cache"]).entries()
     graphs = [e for e in entries if "model_class" not in e.factors]
     models = [e for e in entries if "model_class" in e.factors]
-    # the block (compile_model's and backend's trace), RankScaled on rank 0 and on rank 1
-    assert len(graphs) == 3, [e.factors for e in graphs]
-    for entry in graphs:
-        assert entry.factors["process_groups"] == "[('0', 2, 'gloo', [0, 1])]"
+    # the block (compile_model's and backend's trace), RankScaled on rank 0 and on rank 1;
+    # the lm_head through standalone_compile and through compile_model
+    assert len(graphs) == 5, [e.factors for e in graphs]
+    on_world = [e for e in graphs if e.factors["process_groups"] == "[('0', 2, 'gloo', [0, 1])]"]
+    assert len(on_world) == 3, [e.factors for e in graphs]
     # compile_model keys per rank (its key is computed without tracing, so it cannot
     # see whether the trace holds the rank); the compiled code is the graph's entry's
-    assert len(models) == 4
+    assert len(models) == 6
     assert len({e.factors["distributed"] for e in models}) == 2
 
 
@@ -130,6 +175,11 @@ def test_fresh_pair_warm_starts_with_no_trace_and_no_compile(cold: dict[str, Any
         assert report["block"] == {"compiles": 0, "frames": 0}, report
         assert report["scaled"] == {"compiles": 0, "frames": 0}, report
         assert report["block_error"] < TOLERANCE and report["scaled_error"] == 0.0, report
+        # the lm_head's file saved by rank 0 of the cold pair, CompiledArtifact.load-ed
+        assert report["standalone"] == {"compiles": 0, "frames": 0}, report
+        assert report["standalone_error"] < TOLERANCE, report
+        assert report["head"]["compiles"] == 0 and report["head"]["frames"] == 0, report
+        assert report["head_error"] < TOLERANCE, report
 
 
 def test_another_world_size_is_a_miss_or_a_refusal_before_any_collective(
@@ -153,6 +203,72 @@ def test_another_world_size_is_a_miss_or_a_refusal_before_any_collective(
     assert report["compiles"] == 0
 
 
+@pytest.fixture(scope="module")
+def remote(cold: dict[str, Any]) -> dict[str, Any]:
+    """A cold pair of ranks as on two machines: an empty local cache each, one shared
+    ``file://`` remote tier. Its ranks make their groups in another order than the cold
+    pair's (a one-rank group first: the subgroup is "2")."""
+    directory = cold["directory"]
+    shared = os.path.join(directory, "remote")
+    env = {
+        "PRECOMPILE_REMOTE_CACHE": f"file://{shared}",
+        "PRECOMPILE_TP_CACHE_PER_RANK": os.path.join(directory, "remote-cold-local"),
+        "PRECOMPILE_TP_OTHER_CACHE": cold["cache"],
+    }
+    reports = run_ranks("remote-cold", 2, directory, cold["cache"], env)
+    return {"shared": shared, "env": env, "reports": reports}
+
+
+def _wait_after_entry(shared: str, wait: dict[str, Any]) -> float:
+    """Seconds between the compiling rank's upload of an entry and the end of the other
+    rank's wait for it (the lease's polling delay)."""
+    entry = os.path.join(shared, LAYOUT, "entries", wait["key"] + ".json")
+    return float(wait["ended"] - os.stat(entry).st_mtime)
+
+
+def test_remote_tier_one_rank_compiles_each_graph_the_other_waits_and_downloads(
+    remote: dict[str, Any],
+) -> None:
+    reports = remote["reports"]
+    for report in reports:
+        assert report["head_error"] < TOLERANCE, report
+        assert report["head"]["groups"] == [["2", 2, "gloo", [0, 1]]], report
+    # single flight across machines: the graph is the same on both ranks, one compiles it
+    assert sorted(r["head"]["compiles"] for r in reports) == [0, 1]
+    waited = [w for r in reports for w in r["lease_waits"] if not w["leased"]]
+    assert len(waited) == 1, [r["lease_waits"] for r in reports]
+    for wait in waited:
+        lag = _wait_after_entry(remote["shared"], wait)
+        print(f"waited {wait['seconds']:.2f} s for {wait['key'][:12]}, {lag:.2f} s after upload")
+        assert lag < 2.0, wait  # polled at most 1 s apart
+    # the graph's entry once, and each rank's model entry (keyed per rank)
+    assert sum(r["stats"]["remote_uploads"] for r in reports) == 3
+    # the file compiled for the subgroup registered as "1" ([0, 1]): here rank 0's "1"
+    # is [0] and rank 1 has none; each rank refuses before any collective
+    rank0, rank1 = (r["other_order"] for r in reports)
+    assert rank0.startswith("IncompatibleArtifactError"), rank0
+    assert "group '1' of 2 ranks [0, 1] (gloo), but here that group has 1 ranks [0]" in rank0
+    assert rank1.startswith("IncompatibleArtifactError"), rank1
+    assert "no group is registered under that name" in rank1, rank1
+    # the cold pair's cache holds this model compiled over its "1": another key here
+    for report in reports:
+        assert report["other_order_model"].startswith("ArtifactNotFoundError"), report
+        assert "differs in: distributed" in report["other_order_model"], report
+
+
+def test_torchrun_pair_with_empty_local_caches_warm_starts_from_the_remote_tier(
+    remote: dict[str, Any], tmp_path: Any
+) -> None:
+    env = {**remote["env"], "PRECOMPILE_TP_CACHE_PER_RANK": str(tmp_path / "fresh-local")}
+    reports = run_torchrun("remote-warm", 2, str(tmp_path), env)
+    for report in reports:
+        assert report["launcher"] == "torchrun", report
+        assert report["head"]["compiles"] == 0 and report["head"]["frames"] == 0, report
+        assert report["head_error"] < TOLERANCE, report
+        assert report["stats"]["remote_hits"] == 1, report  # its model entry, from the remote
+        assert report["lease_waits"] == [], report  # nothing to compile, no lease
+
+
 @pytest.mark.gpu
 def test_nccl_pair_matches_eager_warm_starts_and_replays_cuda_graphs(tmp_path: Any) -> None:
     """The same block in bf16 over NCCL, one GPU per rank: compile_model and
@@ -166,7 +282,8 @@ def test_nccl_pair_matches_eager_warm_starts_and_replays_cuda_graphs(tmp_path: A
     cold = run_ranks("cold", 2, str(tmp_path), cache, env)
     # Each rank compiles its own: the inputs' device (cuda:0, cuda:1) is in the key, and
     # inductor's generated code names its device index.
-    assert [r["block"]["compiles"] for r in cold] == [1, 1]
+    compiles = [r["block"]["compiles"] for r in cold]
+    assert compiles[0] == compiles[1] > 0, cold
     warm = run_ranks("warm", 2, str(tmp_path), cache, env)
     for report in cold + warm:
         for key in ("block_error", "cudagraphs_error", "backend_error"):
