@@ -162,7 +162,8 @@ def _flat_inputs(bindings: list[Any], model: torch.nn.Module, x: torch.Tensor) -
     return flat
 
 
-def _error(call: Any) -> str:
+def error_text(call: Any) -> str:
+    """What ``call()`` raised (class and message), for a report; "no error" if nothing."""
     try:
         with torch.no_grad():
             call()
@@ -313,20 +314,20 @@ def main() -> None:
         torch.set_grad_enabled(False)
         from precompile import CompiledArtifact, load_model
 
-        report["offline"] = _error(
+        report["offline"] = error_text(
             lambda: precompile.compile_model(block, (inputs(6),), **compile_block, compile=False)
         )
         saved = CompiledArtifact.load(path=os.path.join(directory, "block-rank0.pt2c"))
         with open(os.path.join(directory, "bindings-rank0.json")) as handle:
             flat = _flat_inputs(json.load(handle), block, inputs(6))
-        report["artifact"] = _error(lambda: saved(*flat))
-        report["load_model"] = _error(
+        report["artifact"] = error_text(lambda: saved(*flat))
+        report["load_model"] = error_text(
             lambda: load_model(block, path=os.path.join(directory, "model-rank0.pt2c"))
         )
-        report["calibrate"] = _error(lambda: saved.calibrate([4]))
+        report["calibrate"] = error_text(lambda: saved.calibrate([4]))
         dist.destroy_process_group()
         unbound = CompiledArtifact.load(path=os.path.join(directory, "block-rank0.pt2c"))
-        report["no_group"] = _error(lambda: unbound(*flat))
+        report["no_group"] = error_text(lambda: unbound(*flat))
         report["compiles"] = len(compiles)
     elif scenario in ("remote-cold", "remote-warm"):
         torch.set_grad_enabled(False)
@@ -338,12 +339,12 @@ def main() -> None:
             with open(standalone_path + ".json") as handle:
                 flat = json.load(handle)
             loaded = precompile.CompiledArtifact.load(path=standalone_path)
-            report["other_order"] = _error(lambda: _standalone_caller(loaded, flat, weight)(
+            report["other_order"] = error_text(lambda: _standalone_caller(loaded, flat, weight)(
                 inputs(6)))  # fmt: skip
             # The cold pair's local cache holds this model compiled in the other order:
             # not this process's model (its key has the groups registered here).
             other = precompile.ArtifactCache(os.environ["PRECOMPILE_TP_OTHER_CACHE"])
-            report["other_order_model"] = _error(
+            report["other_order_model"] = error_text(
                 lambda: precompile.compile_model(
                     head, (inputs(6),), **compile_block, cache=other, compile=False
                 )(inputs(6))

@@ -95,6 +95,12 @@ def run_torchrun(
     return sorted(reports, key=lambda r: r["rank"])
 
 
+def one_rank_compiles(counts: list[int]) -> bool:
+    """One rank compiled (its graph's variants: the hint one, and one at 1 where the hint
+    variant's guards leave 1 out), every other rank compiled nothing."""
+    return sorted(counts)[-1] > 0 and sorted(counts)[:-1] == [0] * (len(counts) - 1)
+
+
 @pytest.fixture(scope="module")
 def cold(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     directory = str(tmp_path_factory.mktemp("tensor-parallel"))
@@ -142,9 +148,9 @@ def test_all_gather_over_a_subgroup_matches_eager_and_records_the_group(
         assert report["head"]["groups"] == subgroup, report
     # each a graph both ranks trace alike: one rank compiles, the other loads
     standalone = [r["standalone"]["compiles"] - r["backend"]["compiles"] for r in reports]
-    assert sorted(standalone) == [0, 1]
+    assert one_rank_compiles(standalone), standalone
     head = [r["head"]["compiles"] - r["standalone"]["compiles"] for r in reports]
-    assert sorted(head) == [0, 1]
+    assert one_rank_compiles(head), head
     keyed = {e.factors.get("process_groups") for e in ArtifactCache(cold["cache"]).entries()}
     assert "[('1', 2, 'gloo', [0, 1])]" in keyed, keyed
 
@@ -234,7 +240,7 @@ def test_remote_tier_one_rank_compiles_each_graph_the_other_waits_and_downloads(
         assert report["head_error"] < TOLERANCE, report
         assert report["head"]["groups"] == [["2", 2, "gloo", [0, 1]]], report
     # single flight across machines: the graph is the same on both ranks, one compiles it
-    assert sorted(r["head"]["compiles"] for r in reports) == [0, 1]
+    assert one_rank_compiles([r["head"]["compiles"] for r in reports]), reports
     waited = [w for r in reports for w in r["lease_waits"] if not w["leased"]]
     assert len(waited) == 1, [r["lease_waits"] for r in reports]
     for wait in waited:

@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 import vllm_adaptor_harness as harness
 from conftest import ROOT, run_python
-from test_tensor_parallel import run_ranks
+from test_tensor_parallel import one_rank_compiles, run_ranks
 
 CONFIGS = ["older-binary", "older-unpacked", "newer-binary", "newer-unpacked"]
 
@@ -145,9 +145,10 @@ def test_tensor_parallel_graphs_with_vllms_collective_ops_match_the_unsharded_la
         # the op's group is vLLM's: the world the graph was compiled in stands for it
         assert report["process_groups"] == [["0", 2, "gloo", [0, 1]]], report
     cold = vllm_tp["cold"]
-    # the ranks' graphs are identical: one rank compiles each, the other loads it
-    assert sorted(r["vllm_compiles"] for r in cold) == [0, 3], cold  # size 8; range and 1
-    assert sorted(r["backend_compiles"] for r in cold) == [0, 2], cold
+    # the ranks' graphs are identical: each is compiled once, by one rank or the other
+    # (size 8; the range's hint variant and its variant at 1), the other rank loads it
+    assert sum(r["vllm_compiles"] for r in cold) == 3, cold
+    assert one_rank_compiles([r["backend_compiles"] for r in cold]), cold
     for report in vllm_tp["warm"]:
         assert report["vllm_compiles"] == report["backend_compiles"] == 0, report
         assert report["model_compiles"] == 0, report

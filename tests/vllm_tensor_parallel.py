@@ -33,6 +33,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import vllm_adaptor_harness as harness
+from tensor_parallel import error_text
 
 SHARDS = 2  # the layer is sharded for two ranks, whatever world loads it
 HEAD_DIM = harness.HIDDEN // harness.HEADS
@@ -175,15 +176,6 @@ def vllm_compile(
     return call, example_inputs
 
 
-def _error(call: Any) -> str:
-    try:
-        with torch.inference_mode():
-            call()
-    except Exception as exc:  # the test reads the class and message
-        return f"{type(exc).__name__}: {exc}"
-    return "no error"
-
-
 def main() -> None:
     scenario, directory = sys.argv[1], sys.argv[2]
     faulthandler.dump_traceback_later(240, exit=True)  # a hang fails the test, with stacks
@@ -231,7 +223,7 @@ def main() -> None:
         ]
     elif scenario == "mismatch":  # a world of one, with rank 0's shard of the two-rank layer
         # vLLM's group "tp:0" here has one rank: run, the graph would sum one shard's share
-        report["vllm"] = _error(lambda: vllm_compile(shard, directory, 0, "load")[0](tokens(5)))
+        report["vllm"] = error_text(lambda: vllm_compile(shard, directory, 0, "load")[0](tokens(5)))
     print(json.dumps(report), flush=True)
     dist.destroy_process_group()
 
