@@ -45,3 +45,6 @@ class GraphDescription:
     output_spec: str | None = None
     # each flat output's symbolic shape (None where it is not a tensor or not known)
     output_shapes: tuple[tuple[sympy.Expr, ...] | None, ...] | None = None
+    # what the caller's trace assumed of the sizes beyond their ranges (a branch on
+    # ``s % 2 == 0``): the graph holds only where these do, so every variant keeps them
+    caller_guards: tuple[sympy.Expr, ...] = ()

@@ -193,6 +193,41 @@ def _propagate_common_guards(graph: GraphDescription, common: Sequence[sympy.Exp
             adapter.add_caller_guard(env, expr)
 
 
+def _outside_the_graph(graph: GraphDescription, point: Sequence[int]) -> str | None:
+    """Why the traced graph does not hold at ``point`` (a size outside a symbol's range,
+    or a guard of the caller's trace it breaks), or None where it does."""
+    values = dict(zip(graph.symbols, point, strict=True))
+    for symbol, value in values.items():
+        low, high = graph.ranges[symbol]
+        if value < low or (high is not None and value > high):
+            return f"{symbol}={value} is outside the traced range [{low}, {high or 'inf'}]"
+    for guard in graph.caller_guards:
+        if not adapter.evaluate(guard, values):
+            return f"the caller's trace holds only where {adapter.print_expr(guard)}"
+    return None
+
+
+def _within_the_graph(
+    graph: GraphDescription, requests: Sequence[VariantRequest]
+) -> list[VariantRequest]:
+    """The requested variants whose point the traced graph holds at; the others are left
+    out with a warning (compiled, they could never be called)."""
+    kept = []
+    for request in requests:
+        reason = _outside_the_graph(graph, request.point)
+        if reason is None:
+            kept.append(request)
+            continue
+        where = ", ".join(f"{s}={v}" for s, v in zip(graph.symbols, request.point, strict=True))
+        log.warning("%s variant at %s is not compiled: %s", request.kind, where, reason)
+    if not kept:
+        raise UnsupportedGraphError(
+            "no requested variant lies where the traced graph holds: "
+            + "; ".join(map(adapter.print_expr, graph.caller_guards))
+        )
+    return kept
+
+
 def _size_one_requests(
     graph: GraphDescription,
     requests: Sequence[VariantRequest],
@@ -207,10 +242,9 @@ def _size_one_requests(
     """
     added = []
     for index, symbol in enumerate(graph.symbols):
-        low, high = graph.ranges[symbol]
-        if low > 1 or (high is not None and high < 1):
-            continue
         point = tuple(1 if n == index else graph.hints[s] for n, s in enumerate(graph.symbols))
+        if _outside_the_graph(graph, point) is not None:
+            continue
         values = dict(zip(graph.symbols, point, strict=True))
         if any(all(adapter.evaluate(g, values) for g in gs) for gs in guards):
             continue
@@ -243,7 +277,7 @@ def _compile_all(
     uses: tuple[adapter.InputUse, ...] | None = None
     training = False
     grad_enabled = torch.is_grad_enabled()
-    queue = list(requests)  # the requested variants, then any a dim's 1 needs
+    queue = _within_the_graph(graph, requests)  # then any variant a dim's 1 needs
     number = -1
     while number + 1 < len(queue):
         number += 1
@@ -270,7 +304,7 @@ def _compile_all(
                 "variants of this graph disagree on which inputs it writes or aliases, or on "
                 "having a backward graph; precompile cannot give them one input contract"
             )
-        guards = compiled.guards
+        guards = (*compiled.guards, *graph.caller_guards)
         if request.kind == "static":
             guards = (*(sympy.Eq(s, v) for s, v in point.items()), *guards)
         else:
@@ -491,6 +525,9 @@ def standalone_compile(
         factors["process_groups"] = repr(
             [(g.name, g.size, g.backend, list(g.ranks)) for g in groups]
         )
+    if graph.caller_guards:
+        # the sizes the traced graph holds at, beyond the ranges the inputs already key
+        factors["caller_guards"] = repr(sorted(map(adapter.print_expr, graph.caller_guards)))
     if calibration is not None:
         # The timer is code, not data: a custom one does not enter the key.
         factors["calibrate"] = repr(sorted((k, v) for k, v in calibration.items() if k != "timer"))

@@ -234,7 +234,25 @@ def describe_graph(
         shape_env,
         _output_spec(gm),
         _output_shapes(gm, shape_env),
+        _caller_guards(shape_env, set(symbols)),
     )
+
+
+def _caller_guards(shape_env: Any | None, symbols: set[sympy.Symbol]) -> tuple[sympy.Expr, ...]:
+    """The guards the caller's trace recorded on the graph's sizes: a Python branch that
+    Dynamo decided from a size (``if x.shape[0] % 2 == 0``), which no range says."""
+    if shape_env is None or not symbols:
+        return ()
+    found: dict[sympy.Expr, None] = {}
+    for guard in getattr(shape_env, "guards", ()):
+        expr = sympy.sympify(shape_env.replace(guard.expr))
+        if expr is sympy.true or not expr.free_symbols:
+            continue
+        if expr.free_symbols <= symbols:
+            found.setdefault(expr)
+        else:
+            log.debug("caller guard %s names sizes that are no graph input: not kept", expr)
+    return tuple(found)
 
 
 def _output_shapes(

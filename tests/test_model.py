@@ -355,6 +355,49 @@ def test_a_model_that_branches_on_a_dynamic_length_is_refused_there_never_wrong(
                 served(torch.randn(1, 4))
 
 
+class EvenOrOdd(torch.nn.Module):
+    """Twice its input for an even number of rows, three times for odd: Dynamo records
+    ``Eq(Mod(s, 2), 0)``, which no range says."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * 2 if x.shape[0] % 2 == 0 else x * 3
+
+
+def test_a_guard_of_the_trace_that_is_no_range_holds_for_every_variant(tmp_path: Any) -> None:
+    """Before, variants kept only the caller's ranges: odd lengths ran the even branch
+    (2x for 3x), through compile_model and through a saved standalone_compile artifact
+    called directly. Now each variant keeps the trace's guard, and the default exact
+    size 1, which breaks it, is not compiled."""
+    model = EvenOrOdd()
+    graphs: list[Any] = []
+
+    def capture(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
+        graphs.append(precompile.standalone_compile(gm, example_inputs, hints=[8], cache=False))
+        return gm
+
+    x = torch.randn(4, 3)
+    torch._dynamo.mark_dynamic(x, 0)
+    with torch.no_grad():
+        compiled = precompile.compile_model(
+            model, (x,), dynamic={0: [0]}, hints=[8], cache=str(tmp_path)
+        )
+        torch._dynamo.reset()
+        torch.compile(model, backend=capture, fullgraph=True)(x)
+    graphs[0].save(path=str(tmp_path / "even.pt2c"))
+    loaded = precompile.CompiledArtifact.load(path=str(tmp_path / "even.pt2c"))
+    assert [v.kind for v in compiled.artifact.manifest.variants] == ["hint"]  # no size 1
+    for size in (2, 6, 10):
+        y = torch.randn(size, 3)
+        torch.testing.assert_close(compiled(y), y * 2)
+        torch.testing.assert_close(loaded(size, y)[0], y * 2)
+    for size in (1, 3, 7):
+        y = torch.randn(size, 3)
+        with pytest.raises(precompile.NoVariantError, match=r"Mod|%"):
+            compiled(y)
+        with pytest.raises(precompile.NoVariantError):
+            loaded(size, y)
+
+
 def test_a_graph_break_is_refused_with_dynamos_explanation(tmp_path: Any) -> None:
     with pytest.raises(precompile.UnsupportedGraphError, match="graph break") as info:
         precompile.compile_model(_Breaks(), (torch.randn(4, 8),), cache=str(tmp_path))
