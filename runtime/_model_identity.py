@@ -65,19 +65,37 @@ def module_sources(model: torch.nn.Module) -> dict[str, str]:
 
 def settings(model: torch.nn.Module) -> list[Any]:
     """What configures each submodule beyond its weights: ``extra_repr`` (eps, sizes, ...)
-    and its plain attributes (ints, floats, strings, bools), and the model's config."""
+    and its plain attributes (ints, floats, strings, bools, the process groups it holds,
+    by name), and the model's config."""
     found: list[Any] = []
+    groups = _process_group_type()
     for name, module in model.named_modules():
         plain = {
             k: v
             for k, v in vars(module).items()
             if not k.startswith("_") and isinstance(v, (bool, int, float, str, type(None)))
         }
+        if groups is not None:
+            # the group a module's collectives run over (a traced collective names it)
+            plain.update(
+                {
+                    k: f"process group {v.group_name}"
+                    for k, v in vars(module).items()
+                    if not k.startswith("_") and isinstance(v, groups)
+                }
+            )
         found.append([name, type(module).__qualname__, module.extra_repr(), plain])
     config = getattr(model, "config", None)
     to_json = getattr(config, "to_json_string", None)
     found.append(["config", to_json(use_diff=False) if callable(to_json) else repr(config)])
     return found
+
+
+def _process_group_type() -> type | None:
+    """torch.distributed's ProcessGroup, where this build of torch has one."""
+    import torch.distributed as dist
+
+    return dist.ProcessGroup if dist.is_available() else None
 
 
 def tensors(model: torch.nn.Module) -> list[Any]:

@@ -18,7 +18,7 @@ import sys
 from typing import Any
 
 import pytest
-from conftest import ROOT
+from conftest import ROOT, run_python
 
 from cache import LAYOUT, ArtifactCache
 
@@ -298,3 +298,35 @@ def test_nccl_pair_matches_eager_warm_starts_and_replays_cuda_graphs(tmp_path: A
         assert report["captured"], report
     for report in warm:
         assert report["block"] == {"compiles": 0, "frames": 0}, report
+
+
+def test_the_group_a_module_holds_is_part_of_the_models_identity() -> None:
+    """Found by a client trial: the same model in the same world, its row-parallel layer
+    holding another group (``new_group([rank])`` for ``WORLD``), found the model compiled
+    for the first and summed over the wrong ranks. A held group is now a setting of the
+    model, by name, as its ints and strings are (no tracing needed)."""
+    out = run_python(
+        """
+        import os, socket, json
+        import torch, torch.distributed as dist
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            port = probe.getsockname()[1]
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0",
+                          WORLD_SIZE="1")
+        dist.init_process_group("gloo")
+        from runtime._model_identity import model_identity
+        class Row(torch.nn.Module):
+            def __init__(self, group):
+                super().__init__()
+                self.linear = torch.nn.Linear(4, 4)
+                self.group = group
+        world, alone = dist.group.WORLD, dist.new_group([0])
+        same = [model_identity(Row(g))["model_settings"] for g in (world, world)]
+        other = model_identity(Row(alone))["model_settings"]
+        print("REPORT " + json.dumps([same[0] == same[1], same[0] == other]))
+        dist.destroy_process_group()
+        """
+    )
+    line = next(line for line in out.splitlines() if line.startswith("REPORT "))
+    assert json.loads(line[len("REPORT ") :]) == [True, False]
