@@ -555,13 +555,13 @@ def _check_rank(plan: ModelPlan, where: str) -> None:
 
         def said(value: tuple[int, int, str] | None) -> str:
             return (
-                "no torch.distributed"
+                "outside torch.distributed"
                 if value is None
                 else (f"rank {value[0]} of {value[1]} ({value[2]})")
             )
 
         raise IncompatibleArtifactError(
-            f"{where} was traced on {said(plan.distributed)}, this process is "
+            f"{where} was traced on {said(plan.distributed)}, this process runs "
             f"{said(here)}; a trace may hold its rank as a constant: load each rank's own "
             "compiled model (or let the cache find it)"
         )

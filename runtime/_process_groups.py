@@ -96,7 +96,8 @@ def check_groups(specs: Sequence[ProcessGroupSpec], where: str) -> None:
         if here is None:
             raise IncompatibleArtifactError(
                 f"{where} runs collectives over process group {spec.name!r} of {_said(spec)}, "
-                "but no group is registered under that name in this process: call "
+                "but no group is registered under that name in this process (a rank "
+                "outside a group does not register it): call "
                 "torch.distributed.init_process_group (and create further groups in the "
                 "order the compiling processes did) before calling it"
             )
