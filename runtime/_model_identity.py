@@ -79,7 +79,7 @@ def settings(model: torch.nn.Module) -> list[Any]:
             # the group a module's collectives run over (a traced collective names it)
             plain.update(
                 {
-                    k: f"process group {v.group_name}"
+                    k: f"process group {getattr(v, 'group_name', v)}"
                     for k, v in vars(module).items()
                     if not k.startswith("_") and isinstance(v, groups)
                 }
