@@ -481,63 +481,115 @@ def _refusing_other_branches(
     kwargs: dict[str, Any],
     paths: list[Any],
 ) -> CompiledModel:
-    """Refuse length 1 of a dim where the model's Python code takes another branch.
+    """Refuse sizes below 2 where the model's Python code takes another branch.
 
     Dynamo traces a dynamic dim as at least 2 and decides a branch on it (``if
-    x.shape[0] > 1``) from that, recording no guard; the graph holds the ``> 1`` branch
-    only, yet its variants admit 1 (the default exact size 1; size-oblivious hints). So
-    at 1, per dim, the compiled model is run beside the model itself on the example
-    narrowed to 1: where they differ, every variant is guarded away from 1. A check on
-    one input, not a proof (random ops, dropout in training mode, differ from eager and
-    are refused at 1); skipped for calls that write their inputs (a KV cache) and graphs
-    with collectives (a run is a collective the other ranks do not make).
+    x.shape[0] > 1``, ``if b + s > 3``) from that, recording no guard; the graph holds
+    that branch only, yet its variants admit 0 and 1 (the default exact size 1;
+    size-oblivious hints). So the compiled model is run beside the model itself on the
+    example narrowed at the corners below the traced range: each length alone at 1 and
+    at 0, each at 1 with the others at 2, all at 1. Where they disagree (values, or one
+    raising), every variant is guarded away from that corner's small lengths. A check on
+    a few inputs, not a proof (random ops, dropout in training mode, differ from eager
+    and are refused there). Skipped for calls that write their inputs (a KV cache: a run
+    would write it); a graph with collectives is not run (it would be a collective on
+    this rank alone) and is refused below 2 outright.
     """
     artifact = compiled.artifact
     manifest = artifact.manifest
-    if manifest.process_groups:
-        return compiled
     if any(isinstance(s, TensorInput) and s.mutation != "none" for s in manifest.inputs):
         return compiled
     bindings = compiled.plan.bindings
-    rounding: float | None = None  # compiled against eager at the example's own sizes
+    leaves, spec = runtime_adapter.tree_flatten((args, kwargs), is_leaf=is_kv_cache)
+    places: dict[str, list[tuple[int, int]]] = {}
     for symbol in manifest.symbols:
-        places = [
+        found = [
             (bindings[src.input_index][1], src.dim)
             for src in symbol.sources
             if src.dim is not None and bindings[src.input_index][0] == "leaf"
         ]
-        if not places:
+        if found and all(leaves[leaf].shape[dim] >= 2 for leaf, dim in found):
+            places[symbol.name] = found  # traced at 2 or more: Dynamo assumed >= 2
+    if not places:
+        return compiled
+    if manifest.process_groups:
+        for name in places:
+            artifact = artifact.excluding(f"{name} >= 2")
+        log.warning(
+            "compile_model: lengths below 2 of %s are refused: the graph has collectives, "
+            "so whether the model branches there cannot be checked by running it here",
+            ", ".join(_where(paths, found) for found in places.values()),
+        )
+        return CompiledModel(model, artifact, compiled.plan)
+    names = list(places)
+    corners = [{n: 1} for n in names] + [{n: 0} for n in names]
+    if len(names) > 1:
+        corners += [{m: 1 if m == n else 2 for m in names} for n in names]
+        corners.append(dict.fromkeys(names, 1))
+    rounding: float | None = None  # compiled against eager at the example's own sizes
+    excluded: set[str] = set()
+    for corner in corners:
+        if all(n in excluded for n, v in corner.items() if v < 2):
             continue
-        leaves, spec = runtime_adapter.tree_flatten((args, kwargs), is_leaf=is_kv_cache)
-        if all(leaves[leaf].shape[dim] == 1 for leaf, dim in places):
-            continue  # traced at 1: its branch is the graph's
-        for leaf, dim in places:
-            leaves[leaf] = leaves[leaf].narrow(dim, 0, 1).contiguous()
-        call_args, call_kwargs = runtime_adapter.tree_unflatten(leaves, spec)
-        try:
-            with torch.no_grad():
-                got = compiled(*call_args, **call_kwargs)
-                want = model(*call_args, **call_kwargs)
-        except NoVariantError:
-            continue  # nothing serves 1: nothing to refuse
-        if rounding is None:
-            with torch.no_grad():
-                rounding = _largest_gap(compiled(*args, **kwargs), model(*args, **kwargs))
-        difference = _difference(got, want, rounding)
+        narrowed = list(leaves)
+        for name, size in corner.items():
+            for leaf, dim in places[name]:
+                narrowed[leaf] = narrowed[leaf].narrow(dim, 0, size).contiguous()
+        call_args, call_kwargs = runtime_adapter.tree_unflatten(narrowed, spec)
+        got, got_error = _outcome(compiled, call_args, call_kwargs)
+        if isinstance(got_error, NoVariantError):
+            continue  # nothing serves that corner: nothing to refuse
+        want, want_error = _outcome(model, call_args, call_kwargs)
+        if got_error is not None or want_error is not None:
+            difference = (
+                None
+                if got_error is not None and want_error is not None
+                else f"the compiled model {_said_outcome(got_error)}, "
+                f"the model {_said_outcome(want_error)}"
+            )
+        else:
+            if rounding is None:
+                rounding = _largest_gap(_outcome(compiled, args, kwargs)[0],
+                                        _outcome(model, args, kwargs)[0])  # fmt: skip
+            difference = _difference(got, want, rounding)
         if difference is None:
             continue
-        where = ", ".join(f"{_argument_name(paths[leaf])} dim {dim}" for leaf, dim in places)
+        small = [n for n, v in corner.items() if v < 2]
+        empty = all(corner[n] == 0 for n in small)  # only 0 is in question there
         log.warning(
-            "compile_model: at length 1 of %s the compiled graph and the model disagree "
-            "(%s): the model's Python branches on that length, and Dynamo traced the "
-            "longer branch; calls there are refused (NoVariantError). Compile a second "
-            "model from an example of length 1 to serve them.",
-            where,
+            "compile_model: at %s the compiled graph and the model disagree (%s): the "
+            "model's Python branches on those lengths, and Dynamo traced them as 2 or "
+            "more; calls with %s are refused (NoVariantError). Compile a second model "
+            "from an example of those lengths to serve them.",
+            ", ".join(f"{_where(paths, places[n])} = {v}" for n, v in corner.items()),
             difference,
+            " or ".join(f"{_where(paths, places[n])} {'0' if empty else 'below 2'}" for n in small),
         )
-        artifact = artifact.excluding(f"{symbol.name} != 1")
+        for name in small:
+            if name not in excluded:
+                artifact = artifact.excluding(f"{name} != 0" if empty else f"{name} >= 2")
+                if not empty:
+                    excluded.add(name)
         compiled = CompiledModel(model, artifact, compiled.plan)
     return compiled
+
+
+def _where(paths: list[Any], places: list[tuple[int, int]]) -> str:
+    """The argument dims a length is read from, as a caller names them."""
+    return "/".join(f"{_argument_name(paths[leaf])} dim {dim}" for leaf, dim in places)
+
+
+def _said_outcome(error: Exception | None) -> str:
+    return "returned" if error is None else f"raised {type(error).__name__}: {error}"[:200]
+
+
+def _outcome(call: Any, args: Any, kwargs: Any) -> tuple[Any, Exception | None]:
+    """What ``call(*args, **kwargs)`` returns under no_grad, or the error it raises."""
+    try:
+        with torch.no_grad():
+            return call(*args, **kwargs), None
+    except Exception as exc:  # compared with the other side's outcome
+        return None, exc
 
 
 def _largest_gap(got: Any, want: Any) -> float:

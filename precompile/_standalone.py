@@ -220,6 +220,16 @@ def _within_the_graph(
             continue
         where = ", ".join(f"{s}={v}" for s, v in zip(graph.symbols, request.point, strict=True))
         log.warning("%s variant at %s is not compiled: %s", request.kind, where, reason)
+    if (
+        requests
+        and not any(r.kind == "hint" for r in kept)
+        and any(r.kind == "hint" for r in requests)
+    ):
+        # every hint broke a guard of the trace: its own sizes still need a variant, or
+        # the caller (Dynamo) would find none at the very size it traced
+        point = tuple(graph.hints[s] for s in graph.symbols)
+        log.warning("compiling a hint variant at the traced sizes %s instead", point)
+        kept.insert(0, VariantRequest("hint", point))
     if not kept:
         raise UnsupportedGraphError(
             "no requested variant lies where the traced graph holds: "
@@ -293,6 +303,21 @@ def _compile_all(
         except Exception as exc:  # inductor's own failure, whatever its type
             where = ", ".join(f"{n}={v}" for n, v in zip(names, request.point, strict=True))
             reason = str(exc).strip().splitlines()[0][:500] if str(exc).strip() else ""
+            if min(request.point, default=2) < 2 and len(queue) > 1:
+                # Below the range the graph was traced for (a slice of s // 2 is empty
+                # at 1): such a point was asked for by default or added here; leave it
+                # out and serve the rest.
+                log.warning(
+                    "%s variant at %s is not compiled (inductor: %s: %s); calls there "
+                    "find no variant",
+                    request.kind,
+                    where,
+                    type(exc).__name__,
+                    reason[:200],
+                )
+                queue.pop(number)
+                number -= 1
+                continue
             raise UnsupportedGraphError(
                 f"inductor could not compile variant {number} ({request.kind}"
                 f"{' ' + where if where else ''}): {type(exc).__name__}: {reason}"

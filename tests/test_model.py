@@ -351,8 +351,50 @@ def test_a_model_that_branches_on_a_dynamic_length_is_refused_there_never_wrong(
         for served in (compiled, found):
             y = torch.randn(5, 4)
             torch.testing.assert_close(served(y), y * 2)
-            with pytest.raises(precompile.NoVariantError, match=r"s[0-9]+ != 1"):
+            with pytest.raises(precompile.NoVariantError, match=r"s[0-9]+ >= 2"):
                 served(torch.randn(1, 4))
+
+
+class SumOfLengths(torch.nn.Module):
+    """``x + 1`` where batch + sequence > 3, else ``x - 1``: with both dims traced as 2 or
+    more, Dynamo decides it true with no guard; (1, 1), (1, 2), (2, 1) take the other."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + 1 if x.shape[0] + x.shape[1] > 3 else x - 1
+
+
+class EmptyAddsOnes(torch.nn.Module):
+    """Ones for an empty input, the column sums otherwise: Dynamo decides ``== 0`` false."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ones(3) + x.sum(0) if x.shape[0] == 0 else x.sum(0)
+
+
+def test_corners_below_the_traced_range_are_checked_together_and_at_zero(
+    tmp_path: Any,
+) -> None:
+    """Found by a client trial after the length-1 check: one length narrowed at a time
+    never met (1, 2), where b + s > 3 turns; and 0 was never run (ones were zeros)."""
+    with torch.no_grad():
+        both = precompile.compile_model(
+            SumOfLengths(), (torch.randn(3, 8, 2),), dynamic={0: [0, 1]}, hints=[4],
+            cache=str(tmp_path / "both"),
+        )  # fmt: skip
+        empty = precompile.compile_model(
+            EmptyAddsOnes(), (torch.randn(8, 3),), dynamic={0: [0]}, hints=[4],
+            cache=str(tmp_path / "empty"),
+        )  # fmt: skip
+    for b, s in ((2, 2), (3, 5), (4, 1 + 1)):
+        y = torch.randn(b, s, 2)
+        torch.testing.assert_close(both(y), y + 1)
+    for b, s in ((1, 1), (1, 2), (2, 1)):
+        with pytest.raises(precompile.NoVariantError):
+            both(torch.randn(b, s, 2))
+    y = torch.randn(5, 3)
+    torch.testing.assert_close(empty(y), y.sum(0))
+    torch.testing.assert_close(empty(y[:1]), y[:1].sum(0))  # 1 agrees: still served
+    with pytest.raises(precompile.NoVariantError, match="!= 0"):
+        empty(torch.randn(0, 3))
 
 
 class EvenOrOdd(torch.nn.Module):
