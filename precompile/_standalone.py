@@ -277,6 +277,7 @@ def _compile_all(
     requests: Sequence[VariantRequest],
     options: Mapping[str, Any],
     groups: tuple[ProcessGroupSpec, ...] = (),
+    called_at_one: bool = True,
 ) -> tuple[CompiledArtifact, list[sympy.Expr]]:
     names = [s.name for s in symbols]
     payloads: dict[str, bytes] = {}
@@ -377,7 +378,7 @@ def _compile_all(
             len(texts),
             "; same code as an earlier variant" if shared else "",
         )
-        if number + 1 == len(queue):
+        if number + 1 == len(queue) and called_at_one:
             queue += _size_one_requests(graph, queue, all_guards)
     assert uses is not None
     manifest = Manifest(
@@ -537,7 +538,13 @@ def standalone_compile(
     store = resolve_cache(cache)
 
     def build() -> tuple[CompiledArtifact, list[sympy.Expr]]:
-        artifact, common = _compile_all(gm, graph, symbols, requests, options or {}, groups)
+        # Inside a torch.compile backend (from_tracing_context), Dynamo's lower bound of 2
+        # keeps calls at 1 away from this graph (it traces 1 apart): no variant at 1 for
+        # it. A graph handed over whole (vLLM's range, from_graph) is called at 1.
+        called_at_one = dynamic_shapes == "from_graph"
+        artifact, common = _compile_all(
+            gm, graph, symbols, requests, options or {}, groups, called_at_one
+        )
         if calibration is not None:
             templates = [None if adapter.is_fake(v) else v for v in example_inputs]
             artifact.calibrate(**{"inputs": templates, **calibration})
