@@ -841,13 +841,8 @@ def codegen_config_digest() -> str:
 # -- collectives ------------------------------------------------------------------------
 # torch's collectives whose ``group_name`` argument is a name torch registered a process
 # group under (resolved again by the op at every call)
-_TORCH_COLLECTIVE_NAMESPACES = (
-    "_c10d_functional",
-    "_c10d_functional_autograd",
-    "c10d_functional",
-    "symm_mem",
-    "_dtensor",
-)
+_FUNCTIONAL_NAMESPACES = ("_c10d_functional", "_c10d_functional_autograd", "c10d_functional")
+_TORCH_COLLECTIVE_NAMESPACES = (*_FUNCTIONAL_NAMESPACES, "symm_mem", "_dtensor")
 
 
 def _op_schema(target: Any) -> Any | None:
@@ -934,7 +929,7 @@ class _LocalCollectives(TorchDispatchMode):  # type: ignore[misc]
         if func.namespace not in _TORCH_COLLECTIVE_NAMESPACES and not takes_group:
             return func(*args, **kwargs)
         name = func._schema.name.split("::", 1)[1]
-        if func.namespace in _TORCH_COLLECTIVE_NAMESPACES[:3]:
+        if func.namespace in _FUNCTIONAL_NAMESPACES:  # local copies known per op
             if name in ("wait_tensor", "all_reduce_", "all_reduce_coalesced_", "broadcast_"):
                 return args[0]
             if name in ("all_reduce", "broadcast"):
