@@ -14,6 +14,11 @@ interleaved rounds (medians):
 
 Graphs: ``x + 1`` (2 flat inputs), the demo MLP (8), and tiny Llamas of 2, 12 and 32
 layers (24, 114 and 294 flat inputs, mostly parameters; a 7B Llama lifts about 291).
+
+The model level (``compile_model``/``load_model``) adds what it checks of what the trace
+read (``model_checks``): the guards it recorded from Dynamo's, checked once at bind,
+and per call the global state, the training flags the trace read and a counter that
+torch's registration hooks move.
 """
 
 from __future__ import annotations
@@ -111,6 +116,50 @@ def measure(name: str, model: torch.nn.Module, x: torch.Tensor, dim: int, n: int
     ]
 
 
+def model_checks(model: torch.nn.Module, x: torch.Tensor, dim: int) -> list[Any]:
+    """What a compiled model (``compile_model``/``load_model``) checks of what its trace
+    read, beyond the artifact's input checks: the guards recorded from Dynamo's (count),
+    their check at bind (ms), and per call the global state, the training flags the
+    trace read and the registration counter (us, median of rounds)."""
+    from precompile._torch_adapter import _guard_entry
+    from precompile._trace_read import trace_read
+    from runtime._global_state import StateCheck
+    from runtime._model_guards import BoundGuards
+
+    entries: list[Any] = []
+    codes: list[Any] = []
+
+    def keep(found: Any) -> list[bool]:
+        entries.extend(_guard_entry(e) for e in found)
+        return [True] * len(found)
+
+    def backend(gm: torch.fx.GraphModule, inputs: list[Any]) -> Any:
+        from torch._guards import TracingContext
+
+        codes.append(TracingContext.try_get().traced_code[0])
+        return gm.forward
+
+    torch._dynamo.reset()
+    torch._dynamo.mark_dynamic(x, dim)
+    with torch.no_grad():
+        torch.compile(model, backend=backend, fullgraph=True,
+                      options={"guard_filter_fn": keep})(x)  # fmt: skip
+        read = trace_read(model, (x,), {}, entries, codes[0])
+        began = time.perf_counter()
+        guards = BoundGuards(read, model, "the model")
+        bind_ms = (time.perf_counter() - began) * 1e3
+        state = StateCheck(read.state, "the model")
+
+        def check() -> None:
+            state.check()
+            guards.check()
+
+        calls = calls_per_round(check, [])
+        per_call = [per_call_ns(check, [], calls) - per_call_ns(_noop, [], calls)
+                    for _ in range(ROUNDS)]  # fmt: skip
+    return [len(read.guards), bind_ms, statistics.median(per_call) / 1e3]
+
+
 def tiny_llama(layers: int) -> torch.nn.Module:
     import transformers
 
@@ -133,18 +182,25 @@ def main() -> None:
 
     torch.manual_seed(0)
     rows = [
-        measure("x + 1", Tiny(), torch.randn(4, 8), 0, 64),
-        measure("demo MLP", MLP().eval(), torch.randn(4, 256), 0, 64),
+        measure("x + 1", Tiny(), torch.randn(4, 8), 0, 64)
+        + model_checks(Tiny(), torch.randn(4, 8), 0),
+        measure("demo MLP", MLP().eval(), torch.randn(4, 256), 0, 64)
+        + model_checks(MLP().eval(), torch.randn(4, 256), 0),
     ]
     for layers in (2, 12, 32):
         ids = torch.randint(0, 128, (1, 8))
-        rows.append(measure(f"tiny Llama, {layers} layers", tiny_llama(layers), ids, 1, 100))
+        llama = tiny_llama(layers)
+        row = measure(f"tiny Llama, {layers} layers", llama, ids, 1, 100)
+        rows.append(row + model_checks(llama, torch.randint(0, 128, (1, 8)), 1))
     headers = [
         "graph",
         "flat inputs",
         "tensor inputs",
         "art(*args) us (every input checked)",
         "trusting_caller() us (backend, Dynamo checked)",
+        "model level: guards recorded",
+        "model level: guards checked at bind ms",
+        "model level: trace-read checks per call us",
     ]
     print(table(headers, rows))
     document = {

@@ -16,6 +16,8 @@ import torch
 
 from cache import LAYOUT
 from runtime._environment import current_environment
+from runtime._global_state import describe as describe_state
+from runtime._global_state import trace_state
 from runtime._manifest import FORMAT_VERSION
 from runtime._version import __version__
 
@@ -89,8 +91,10 @@ def cache_factors(
         "options": _canonical(dict(options)),
         "codegen_config": adapter.codegen_config_digest(),
         "dynamic_shapes": dynamic_shapes,
-        # grad mode decides whether a backward graph is compiled (training vs inference)
-        "grad_mode": "enabled" if torch.is_grad_enabled() else "disabled",
+        # what Dynamo's global-state guard holds: grad mode (a backward graph or not),
+        # autocast per device and dtype, default dtype, deterministic algorithms, matmul
+        # precision, torch-function state; inside a backend, the traced call's
+        "global_state": _canonical(describe_state(trace_state())),
         "torch": f"{environment.torch} ({environment.torch_git})",
         "triton": str(environment.triton),
         "python": environment.python,

@@ -39,6 +39,8 @@ from runtime._errors import (
     UnsupportedGraphError,
     UntrustedArtifactError,
 )
+from runtime._global_state import describe as describe_state
+from runtime._global_state import trace_state
 from runtime._kv_cache import (
     CACHE_FIELDS,
     CacheLayout,
@@ -55,6 +57,7 @@ from runtime._process_groups import registered_groups, this_rank
 from runtime._version import __version__
 
 from ._offline import is_offline, refuse
+from ._trace_read import trace_read
 from ._variant_plan import Hints, Sizes
 
 log = logging.getLogger("precompile.compile")
@@ -265,7 +268,8 @@ def model_factors(
         "options": _digest(dict(options)),
         # inductor's config and the attention backends change the compiled code too
         "codegen_config": _codegen_config_digest(),
-        "grad_mode": "enabled" if torch.is_grad_enabled() else "disabled",
+        # grad mode, autocast, default dtype, ...: what Dynamo's global-state guard holds
+        "global_state": _digest(describe_state(trace_state())),
         "torch": f"{environment.torch} ({environment.torch_git})",
         "triton": str(environment.triton),
         "python": environment.python,
@@ -465,7 +469,7 @@ def _trace_and_compile(
         for index, cache in caches.items():
             for (_, _, tensor), copy in zip(cache_tensors(cache), saved[index], strict=True):
                 tensor.copy_(copy)
-    plan = _plan(model, leaves, paths, trace, advanced)
+    plan = _plan(model, args, kwargs, leaves, paths, trace, advanced)
     _check_dynamic(plan, trace.artifact.manifest, dims, paths, leaves)
     log.info("traced and compiled %s in %.1f s", class_path(model), time.perf_counter() - started)
     compiled = CompiledModel(model, trace.artifact, plan)
@@ -584,10 +588,10 @@ def _said_outcome(error: Exception | None) -> str:
 
 
 def _outcome(call: Any, args: Any, kwargs: Any) -> tuple[Any, Exception | None]:
-    """What ``call(*args, **kwargs)`` returns under no_grad, or the error it raises."""
+    """What ``call(*args, **kwargs)`` returns (in the grad mode of the trace, which a
+    compiled model checks), or the error it raises."""
     try:
-        with torch.no_grad():
-            return call(*args, **kwargs), None
+        return call(*args, **kwargs), None
     except Exception as exc:  # compared with the other side's outcome
         return None, exc
 
@@ -727,6 +731,8 @@ def _token_source(
 
 def _plan(
     model: torch.nn.Module,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
     leaves: list[Any],
     paths: list[Any],
     trace: Any,
@@ -833,6 +839,7 @@ def _plan(
         tokens=_token_source(model, leaves, paths, advanced),
         position_leaf=position,
         distributed=this_rank(),
+        trace_read=trace_read(model, args, kwargs, trace.guards, trace.traced_code),
     )
 
 

@@ -22,7 +22,7 @@ import shutil
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import ExitStack, contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import sympy
@@ -969,6 +969,46 @@ class ModelTrace:
     graph_outputs: list[Any]  # the flat outputs the compiled graph returned
     traced_files: set[str]  # source files of every code object Dynamo traced
     artifact: Any
+    # Dynamo's guards of the trace, as plain records (see ``guard_records``)
+    guards: list[GuardEntry] = field(default_factory=list)
+    traced_code: Any = None  # the code object of the frame Dynamo compiled
+
+
+@dataclass(frozen=True)
+class GuardEntry:
+    """One of Dynamo's guards on a trace: its type (and the types it implies), the
+    source it reads (a Python expression over ``L`` and ``G``), the value it read, and
+    the guard's own argument where it has one (an attribute name, a dict key, the
+    other source of an aliasing guard)."""
+
+    guard_type: str
+    derived_types: tuple[str, ...]
+    source: str
+    has_value: bool
+    value: Any
+    argument: Any = None
+
+
+def _guard_entry(entry: Any) -> GuardEntry:
+    guard = entry.orig_guard
+    keywords = getattr(guard.create_fn, "keywords", None) or {}
+    argument: Any = None
+    for name in ("attr", "key"):
+        if name in keywords:
+            argument = keywords[name]
+    other = keywords.get("source_b")
+    if other is not None:
+        argument = ("source", other.name if isinstance(other.name, str) else other.name())
+    source = guard.originating_source
+    text = source.name if isinstance(source.name, str) else source.name()
+    return GuardEntry(
+        str(entry.guard_type),
+        tuple(str(t) for t in entry.derived_guard_types),
+        str(text),
+        bool(entry.has_value),
+        entry.value if entry.has_value else None,
+        argument,
+    )
 
 
 def trace_model(
@@ -984,11 +1024,17 @@ def trace_model(
     from torch._guards import TracingContext
 
     seen: list[dict[str, Any]] = []
+    guards: list[GuardEntry] = []
+
+    def keep_every_guard(entries: Sequence[Any]) -> list[bool]:
+        guards.extend(_guard_entry(e) for e in entries)
+        return [True] * len(entries)
 
     def backend(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
         context = TracingContext.try_get()
         codes = list(getattr(context, "traced_code", None) or [])
         record: dict[str, Any] = {
+            "code": codes[0] if codes else None,
             "inputs": list(example_inputs),
             "names": [n.name for n in gm.graph.nodes if n.op == "placeholder"],
             "files": {c.co_filename for c in codes if os.path.isfile(c.co_filename)},
@@ -1009,7 +1055,10 @@ def trace_model(
 
     torch.compiler.reset()
     try:
-        result = torch.compile(model, backend=backend, fullgraph=True)(*args, **kwargs)
+        compiled = torch.compile(
+            model, backend=backend, fullgraph=True, options={"guard_filter_fn": keep_every_guard}
+        )
+        result = compiled(*args, **kwargs)
     except torch._dynamo.exc.Unsupported as exc:
         raise UnsupportedGraphError(
             f"the model does not trace as one graph (a graph break): {str(exc).strip()[:2000]}"
@@ -1029,6 +1078,8 @@ def trace_model(
         graph_outputs=record["outputs"],
         traced_files=record["files"],
         artifact=record["artifact"],
+        guards=guards,
+        traced_code=record["code"],
     )
 
 

@@ -48,6 +48,7 @@ from ._errors import (
     InputMismatchError,
     InvalidOptionError,
 )
+from ._global_state import StateCheck
 from ._kv_cache import (
     CacheGuard,
     CacheLayout,
@@ -59,12 +60,15 @@ from ._kv_cache import (
     slot_specs,
 )
 from ._manifest import Manifest, TensorInput
+from ._model_guards import BoundGuards, TraceRead
 from ._model_identity import check_identity, class_path, file_digest
 from ._process_groups import this_rank
 
 log = logging.getLogger("precompile.runtime")
 PLAN_FORMAT = "precompile-model-plan"
-PLAN_VERSION = 1
+# 2: the trace's guards and global state (``trace_read``); a plan of version 1 is
+# stale (compile_model compiles again; load_model refuses it)
+PLAN_VERSION = 2
 _CONSTANT_TYPES = (bool, int, float, str, type(None))
 
 
@@ -91,6 +95,8 @@ class ModelPlan:
     # (rank, world size, backend) it was traced on under torch.distributed: the trace may
     # have baked the rank in, so the plan binds only on that rank of such a world
     distributed: tuple[int, int, str] | None = None
+    # what the trace read (Dynamo's guards, the global state), checked at bind and per call
+    trace_read: TraceRead | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -109,6 +115,7 @@ class ModelPlan:
             "tokens": list(self.tokens) if self.tokens is not None else None,
             "position_leaf": self.position_leaf,
             "distributed": None if self.distributed is None else list(self.distributed),
+            "trace_read": None if self.trace_read is None else self.trace_read.to_json(),
         }
 
     @staticmethod
@@ -117,7 +124,10 @@ class ModelPlan:
         if not isinstance(value, dict) or value.get("format") != PLAN_FORMAT:
             raise CorruptArtifactError(f"{where} is missing or not a model plan")
         if value.get("version") != PLAN_VERSION:
-            raise IncompatibleArtifactError(f"{where} version {value.get('version')!r} unknown")
+            raise IncompatibleArtifactError(
+                f"{where} version {value.get('version')!r} is not this precompile's "
+                f"({PLAN_VERSION}): it was saved by another version; compile the model again"
+            )
 
         def text(item: Any, field: str, limit: int = 1 << 20) -> str:
             if not isinstance(item, str) or len(item) > limit:
@@ -216,6 +226,7 @@ class ModelPlan:
             distributed=None
             if distributed is None
             else (distributed[0], distributed[1], distributed[2]),
+            trace_read=TraceRead.from_json(value.get("trace_read")),
         )
 
 
@@ -248,6 +259,14 @@ class CompiledModel:
         self.model = model
         self.artifact = artifact
         self.plan = plan
+        if plan.trace_read is None:
+            raise IncompatibleArtifactError(
+                "the compiled plan records nothing of what its trace read; compile it again"
+            )
+        where = f"the model compiled as {plan.model_class}"
+        # every guard of the trace, checked against this model now (refused if any fails)
+        self._guards = BoundGuards(plan.trace_read, model, where)
+        self._state = StateCheck(plan.trace_read.state, where)
         self._in_spec = adapter.treespec_from_json(plan.in_spec)
         self._out_spec = adapter.treespec_from_json(plan.out_spec)
         self._weights = self._resolve_weights(model, plan, artifact.manifest)
@@ -333,6 +352,9 @@ class CompiledModel:
             raise InputMismatchError(
                 f"the model is in {mode} mode, but was compiled in the other; switch back"
             )
+        self._state.check()
+        if self._guards.check():  # something was registered in the model: bound again
+            self._weights = self._resolve_weights(self.model, self.plan, self.artifact.manifest)
         caches = self._caches
         if caches is None:
             results = self._run(leaves)

@@ -23,6 +23,7 @@ from cache._bytes import sha256_hex
 
 from ._dtypes import dtype_name
 from ._errors import IncompatibleArtifactError
+from ._model_guards import Unencodable, encode, named
 
 # Each factor, and what differs where it does (for the error a load raises).
 FACTORS = {
@@ -31,6 +32,11 @@ FACTORS = {
     "model_settings": "its config or a submodule's settings",
     "model_tensors": "its parameters' or buffers' names, shapes, dtypes or devices",
 }
+
+
+# What a bind compares of the recorded factors: the class, and the tensors (checked per
+# call too; here an early, whole-model refusal).
+BIND_FACTORS = ("model_class", "model_tensors")
 
 
 def class_path(model: Any) -> str:
@@ -63,27 +69,41 @@ def module_sources(model: torch.nn.Module) -> dict[str, str]:
     return dict(sorted(found.items()))
 
 
+def _setting(value: Any) -> Any:
+    """A submodule attribute as the key holds it (plain values, tuples and lists of them,
+    dtypes, devices, enums; functions and classes by qualified name), or ``_SKIP``."""
+    try:
+        return encode(value)
+    except Unencodable:
+        pass
+    if isinstance(value, type) or (callable(value) and not isinstance(value, torch.nn.Module)):
+        try:
+            return named(value)
+        except Unencodable:
+            return _SKIP
+    return _SKIP
+
+
+_SKIP = object()
+
+
 def settings(model: torch.nn.Module) -> list[Any]:
     """What configures each submodule beyond its weights: ``extra_repr`` (eps, sizes, ...)
-    and its plain attributes (ints, floats, strings, bools, the process groups it holds,
-    by name), and the model's config."""
+    and its public attributes that have a value across processes (``_setting``), the
+    process groups it holds (by name), and the model's config. A routing key only: a
+    load checks what the trace read (``runtime._model_guards``)."""
     found: list[Any] = []
     groups = _process_group_type()
     for name, module in model.named_modules():
-        plain = {
-            k: v
-            for k, v in vars(module).items()
-            if not k.startswith("_") and isinstance(v, (bool, int, float, str, type(None)))
-        }
-        if groups is not None:
-            # the group a module's collectives run over (a traced collective names it)
-            plain.update(
-                {
-                    k: f"process group {getattr(v, 'group_name', v)}"
-                    for k, v in vars(module).items()
-                    if not k.startswith("_") and isinstance(v, groups)
-                }
-            )
+        plain = {}
+        for key, value in vars(module).items():
+            if key.startswith("_"):
+                continue
+            if groups is not None and isinstance(value, groups):
+                # the group a module's collectives run over (a traced collective names it)
+                plain[key] = f"process group {getattr(value, 'group_name', value)}"
+            elif (setting := _setting(value)) is not _SKIP:
+                plain[key] = setting
         found.append([name, type(module).__qualname__, module.extra_repr(), plain])
     config = getattr(model, "config", None)
     to_json = getattr(config, "to_json_string", None)
@@ -134,7 +154,9 @@ def check_identity(recorded: Mapping[str, str], model: torch.nn.Module, where: s
         raise IncompatibleArtifactError(
             f"{where} is for {recorded.get('model_class')}, this model is {class_path(model)}"
         )
-    differing = [name for name in FACTORS if recorded.get(name) != current[name]]
+    # the rest of what the model's code read is checked by the trace's own guards
+    # (``runtime._model_guards``); its sources by the traced files' digests
+    differing = [name for name in BIND_FACTORS if recorded.get(name) != current[name]]
     if differing:
         what = "; ".join(f"{name}: {FACTORS[name]}" for name in differing)
         raise IncompatibleArtifactError(

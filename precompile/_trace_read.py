@@ -1,0 +1,290 @@
+"""Dynamo's guards of a model's trace, turned into the checks a compiled model carries
+(``runtime._model_guards``): what the trace read is what a load checks.
+
+Each guard reads a source, a Python expression over the traced frame's locals (``L``)
+and globals (``G``). Here it is parsed into the runtime's expression schema, with the
+model itself (``L['self']``, or ``L['args'][0]`` in a decorated forward) as the root
+``M`` and the forward's closure cells as ``C``; then each guard is checked once against
+the traced call, so a guard that this translation reads wrongly is never recorded as if
+it held. What is left, and why:
+- guards on the call's own arguments: the plan checks those per call (structure,
+  constants, the input contract of every tensor, a KV cache's layout);
+- the process-wide state guards: ``runtime._global_state`` records and checks them;
+- tensor guards on parameters and buffers: the input contract, per call;
+- Dynamo's symbolic-shape guards: the variants' own guards;
+- guards on Dynamo's and inductor's own modules (its polyfills), which no model sets;
+- anything this schema cannot express: named in the plan's ``unchecked`` list and in
+  a warning at compile time, never dropped silently.
+"""
+
+from __future__ import annotations
+
+import ast
+import inspect
+import logging
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from runtime._global_state import trace_state
+from runtime._model_guards import (
+    Guard,
+    Roots,
+    TraceRead,
+    Unencodable,
+    dict_keys,
+    encode,
+    named,
+    qualified_name,
+    readable,
+    roots_of,
+    traced_forward,
+)
+
+log = logging.getLogger("precompile.compile")
+
+# Dynamo guard types the per-call checks elsewhere cover (see the module docstring).
+_STATE_GUARDS = frozenset(
+    {"GRAD_MODE", "GLOBAL_STATE", "DETERMINISTIC_ALGORITHMS", "TORCH_FUNCTION_STATE",
+     "DEFAULT_DEVICE"}
+)  # fmt: skip
+_COVERED_ELSEWHERE = frozenset({"SHAPE_ENV", "TENSOR_MATCH"}) | _STATE_GUARDS
+_NAMED = frozenset(
+    {"ID_MATCH", "CLASS_MATCH", "MODULE_MATCH", "BUILTIN_MATCH", "CLOSURE_MATCH",
+     "FUNCTION_MATCH"}
+)  # fmt: skip
+_LENGTH = frozenset({"SEQUENCE_LENGTH", "LIST_LENGTH", "TUPLE_ITERATOR_LEN", "DICT_LENGTH"})
+_KEYS = frozenset({"DICT_KEYS_MATCH", "DICT_KEYS", "MAPPING_KEYS_CHECK"})
+_COMPILER_MODULES = ("__import_torch_dot__dynamo", "__import_torch_dot__inductor",
+                     "__import_torch_dot__functorch")  # fmt: skip
+
+
+class _Untranslatable(Exception):
+    pass
+
+
+def parse_source(text: str) -> Any:
+    """A guard source (``L['self']._modules['a'].eps``) as a runtime expression over
+    ``L``/``G`` (``["L", name]`` roots are resolved by ``_rooted``)."""
+    try:
+        tree = ast.parse(text, mode="eval").body
+    except SyntaxError as exc:
+        raise _Untranslatable(f"unparsable source {text!r}") from exc
+    return _expr(tree)
+
+
+def _expr(node: ast.AST) -> Any:
+    if isinstance(node, ast.Subscript):
+        base = node.value
+        if isinstance(base, ast.Name) and base.id in ("L", "G"):
+            key = node.slice
+            if isinstance(key, ast.Constant) and isinstance(key.value, str):
+                return [base.id, key.value]
+            raise _Untranslatable("a root subscript that is not a name")
+        return ["item", _expr(base), _expr(node.slice)]
+    if isinstance(node, ast.Attribute):
+        return ["attr", _expr(node.value), node.attr]
+    if isinstance(node, ast.Constant):
+        try:
+            return ["const", encode(node.value)]
+        except Unencodable as exc:
+            raise _Untranslatable(str(exc)) from exc
+    if isinstance(node, ast.Call) and not node.keywords:
+        func = node.func
+        if isinstance(func, ast.Name):
+            name = func.id
+        elif isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name):
+            name = f"{func.value.id}.{func.attr}"
+        else:
+            raise _Untranslatable("a call of an expression")
+        if name not in ("type", "dict", "list", "len", "dict.keys", "dict.__getitem__"):
+            raise _Untranslatable(f"a call of {name}")
+        return ["call", name, [_expr(a) for a in node.args]]
+    if isinstance(node, ast.Name):  # a local of the frame, without L[...] (older torch)
+        return ["L", node.id]
+    raise _Untranslatable(f"a {type(node).__name__} in a source")
+
+
+def _frame_locals(
+    model: torch.nn.Module, forward: Any, args: Sequence[Any], kwargs: Mapping[str, Any]
+) -> dict[str, Any]:
+    """The traced frame's locals at its start: the forward's bound arguments (defaults
+    applied) and its closure cells."""
+    bound = inspect.signature(forward, follow_wrapped=False).bind(model, *args, **kwargs)
+    bound.apply_defaults()
+    found = dict(bound.arguments)
+    found.update(roots_of(model, forward).closure)
+    return found
+
+
+def _rooted(expr: Any, model: Any, frame: Mapping[str, Any], closure: Mapping[str, Any],
+            roots: Roots) -> tuple[Any, bool]:  # fmt: skip
+    """``expr`` with the model as ``M`` and closure cells as ``C``, and whether what is
+    left reads a call argument (a local that is neither)."""
+    if not isinstance(expr, list):
+        return expr, False
+    op = expr[0]
+    if op == "L":
+        name = expr[1]
+        if name not in frame:
+            raise _Untranslatable(f"local {name} is not the traced frame's")
+        if frame[name] is model:
+            return ["M"], False
+        if name in closure:
+            return ["C", name], False
+        return expr, True
+    if op in ("G", "const", "M", "C"):
+        return expr, False
+    if op == "item":
+        base, call_base = _rooted(expr[1], model, frame, closure, roots)
+        key, call_key = _rooted(expr[2], model, frame, closure, roots)
+        rooted = ["item", base, key]
+        if base[:1] == ["L"] and key[:1] == ["const"]:
+            # ``L['args'][0]`` in a forward taking *args: the model, if that is its value
+            try:
+                value = frame[base[1]][_constant(key[1])]
+            except (LookupError, TypeError):
+                value = None
+            if value is model:
+                return ["M"], False
+        return rooted, call_base or call_key
+    if op == "attr":
+        base, call = _rooted(expr[1], model, frame, closure, roots)
+        return ["attr", base, expr[2]], call
+    if op == "call":
+        parts = [_rooted(e, model, frame, closure, roots) for e in expr[2]]
+        return ["call", expr[1], [p for p, _ in parts]], any(c for _, c in parts)
+    raise _Untranslatable(f"expression op {op}")
+
+
+def _constant(encoded: Any) -> Any:
+    return encoded[1] if isinstance(encoded, list) and len(encoded) == 2 else None
+
+
+def _guard(entry: Any, expr: Any, parse: Any) -> Guard:
+    kind, value = entry.guard_type, entry.value
+    derived = set(entry.derived_types)
+    if kind in ("CONSTANT_MATCH", "EQUALS_MATCH"):
+        try:
+            return Guard("equals", expr, encode(value))
+        except Unencodable:
+            if "ID_MATCH" in derived:
+                return Guard("named", expr, named(value))
+            raise
+    if kind == "TYPE_MATCH":
+        return Guard("type", expr, qualified_name(type(value)))
+    if kind in _NAMED:
+        if not (isinstance(value, type) or callable(value) or inspect.ismodule(value)):
+            try:
+                return Guard("equals", expr, encode(value))
+            except Unencodable as exc:
+                raise _Untranslatable(f"identity of a {type(value).__name__}") from exc
+        return Guard("named", expr, named(value))
+    if kind in _LENGTH:
+        return Guard("length", expr, [qualified_name(type(value)), len(value)])
+    if kind in _KEYS:
+        return Guard("keys", expr, dict_keys(value))
+    if kind == "EMPTY_NN_MODULE_HOOKS_DICT":
+        return Guard("empty", expr, True)
+    if kind == "HASATTR":  # the attribute's presence, or its absence, as traced
+        return Guard("hasattr", expr, hasattr(value, str(entry.argument)), str(entry.argument))
+    if kind == "NOT_PRESENT_IN_GENERIC_DICT":
+        return Guard("not_in_dict", expr, True, str(entry.argument))
+    if kind in ("DICT_CONTAINS", "DICT_NOT_CONTAINS"):
+        which = "contains" if kind == "DICT_CONTAINS" else "not_contains"
+        return Guard(which, expr, True, encode(entry.argument))
+    if kind in ("DUPLICATE_INPUT", "OBJECT_ALIASING") and isinstance(entry.argument, tuple):
+        return Guard("is", expr, True, parse(entry.argument[1]))
+    if kind == "NOT_NONE":
+        return Guard("is_not_none", expr, True)
+    raise _Untranslatable(f"a {kind} guard")
+
+
+def trace_read(
+    model: torch.nn.Module,
+    args: Sequence[Any],
+    kwargs: Mapping[str, Any],
+    entries: Sequence[Any],
+    traced_code: Any,
+) -> TraceRead:
+    """The guards of ``model``'s trace as the checks its plan carries (``entries``:
+    the adapter's ``GuardEntry`` records), each checked against the traced call."""
+    forward = traced_forward(model)
+    state = trace_state()
+    name = qualified_name(forward)
+    if traced_code is not None and getattr(forward, "__code__", None) is not traced_code:
+        raise _unsupported(
+            f"Dynamo traced {traced_code.co_name} ({traced_code.co_filename}), not the "
+            f"model's forward {name}"
+        )
+    frame = _frame_locals(model, forward, args, kwargs)
+    roots = roots_of(model, forward)
+    closure = roots.closure
+    guards: dict[str, Guard] = {}
+    unchecked: list[str] = []
+
+    def parse(text: str) -> Any:
+        rooted, call = _rooted(parse_source(text), model, frame, closure, roots)
+        if call:
+            raise _Untranslatable("reads the call's arguments")
+        return rooted
+
+    for entry in entries:
+        if entry.guard_type in _COVERED_ELSEWHERE:
+            continue
+        if entry.guard_type == "AUTOGRAD_SAVED_TENSORS_HOOKS" and not state["grad_mode"]:
+            continue  # saved-tensor hooks act on a backward graph; there is none
+        source = entry.source
+        if any(source.startswith(f"G['{prefix}") for prefix in _COMPILER_MODULES):
+            continue
+        try:
+            rooted, reads_call = _rooted(parse_source(source), model, frame, closure, roots)
+            if reads_call:
+                continue  # the call's arguments: the plan's per-call checks
+            guard = _guard(entry, rooted, parse)
+            if _history_dependent(guard):
+                raise _Untranslatable(
+                    "reads a global container by position or by its size, which depend on "
+                    "what the process registered there before (not portable)"
+                )
+            failure = guard.failure(roots)
+            if failure is not None:
+                raise _Untranslatable(f"does not hold when checked here: {failure}")
+        except (_Untranslatable, Unencodable, LookupError, TypeError, AttributeError) as exc:
+            unchecked.append(f"{entry.guard_type} on {_said_source(source)}: {exc}")
+            continue
+        key = repr(guard.to_json())
+        guards.setdefault(key, guard)
+    if unchecked:
+        log.warning(
+            "compile_model: %d of the trace's guards cannot be checked in another process "
+            "(listed in the plan's trace_read.unchecked); the first: %s",
+            len(unchecked),
+            "; ".join(unchecked[:3]),
+        )
+    return TraceRead(tuple(guards.values()), state, name, tuple(unchecked))
+
+
+def _history_dependent(guard: Guard) -> bool:
+    """A guard whose answer depends on what a process put into a library's global
+    container before (a registry of model classes): its size, its keys, or an entry
+    found by position (``list(dict.keys(registry))[1]``). Module attributes, functions
+    and everything on the model itself are not."""
+    text = repr(guard.expr)
+    if "'G'" not in text:
+        return False
+    return guard.kind in ("length", "keys") or "'list'" in text
+
+
+def _said_source(source: str) -> str:
+    try:
+        return readable(parse_source(source))
+    except _Untranslatable:
+        return source
+
+
+def _unsupported(message: str) -> Exception:
+    from runtime._errors import UnsupportedGraphError
+
+    return UnsupportedGraphError(message)

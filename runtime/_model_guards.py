@@ -1,0 +1,490 @@
+"""What a model's trace read, recorded from Dynamo's own guards and checked without
+Dynamo: the schema (written and read here), and its checks.
+
+Dynamo guards every value its trace read: module attributes by value (``eps``, a
+permutation tuple, a dtype), functions and classes by identity (``act = torch.relu``),
+containers by type and length, hooks dicts empty, tensors aliased or not. The compile
+side turns each guard into a ``Guard``: an expression over the model (``M``), the
+traced ``forward``'s closure cells (``C``) and its module's globals (``G``), and a check
+of the value it gives. Identity cannot cross processes, so functions, classes and
+modules are checked by qualified name (plus the file and line of a function's code).
+
+Where they are checked: every guard when a plan is bound to a model (``load_model``, a
+cache hit), and again at the first call after a submodule, parameter or buffer is
+registered anywhere (torch's registration hooks bump a counter); the ``training`` flags
+the trace read on every call (a few attribute reads).
+"""
+
+from __future__ import annotations
+
+import builtins
+import importlib
+import math
+import sys
+import threading
+import weakref
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ._dtypes import dtype_name
+from ._errors import CorruptArtifactError, IncompatibleArtifactError, InputMismatchError
+
+# -- values as JSON --------------------------------------------------------------------
+
+
+class Unencodable(Exception):
+    """A value this schema cannot record (an arbitrary object's identity, say)."""
+
+
+def qualified_name(value: Any) -> str:
+    """``module.qualname`` of a function, builtin, class or module; a Python function's
+    code place is added (two lambdas of one module share a qualname)."""
+    if isinstance(value, type(sys)):
+        return f"module {value.__name__}"
+    qualname = getattr(value, "__qualname__", None) or getattr(value, "__name__", None)
+    if not isinstance(qualname, str):
+        raise Unencodable(f"a {type(value).__name__} has no qualified name")
+    module = getattr(value, "__module__", None)
+    if module is None:
+        owner = getattr(value, "__self__", None)
+        owner_type = owner if isinstance(owner, type) else type(owner)
+        module = getattr(owner_type, "__module__", None)
+    name = f"{module}.{qualname}"
+    code = getattr(value, "__code__", None)
+    if code is not None:
+        name += f" ({code.co_filename}:{code.co_firstlineno})"
+    return name
+
+
+def encode(value: Any) -> Any:
+    """A value as tagged JSON, equal for equal values of the same type."""
+    kind = type(value)
+    if value is None:
+        return ["none"]
+    if kind is bool:
+        return ["bool", value]
+    if kind is int:
+        return ["int", value]
+    if kind is str:
+        return ["str", value]
+    if kind is float:
+        return ["float", value.hex() if math.isfinite(value) else repr(value)]
+    if kind in (tuple, list, torch.Size):
+        return [kind.__name__, [encode(v) for v in value]]
+    if isinstance(value, torch.dtype):
+        return ["dtype", dtype_name(value)]
+    if isinstance(value, torch.device):
+        return ["device", str(value)]
+    if isinstance(value, type(Ellipsis)):
+        return ["ellipsis"]
+    import enum
+
+    if isinstance(value, enum.Enum):
+        return ["enum", qualified_name(type(value)), value.name]
+    if kind is slice:
+        return ["slice", [encode(value.start), encode(value.stop), encode(value.step)]]
+    if isinstance(value, type(encode.__code__)):
+        name = getattr(value, "co_qualname", value.co_name)
+        return ["code", f"{name} ({value.co_filename}:{value.co_firstlineno})"]
+    raise Unencodable(f"a {kind.__module__}.{kind.__qualname__} value")
+
+
+def named(value: Any) -> Any:
+    """What an identity guard on ``value`` checks across processes: its qualified name
+    (functions, builtins, classes, modules), or its value where it is a constant."""
+    if isinstance(value, (type, type(sys))) or callable(value):
+        return ["named", qualified_name(value)]
+    return encode(value)
+
+
+def said(encoded: Any) -> str:
+    """An encoded value as a person reads it."""
+    if not isinstance(encoded, list) or not encoded:
+        return repr(encoded)
+    tag = encoded[0]
+    if tag == "none":
+        return "None"
+    if tag == "float":
+        text = encoded[1]
+        return repr(float.fromhex(text)) if text not in ("inf", "-inf", "nan") else text
+    if tag in ("tuple", "list", "Size"):
+        inner = ", ".join(said(v) for v in encoded[1])
+        return f"({inner})" if tag == "tuple" else f"[{inner}]" if tag == "list" else inner
+    if tag == "dtype":
+        return f"torch.{encoded[1]}"
+    if tag in ("named", "type"):
+        return str(encoded[1])
+    if tag == "enum":
+        return f"{encoded[1]}.{encoded[2]}"
+    return repr(encoded[1]) if len(encoded) > 1 else tag
+
+
+# -- expressions -----------------------------------------------------------------------
+# An expression is JSON: ["M"] the model, ["C", name] a closure cell of the traced
+# forward, ["G", name] a global of its module (``__import_a_dot_b`` is module ``a.b``,
+# ``__builtins_dict___N`` the builtins), ["attr", e, name], ["item", e, key] (key an
+# expression), ["const", encoded], ["call", fn, [e, ...]] for the few functions below.
+_CALLS: dict[str, Callable[..., Any]] = {
+    "type": type,
+    "dict": dict,
+    "list": list,
+    "len": len,
+    "dict.keys": dict.keys,
+    "dict.__getitem__": dict.__getitem__,
+}
+MAX_DEPTH = 64
+
+
+def _decode_constant(encoded: Any) -> Any:
+    if not isinstance(encoded, list) or not encoded:
+        raise CorruptArtifactError(f"guard constant {encoded!r} is not a tagged value")
+    tag = encoded[0]
+    if tag == "none":
+        return None
+    if tag in ("bool", "int", "str") and len(encoded) == 2:
+        return encoded[1]
+    raise CorruptArtifactError(f"guard constant {encoded!r} is not a key this schema uses")
+
+
+@dataclass(frozen=True)
+class Roots:
+    """What an expression's roots stand for where it is evaluated."""
+
+    model: Any
+    closure: Mapping[str, Any]
+    globals: Mapping[str, Any]
+
+
+def global_value(name: str, module_globals: Mapping[str, Any]) -> Any:
+    if name.startswith("__import_"):
+        module_name = name.removeprefix("__import_").replace("_dot_", ".")
+        module = sys.modules.get(module_name)
+        if module is None:  # a module the traced code imports lazily
+            module = importlib.import_module(module_name)
+        return module
+    if name.startswith("__builtins_dict__"):
+        return builtins.__dict__
+    return module_globals[name]
+
+
+def evaluate(expr: Any, roots: Roots, depth: int = 0) -> Any:
+    """The value of an expression (raises on anything malformed or missing)."""
+    if depth > MAX_DEPTH or not isinstance(expr, list) or not expr:
+        raise CorruptArtifactError(f"guard expression {str(expr)[:80]} is malformed")
+    op = expr[0]
+    if op == "M":
+        return roots.model
+    if op == "C" and len(expr) == 2:
+        return roots.closure[expr[1]]
+    if op == "G" and len(expr) == 2:
+        return global_value(expr[1], roots.globals)
+    if op == "attr" and len(expr) == 3 and isinstance(expr[2], str):
+        return getattr(evaluate(expr[1], roots, depth + 1), expr[2])
+    if op == "item" and len(expr) == 3:
+        return evaluate(expr[1], roots, depth + 1)[evaluate(expr[2], roots, depth + 1)]
+    if op == "const" and len(expr) == 2:
+        return _decode_constant(expr[1])
+    if op == "call" and len(expr) == 3 and expr[1] in _CALLS and isinstance(expr[2], list):
+        return _CALLS[expr[1]](*(evaluate(e, roots, depth + 1) for e in expr[2]))
+    raise CorruptArtifactError(f"guard expression {str(expr)[:80]} is malformed")
+
+
+def readable(expr: Any) -> str:
+    """An expression as a path a person reads: ``model.model.layers.0.act``."""
+    if not isinstance(expr, list) or not expr:
+        return "?"
+    op = expr[0]
+    if op == "M":
+        return "model"
+    if op == "C":
+        return f"<forward's closure {expr[1]}>"
+    if op == "G":
+        name = str(expr[1])
+        if name.startswith("__import_"):
+            return name.removeprefix("__import_").replace("_dot_", ".")
+        return "builtins" if name.startswith("__builtins_dict__") else name
+    if op == "attr":
+        return f"{readable(expr[1])}.{expr[2]}"
+    if op == "item":
+        base, key = expr[1], expr[2]
+        if (
+            isinstance(base, list)
+            and len(base) == 3
+            and base[0] == "attr"
+            and base[2] in ("_modules", "_parameters", "_buffers")
+            and isinstance(key, list)
+            and key[:1] == ["const"]
+        ):
+            return f"{readable(base[1])}.{_decode_constant(key[1])}"
+        if isinstance(key, list) and key[:1] == ["const"]:
+            return f"{readable(base)}[{_decode_constant(key[1])!r}]"
+        return f"{readable(base)}[{readable(key)}]"
+    if op == "const":
+        return said(expr[1])
+    if op == "call":
+        return f"{expr[1]}({', '.join(readable(e) for e in expr[2])})"
+    return "?"
+
+
+# -- guards ----------------------------------------------------------------------------
+KINDS = frozenset(
+    {
+        "equals",  # encode(value) == expected
+        "named",  # named(value) == expected
+        "type",  # qualified_name(type(value)) == expected
+        "length",  # [qualified type, len(value)] == expected
+        "keys",  # [encode(k) for k in value.keys()] == expected
+        "empty",  # len(value) == 0
+        "hasattr",  # hasattr(value, detail)
+        "not_in_dict",  # detail not in vars(value)
+        "contains",  # decoded detail in value
+        "not_contains",
+        "is",  # value is the value of expression detail
+        "is_not_none",
+    }
+)
+
+
+@dataclass(frozen=True)
+class Guard:
+    kind: str
+    expr: Any
+    expected: Any = None
+    detail: Any = None
+
+    def to_json(self) -> list[Any]:
+        return [self.kind, self.expr, self.expected, self.detail]
+
+    @staticmethod
+    def from_json(value: Any) -> Guard:
+        if not (isinstance(value, list) and len(value) == 4 and value[0] in KINDS):
+            raise CorruptArtifactError(f"model guard {str(value)[:80]} is malformed")
+        return Guard(value[0], value[1], value[2], value[3])
+
+    def observed(self, roots: Roots) -> Any:
+        """What this guard reads now, in the terms of ``expected``."""
+        value = evaluate(self.expr, roots)
+        kind = self.kind
+        if kind == "equals":
+            return encode(value)
+        if kind == "named":
+            return named(value)
+        if kind == "type":
+            return qualified_name(type(value))
+        if kind == "length":
+            return [qualified_name(type(value)), len(value)]
+        if kind == "keys":
+            return dict_keys(value)
+        if kind == "empty":
+            return len(value) == 0
+        if kind == "hasattr":
+            return hasattr(value, str(self.detail))
+        if kind == "not_in_dict":
+            return str(self.detail) not in getattr(value, "__dict__", {})
+        if kind in ("contains", "not_contains"):
+            present = _decode_constant(self.detail) in value
+            return present if kind == "contains" else not present
+        if kind == "is":
+            return value is evaluate(self.detail, roots)
+        if kind == "is_not_none":
+            return value is not None
+        raise CorruptArtifactError(f"model guard kind {kind!r} is unknown")
+
+    def failure(self, roots: Roots) -> str | None:
+        """Why the guard fails here, naming its path and both values; None if it holds."""
+        try:
+            now = self.observed(roots)
+        except (CorruptArtifactError, InputMismatchError):
+            raise
+        except Exception as exc:  # a missing attribute or key: the model differs there
+            return f"{readable(self.expr)} cannot be read ({type(exc).__name__}: {exc})"
+        if now == self.expected:
+            return None
+        path = readable(self.expr)
+        if self.kind in ("equals", "named"):
+            return f"{path} is {said(now)}, compiled with {said(self.expected)}"
+        if self.kind == "type":
+            return f"{path} is a {now}, compiled with a {self.expected}"
+        if self.kind == "length":
+            return f"{path} is a {now[0]} of length {now[1]}, compiled with " \
+                f"a {self.expected[0]} of length {self.expected[1]}"  # fmt: skip
+        if self.kind == "keys":
+            return f"{path} has keys {said(['list', now])}, compiled with " \
+                f"{said(['list', self.expected])}"  # fmt: skip
+        if self.kind == "empty":
+            return f"{path} is not empty (hooks registered?), compiled with it empty"
+        if self.kind == "hasattr":
+            return f"{path} has no attribute {self.detail!r}, compiled with one"
+        if self.kind == "not_in_dict":
+            return f"{path} has {self.detail!r} in its instance dict, compiled without"
+        if self.kind in ("contains", "not_contains"):
+            return f"{path} {'lacks' if self.kind == 'contains' else 'has'} key " \
+                f"{_decode_constant(self.detail)!r}, compiled otherwise"  # fmt: skip
+        if self.kind == "is":
+            return f"{path} is not the same object as {readable(self.detail)} (compiled tied)"
+        return f"{path} is None, compiled with a value"
+
+
+@dataclass(frozen=True)
+class TraceRead:
+    """Everything a model's trace read that a plan checks: the guards, the process-wide
+    state (``runtime._global_state``), the traced forward (to find its closure and
+    module), and the guards no check here covers (by path: said, never hidden)."""
+
+    guards: tuple[Guard, ...]
+    state: Mapping[str, Any]
+    forward: str  # qualified_name of the traced forward function
+    unchecked: tuple[str, ...] = ()
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "guards": [g.to_json() for g in self.guards],
+            "state": dict(self.state),
+            "forward": self.forward,
+            "unchecked": list(self.unchecked),
+        }
+
+    @staticmethod
+    def from_json(value: Any) -> TraceRead:
+        if not isinstance(value, dict):
+            raise CorruptArtifactError("model plan field trace_read is not an object")
+        guards, state = value.get("guards"), value.get("state")
+        forward, unchecked = value.get("forward"), value.get("unchecked", [])
+        if not isinstance(guards, list) or not isinstance(state, dict):
+            raise CorruptArtifactError("model plan field trace_read is malformed")
+        if not isinstance(forward, str) or not isinstance(unchecked, list):
+            raise CorruptArtifactError("model plan field trace_read is malformed")
+        return TraceRead(
+            tuple(Guard.from_json(g) for g in guards),
+            state,
+            forward,
+            tuple(str(u) for u in unchecked),
+        )
+
+
+def traced_forward(model: torch.nn.Module) -> Any:
+    """The function Dynamo traces for ``model(...)``: its class's ``forward``."""
+    return type(model).forward
+
+
+def roots_of(model: torch.nn.Module, forward: Any) -> Roots:
+    closure = {}
+    code = getattr(forward, "__code__", None)
+    cells = getattr(forward, "__closure__", None) or ()
+    if code is not None:
+        for name, cell in zip(code.co_freevars, cells, strict=False):
+            try:
+                closure[name] = cell.cell_contents
+            except ValueError:  # an empty cell
+                continue
+    return Roots(model, closure, getattr(forward, "__globals__", {}))
+
+
+def dict_keys(value: Any) -> list[Any]:
+    """A dict's keys as a keys guard compares them; torch's global registration-hook
+    dicts without this module's own hook (which a bound model installs, see below)."""
+    if isinstance(value, dict):
+        return [encode(k) for k, v in value.items() if v is not _on_registration]
+    return [encode(k) for k in value]
+
+
+def _is_training_flag(guard: Guard) -> bool:
+    expr = guard.expr
+    return (
+        guard.kind == "equals"
+        and isinstance(expr, list)
+        and len(expr) == 3
+        and expr[0] == "attr"
+        and expr[2] == "training"
+    )
+
+
+# Bumped by torch's registration hooks when a module of a bound model registers a
+# submodule, parameter or buffer (assignment included): the next call of a bound model
+# checks its guards again. Not inside a Dynamo trace: a registration there is of a
+# module the trace made, and Dynamo would otherwise guard on the counter.
+_generation = [0]
+_tracked: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
+_hooks_lock = threading.Lock()
+_hooks_installed = False
+
+
+def _on_registration(module: Any, name: Any, value: Any) -> None:
+    if torch.compiler.is_compiling():
+        return
+    if module in _tracked:
+        _generation[0] += 1
+
+
+def _install_registration_hooks() -> None:
+    global _hooks_installed
+    with _hooks_lock:
+        if _hooks_installed:
+            return
+        from torch.nn.modules import module as module_module
+
+        module_module.register_module_module_registration_hook(_on_registration)
+        module_module.register_module_parameter_registration_hook(_on_registration)
+        module_module.register_module_buffer_registration_hook(_on_registration)
+        _hooks_installed = True
+
+
+class BoundGuards:
+    """A ``TraceRead`` bound to one model: every guard checked now (``bind``), the
+    training flags per call, and everything again after a registration anywhere."""
+
+    def __init__(self, read: TraceRead, model: torch.nn.Module, where: str) -> None:
+        self.read = read
+        self.model = model
+        self.where = where
+        forward = traced_forward(model)
+        try:
+            name = qualified_name(forward)
+        except Unencodable:
+            name = repr(forward)
+        if name != read.forward:
+            raise IncompatibleArtifactError(
+                f"{where} traced {read.forward}, but this model's forward is {name}"
+            )
+        self.roots = roots_of(model, forward)
+        self._flags: list[tuple[Any, bool, Guard]] = []
+        _install_registration_hooks()
+        self.bind()
+
+    def bind(self) -> None:
+        """Check every guard against the model now; refuse with the first failures."""
+        failures = [f for g in self.read.guards if (f := g.failure(self.roots)) is not None]
+        if failures:
+            more = f" (and {len(failures) - 3} more)" if len(failures) > 3 else ""
+            raise IncompatibleArtifactError(
+                f"{self.where} does not fit this model: its trace read "
+                f"{'; '.join(failures[:3])}{more}. Load it with the model it was compiled "
+                "from, or compile this one"
+            )
+        flags = []
+        for guard in self.read.guards:
+            if _is_training_flag(guard):
+                owner = evaluate(guard.expr[1], self.roots)
+                flags.append((owner, guard.expected == ["bool", True], guard))
+        self._flags = flags
+        _tracked.update(self.model.modules())
+        self._generation = _generation[0]
+
+    def check(self) -> bool:
+        """Per call: the training flags the trace read, and a new bind after a
+        registration in a bound model since the last one (True then: what was resolved
+        from the model, its weights' owners, must be resolved again)."""
+        rebound = self._generation != _generation[0]
+        if rebound:
+            self.bind()
+        for owner, training, guard in self._flags:
+            if owner.training is not training:
+                raise InputMismatchError(
+                    f"{readable(guard.expr)} is {owner.training}, but {self.where} was "
+                    f"traced with it {training}; switch it back (.train()/.eval()) or "
+                    "compile the model in this mode"
+                )
+        return rebound

@@ -1,0 +1,244 @@
+"""What a trace read is what a compiled model checks (issue 30).
+
+One small module is compiled once; other instances of its class, differing in one
+attribute the forward reads, are then bound to it through every way a compiled model is
+bound (a saved file, a cache key, ``compile_model`` with ``compile=False``): each is
+refused, naming the attribute by its path and both values, where it used to be served
+the first model's graph. The global state a trace runs under (autocast, grad mode,
+default dtype, ...) is in every key and checked per call; changes to a bound model after
+binding are refused at its next call.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import pytest
+import torch
+
+import precompile
+from runtime._global_state import trace_state
+
+
+class Configured(torch.nn.Module):
+    """A forward that reads attributes of many types."""
+
+    def __init__(
+        self,
+        act: Any = torch.relu,
+        perm: tuple[int, ...] = (1, 0, 2),
+        scales: list[float] | None = None,
+        dtype: torch.dtype = torch.float32,
+        eps: float = 1e-5,
+        use_norm: bool = True,
+    ) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(8, 8)
+        self.norm = torch.nn.LayerNorm(8, eps=eps)
+        self.act = act
+        self.perm = perm
+        self.scales = scales if scales is not None else [1.0, 2.0]
+        self.dtype = dtype
+        self.use_norm = use_norm
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.act(self.proj(x)).to(self.dtype)
+        if self.use_norm:
+            y = self.norm(y)
+        return y.permute(*self.perm) * self.scales[1]
+
+
+OTHERS = [
+    ({"act": torch.tanh}, r"model\.act is .*tanh, compiled with .*relu"),
+    ({"perm": (2, 0, 1)}, r"model\.perm is \(2, 0, 1\), compiled with \(1, 0, 2\)"),
+    ({"scales": [1.0, 3.0]}, r"model\.scales\[1\] is 3\.0, compiled with 2\.0"),
+    ({"scales": [1.0, 2.0, 5.0]}, r"model\.scales is a builtins\.list of length 3"),
+    ({"dtype": torch.float64}, r"model\.dtype is torch\.float64, compiled with torch\.float32"),
+    ({"eps": 0.5}, r"model\.norm\.eps is \(0\.5,?\)|model\.norm\.eps is 0\.5"),
+    ({"use_norm": False}, r"model\.use_norm is False, compiled with True"),
+]
+
+
+def _example() -> torch.Tensor:
+    torch.manual_seed(0)
+    return torch.randn(2, 5, 8)
+
+
+@pytest.fixture(scope="module")
+def compiled(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    store = str(tmp_path_factory.mktemp("trace-read-cache"))
+    model = Configured().eval()
+    with torch.no_grad():
+        result = precompile.compile_model(
+            model, (_example(),), dynamic={0: [1]}, hints=[4], cache=store, warmup=False
+        )
+    path = str(tmp_path_factory.mktemp("trace-read") / "configured.pt2c")
+    result.save(path)
+    return {"model": model, "compiled": result, "cache": store, "path": path}
+
+
+def test_the_compiled_model_serves_its_own_model(compiled: dict[str, Any]) -> None:
+    model = Configured().eval()
+    model.load_state_dict(compiled["model"].state_dict())
+    loaded = precompile.load_model(model, path=compiled["path"], warmup=False)
+    with torch.no_grad():
+        for seq in (2, 3, 9):
+            x = torch.randn(2, seq, 8)
+            torch.testing.assert_close(loaded(x), model(x))
+
+
+@pytest.mark.parametrize(("change", "said"), OTHERS, ids=[next(iter(c)) for c, _ in OTHERS])
+def test_a_model_that_differs_in_what_the_trace_read_is_refused(
+    compiled: dict[str, Any], change: dict[str, Any], said: str
+) -> None:
+    other = Configured(**change).eval()
+    with pytest.raises(precompile.IncompatibleArtifactError, match=said):
+        precompile.load_model(other, path=compiled["path"], warmup=False)
+    with pytest.raises(precompile.IncompatibleArtifactError, match=said):
+        precompile.load_model(
+            other, key=compiled["compiled"].cache_key, cache=compiled["cache"], warmup=False
+        )
+    # compile=False finds no entry that fits (the same key, another model): refused,
+    # never the first model's graph
+    with torch.no_grad(), pytest.raises(precompile.ArtifactNotFoundError):
+        precompile.compile_model(
+            other, (_example(),), dynamic={0: [1]}, hints=[4], cache=compiled["cache"],
+            warmup=False, compile=False,
+        )  # fmt: skip
+
+
+def test_calls_under_other_global_state_are_refused(compiled: dict[str, Any]) -> None:
+    """Compiled under no_grad, fp32: autocast, grad mode and the default dtype change
+    what the trace computes; a call under another is refused, inference mode is not."""
+    model, result = compiled["model"], compiled["compiled"]
+    x = _example()
+    with (
+        torch.no_grad(),
+        torch.autocast("cpu", dtype=torch.bfloat16),
+        pytest.raises(precompile.InputMismatchError, match=r"autocast is .*bfloat16"),
+    ):
+        result(x)
+    with pytest.raises(precompile.InputMismatchError, match="grad_mode is True"):
+        result(x)
+    torch.set_default_dtype(torch.float64)
+    try:
+        with torch.no_grad(), pytest.raises(precompile.InputMismatchError, match="default_dtype"):
+            result(x)
+    finally:
+        torch.set_default_dtype(torch.float32)
+    with torch.inference_mode():
+        torch.testing.assert_close(result(x), model(x))
+
+
+def test_the_global_state_is_in_the_model_key(compiled: dict[str, Any]) -> None:
+    """The same model and call under autocast is another key: offline it is a miss
+    naming the factor, never the fp32 graph."""
+    model = compiled["model"]
+    with (
+        torch.no_grad(),
+        torch.autocast("cpu", dtype=torch.bfloat16),
+        pytest.raises(precompile.ArtifactNotFoundError, match="global_state"),
+    ):
+        precompile.compile_model(
+            model, (_example(),), dynamic={0: [1]}, hints=[4], cache=compiled["cache"],
+            warmup=False, compile=False,
+        )  # fmt: skip
+
+
+def test_trace_state_names_what_changes_a_trace() -> None:
+    base = trace_state()
+    changes = {
+        "autocast": lambda: torch.autocast("cpu", dtype=torch.bfloat16),
+        "grad_mode": torch.no_grad,
+    }
+    for field, context in changes.items():
+        with context():
+            assert trace_state()[field] != base[field]
+    for field, set_it, reset in (
+        ("default_dtype", lambda: torch.set_default_dtype(torch.float64),
+         lambda: torch.set_default_dtype(torch.float32)),
+        ("deterministic_algorithms", lambda: torch.use_deterministic_algorithms(True),
+         lambda: torch.use_deterministic_algorithms(False)),
+        ("float32_matmul_precision", lambda: torch.set_float32_matmul_precision("high"),
+         lambda: torch.set_float32_matmul_precision("highest")),
+    ):  # fmt: skip
+        set_it()
+        try:
+            assert trace_state()[field] != base[field]
+        finally:
+            reset()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:  # the thread count changes no traced graph: not part of the state
+        assert trace_state() == base
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_changes_after_binding_are_refused_at_the_next_call(compiled: dict[str, Any]) -> None:
+    model = Configured().eval()
+    model.load_state_dict(compiled["model"].state_dict())
+    bound = precompile.load_model(model, path=compiled["path"], warmup=False)
+    x = _example()
+    with torch.no_grad():
+        torch.testing.assert_close(bound(x), model(x))
+        # a parameter re-assigned (same shape): served with the new values, as eager is
+        model.proj.weight = torch.nn.Parameter(torch.randn(8, 8))
+        torch.testing.assert_close(bound(x), model(x))
+        # a submodule replaced by one of another class: refused
+        model.norm = torch.nn.Identity()  # type: ignore[assignment]
+        with pytest.raises(precompile.IncompatibleArtifactError, match=r"model\.norm is a"):
+            bound(x)
+        model.norm = torch.nn.LayerNorm(8, eps=1e-5)
+        torch.testing.assert_close(bound(x), model(x))
+        model.norm.train()  # LayerNorm reads no training flag: nothing to refuse
+        torch.testing.assert_close(bound(x), model(x))
+
+
+class Tied(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(16, 8)
+        self.head = torch.nn.Linear(8, 16, bias=False)
+        self.head.weight = self.embed.weight
+        self.drop = torch.nn.Dropout(0.5)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.drop(self.embed(ids)))
+
+
+def test_untied_weights_and_a_submodule_in_train_mode_are_refused(tmp_path: Any) -> None:
+    model = Tied().eval()
+    ids = torch.randint(0, 16, (1, 6))
+    with torch.no_grad():
+        bound = precompile.compile_model(
+            model, (ids,), dynamic={0: [1]}, hints=[4], cache=False, warmup=False
+        )
+        torch.testing.assert_close(bound(ids), model(ids))
+        model.drop.train()  # dropout reads its training flag: the trace was eval
+        with pytest.raises(precompile.InputMismatchError, match=r"model\.drop\.training"):
+            bound(ids)
+        model.drop.eval()
+        torch.testing.assert_close(bound(ids), model(ids))
+        model.head.weight = torch.nn.Parameter(model.embed.weight.detach().clone() + 1)
+        with pytest.raises(precompile.IncompatibleArtifactError, match="same object"):
+            bound(ids)
+
+
+def test_the_backend_key_holds_autocast(tmp_path: Any) -> None:
+    """Issue 30, case 2: under autocast then without, Dynamo traces twice; the second
+    trace used to find the bf16 artifact and return bfloat16 where eager returns fp32."""
+    os.environ.setdefault("PRECOMPILE_CACHE_DIR", str(tmp_path))
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU()).eval()
+    backend = precompile.backend(hints=[8], cache=str(tmp_path / "backend-cache"))
+    x = torch.randn(4, 8)
+    torch._dynamo.mark_dynamic(x, 0)
+    with torch.no_grad():
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            low = torch.compile(model, backend=backend)(x)
+            assert low.dtype == torch.bfloat16
+        torch.compiler.reset()
+        full = torch.compile(model, backend=backend)(x)
+        assert full.dtype == torch.float32
+        torch.testing.assert_close(full, model(x))
