@@ -6,20 +6,14 @@ flat inputs, and how the model's output (a ``transformers`` ModelOutput, say) is
 from the graph's flat outputs. Here a call is flattened, checked against that plan,
 run through the artifact (whose input contract checks every tensor), and rebuilt.
 
-What is checked per call, and what Dynamo would have checked that is not:
-- checked: the call's structure (the same args and kwarg names, nested the same way),
-  every non-tensor argument (equal to the traced value), every tensor argument and every
-  parameter/buffer (the artifact's contract: dtype, device, rank, static sizes, strides,
-  grad mode), that the sizes fit a variant, and that the model is in the mode (train or
-  eval) it was traced in;
-- dropped: Dynamo's guards on the model's Python state beyond that (attribute values
-  such as a config flag flipped after compiling, global flags, the identity of
-  submodules). The plan is keyed by the model's class, the sources of its modules, its
-  config and parameter shapes, and records them: a load (by path or key) binds it only
-  to a model they still describe (``_model_identity``), and the traced source files are
-  checked unchanged, so a changed model is a miss or an error, never a stale hit.
-  Mutating a compiled model's Python attributes in place after binding is not
-  detected. Recompile after such a change.
+What is checked: at bind, every guard Dynamo's trace recorded on the model, its
+forward's closure and its module's globals (``_model_guards``), again after a
+registration in the bound model; per call, the call's structure, every non-tensor
+argument (equal to the traced value), every tensor argument and every parameter/buffer
+(the artifact's contract: dtype, device, rank, static sizes, strides, grad mode), that
+the sizes fit a variant, the training flags the trace read, and the global state
+(``_global_state``). A plain attribute assigned in place after binding is seen at the
+next bind only.
 """
 
 from __future__ import annotations
