@@ -129,6 +129,15 @@ def _placeholder_values(gm: torch.fx.GraphModule, example_inputs: Sequence[Any])
     return values
 
 
+def _entry_requires_grad(value: Any, example: Any) -> bool:
+    """Whether a graph input requires grad as the graph is entered: the example tensor's
+    flag (a backend gets the real tensors before the frame runs). The placeholder's fake
+    tensor is what tracing left: an in-place write of a value that requires grad (a KV
+    cache filled from the projections, grad enabled) set its flag, which the tensor a
+    call passes does not have. The fake is read only where the example is no tensor."""
+    return bool((example if isinstance(example, torch.Tensor) else value).requires_grad)
+
+
 def _expr(value: Any, shape_env: Any | None) -> sympy.Expr:
     if isinstance(value, torch.SymInt):
         expr = value.node.expr
@@ -195,7 +204,7 @@ def describe_graph(
                     "tensor",
                     dtype=value.dtype,
                     device=value.device,
-                    requires_grad=bool(value.requires_grad),
+                    requires_grad=_entry_requires_grad(value, example_inputs[index]),
                     shape=shape,
                     stride=stride,
                     storage_offset=offset,
