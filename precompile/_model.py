@@ -319,6 +319,7 @@ def compile_model(
     kwargs = dict(sorted((example_kwargs or {}).items()))  # a call's kwargs, sorted by name
     leaves, _ = runtime_adapter.tree_flatten((args, kwargs), is_leaf=is_kv_cache)
     paths = _leaf_paths(args, kwargs)
+    _refuse_grad_into_caches(model, leaves, paths)
     named = [(_argument_name(path), leaf) for path, leaf in zip(paths, leaves, strict=True)]
     with CallerState(model, named) as state:
         compiled = _compiled_model(
@@ -384,6 +385,27 @@ def _compiled_model(
     finally:
         lock.__exit__(None, None, None)
     return compiled
+
+
+def _refuse_grad_into_caches(
+    model: torch.nn.Module, leaves: Sequence[Any], paths: Sequence[Any]
+) -> None:
+    """Refuse, before anything runs, a call that writes a KV cache with grad enabled and
+    parameters (or arguments) that require grad: each call writes the cache with values
+    that require grad, so after one its tensors require grad, and the graph, compiled for
+    them as they are before a call, cannot take the next one on that cache."""
+    caches = [_argument_name(paths[i]) for i, leaf in enumerate(leaves) if is_kv_cache(leaf)]
+    if not caches or not torch.is_grad_enabled():
+        return
+    parameters = any(p.requires_grad for p in model.parameters())
+    if parameters or any(isinstance(t, torch.Tensor) and t.requires_grad for t in leaves):
+        raise UnsupportedGraphError(
+            f"the call writes the KV cache {caches[0]!r} with grad enabled: its tensors would "
+            "require grad after a call (the written keys and values come from parameters "
+            "that require grad), and a graph compiled for the cache before a call cannot "
+            "take it after one; compile and call the model under torch.no_grad() (or "
+            "model.requires_grad_(False))"
+        )
 
 
 def _finish(
