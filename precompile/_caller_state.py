@@ -42,6 +42,14 @@ def _version(tensor: torch.Tensor) -> int | None:
         return None
 
 
+def _storage(tensor: torch.Tensor) -> tuple[str, int] | None:
+    """Which storage the tensor views (None where it has none to compare)."""
+    try:
+        return str(tensor.device), tensor.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):
+        return None
+
+
 @dataclass
 class _Watched:
     """A tensor of the caller's, as it was: how it is named, what it is (a buffer or a
@@ -97,10 +105,15 @@ class CallerState:
             )
 
     def keep(self, tensors: Iterable[Any]) -> None:
-        """Copy these tensors, which the next run may write, unless a copy is kept."""
+        """Copy these tensors, which the next run may write, unless a copy is kept; and
+        the watched tensors that share storage with one (views of one buffer: a write
+        through one writes the others, and moves their shared write counter)."""
+        wanted = [t for t in tensors if isinstance(t, torch.Tensor)]
+        storages = {_storage(t) for t in wanted} - {None}
+        wanted += [w.tensor for w in self._watched.values() if _storage(w.tensor) in storages]
         with torch.no_grad():
-            for tensor in tensors:
-                if not isinstance(tensor, torch.Tensor) or id(tensor) in self._kept:
+            for tensor in wanted:
+                if id(tensor) in self._kept:
                     continue
                 layout = (tuple(tensor.shape), tuple(tensor.stride()), tensor.storage_offset())
                 self._kept[id(tensor)] = _Kept(tensor, tensor.detach().clone(), layout,
