@@ -56,6 +56,7 @@ from runtime._model_identity import class_path, file_digest, model_identity
 from runtime._process_groups import registered_groups, this_rank
 from runtime._version import __version__
 
+from ._caller_state import CallerState
 from ._offline import is_offline, refuse
 from ._trace_read import trace_read
 from ._variant_plan import Hints, Sizes
@@ -157,11 +158,12 @@ def _cache_batch_follows_call(leaves: Sequence[Any], dims: dict[int, set[int]]) 
 
 def _prepare_caches(
     model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], leaves: list[Any],
-    paths: Sequence[Any],
+    paths: Sequence[Any], state: CallerState,
 ) -> dict[int, CacheLayout]:  # fmt: skip
     """The example call's KV caches, initialized (a fresh StaticCache is initialized by
     running the model once eagerly, then emptied again: what its lazy initialization on a
-    first write would leave), and their layouts; unsupported caches are refused."""
+    first write would leave; the rest of what that run wrote is put back), and their
+    layouts; unsupported caches are refused. Their tensors are watched from then on."""
     caches = {i: leaf for i, leaf in enumerate(leaves) if is_kv_cache(leaf)}
     if not caches:
         return {}
@@ -169,11 +171,19 @@ def _prepare_caches(
         describe_cache(cache, _argument_name(paths[index]), initialized=False)
     if not all(layer.is_initialized for c in caches.values() for layer in c.layers):
         log.info("initializing the example call's KV cache with one eager run")
-        with torch.no_grad():
-            model(*args, **kwargs)
+        state.keep_all()
+        try:
+            with torch.no_grad():
+                model(*args, **kwargs)
+        finally:
+            state.restore()
         for cache in caches.values():
             for _, _, tensor in cache_tensors(cache):
                 tensor.zero_()
+    for index, cache in caches.items():
+        for layer, field, tensor in cache_tensors(cache):
+            name = f"{_argument_name(paths[index])}.layers[{layer}].{field}"
+            state.watch(name, tensor, "cache")
     return {i: describe_cache(c, _argument_name(paths[i])) for i, c in caches.items()}
 
 
@@ -302,6 +312,8 @@ def compile_model(
     model and call finds the compiled model there without tracing. ``warmup``: load every
     variant ("background" by default, so a new size never waits once warm-up is done).
     ``compile=False`` (or ``PRECOMPILE_OFFLINE=1``): a miss raises ``ArtifactNotFoundError``.
+    Compiling writes none of the caller's state: the model's parameters, buffers and
+    attributes and the example's tensors are as they were (see ``_caller_state``).
     """
     offline = is_offline(compile)
     if not isinstance(model, torch.nn.Module):
@@ -311,7 +323,34 @@ def compile_model(
     kwargs = dict(sorted((example_kwargs or {}).items()))  # a call's kwargs, sorted by name
     leaves, _ = runtime_adapter.tree_flatten((args, kwargs), is_leaf=is_kv_cache)
     paths = _leaf_paths(args, kwargs)
-    caches = _prepare_caches(model, args, kwargs, leaves, paths)
+    _refuse_grad_into_caches(model, leaves, paths)
+    named = [(_argument_name(path), leaf) for path, leaf in zip(paths, leaves, strict=True)]
+    with CallerState(model, named) as state:
+        compiled = _compiled_model(
+            model, args, kwargs, leaves, paths, state,
+            dynamic=dynamic, hints=hints, sizes=sizes, options=options, cache=cache,
+            offline=offline,
+        )  # fmt: skip
+    return _finish(compiled, cudagraphs, warmup)
+
+
+def _compiled_model(
+    model: torch.nn.Module,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    leaves: list[Any],
+    paths: list[Any],
+    state: CallerState,
+    *,
+    dynamic: DynamicSpec,
+    hints: Hints,
+    sizes: Sizes,
+    options: Mapping[str, Any] | None,
+    cache: CacheOption,
+    offline: bool,
+) -> CompiledModel:
+    """``compile_model`` up to its warm-up: found in the cache, or traced and compiled."""
+    caches = _prepare_caches(model, args, kwargs, leaves, paths, state)
     dims = _dynamic_dims(leaves, paths, dynamic, len(args))
     if caches:
         _cache_batch_follows_call(leaves, dims)
@@ -323,31 +362,24 @@ def compile_model(
     if store is not None:
         found = _cached_model(store, key, model)
         if found is not None:
-            return _finish(found, cudagraphs, warmup)
+            return found
         log.info("model cache miss: %s", store.explain_miss(key, factors))
     if offline:
         refuse(store, key, factors, None if store is None else _unused_because(store, key))
+    traced = (model, args, kwargs, leaves, paths, dims, hints, sizes, options)
     if store is None:
-        compiled = _trace_and_compile(
-            model, args, kwargs, leaves, paths, dims, hints, sizes, options, None
-        )
-        return _finish(compiled, cudagraphs, warmup)
+        return _trace_and_compile(*traced, None, state)
     try:
         lock = store.lock(key)
         lock.__enter__()
     except CacheWriteError as exc:  # a read-only cache: no single flight, nothing stored
         log.warning("cache %s cannot take a lock (%s); compiling without storing", store.root, exc)
-        compiled = _trace_and_compile(
-            model, args, kwargs, leaves, paths, dims, hints, sizes, options, None
-        )
-        return _finish(compiled, cudagraphs, warmup)
+        return _trace_and_compile(*traced, None, state)
     try:
         found = _cached_model(store, key, model)  # built by another process meanwhile?
         if found is not None:
-            return _finish(found, cudagraphs, warmup)
-        compiled = _trace_and_compile(
-            model, args, kwargs, leaves, paths, dims, hints, sizes, options, store
-        )
+            return found
+        compiled = _trace_and_compile(*traced, store, state)
         compiled.cache_key = key
         try:
             about = {ABOUT_CONFIG: config_summary(model)}
@@ -356,7 +388,28 @@ def compile_model(
             log.warning("compiled the model but could not store it: %s", exc)
     finally:
         lock.__exit__(None, None, None)
-    return _finish(compiled, cudagraphs, warmup)
+    return compiled
+
+
+def _refuse_grad_into_caches(
+    model: torch.nn.Module, leaves: Sequence[Any], paths: Sequence[Any]
+) -> None:
+    """Refuse, before anything runs, a call that writes a KV cache with grad enabled and
+    parameters (or arguments) that require grad: each call writes the cache with values
+    that require grad, so after one its tensors require grad, and the graph, compiled for
+    them as they are before a call, cannot take the next one on that cache."""
+    caches = [_argument_name(paths[i]) for i, leaf in enumerate(leaves) if is_kv_cache(leaf)]
+    if not caches or not torch.is_grad_enabled():
+        return
+    parameters = any(p.requires_grad for p in model.parameters())
+    if parameters or any(isinstance(t, torch.Tensor) and t.requires_grad for t in leaves):
+        raise UnsupportedGraphError(
+            f"the call writes the KV cache {caches[0]!r} with grad enabled: its tensors would "
+            "require grad after a call (the written keys and values come from parameters "
+            "that require grad), and a graph compiled for the cache before a call cannot "
+            "take it after one; compile and call the model under torch.no_grad() (or "
+            "model.requires_grad_(False))"
+        )
 
 
 def _finish(
@@ -418,6 +471,7 @@ def _trace_and_compile(
     sizes: Sizes,
     options: Mapping[str, Any] | None,
     store: ArtifactCache | None,
+    state: CallerState,
 ) -> CompiledModel:
     # The compile side (Dynamo, inductor, sympy) is imported only on a miss: a hit costs
     # none of it.
@@ -453,22 +507,26 @@ def _trace_and_compile(
             cache=store if store is not None and this_rank() is not None else False,
         )
 
+    def keep_written(artifact: Any, flat: Sequence[Any]) -> None:
+        # The traced run writes exactly the inputs its manifest says the graph writes.
+        state.keep(flat[i] for i, spec in enumerate(artifact.manifest.inputs)
+                   if isinstance(spec, TensorInput) and spec.mutation != "none")  # fmt: skip
+
     caches = {i: leaf for i, leaf in enumerate(leaves) if is_kv_cache(leaf)}
-    saved = {i: [t.clone() for _, _, t in cache_tensors(c)] for i, c in caches.items()}
     before = {i: counter_values([layer.cumulative_length for layer in c.layers])
               for i, c in caches.items()}  # fmt: skip
     try:
-        trace = adapter.trace_model(model, args, kwargs, compile_graph)
+        trace = adapter.trace_model(model, args, kwargs, compile_graph, keep_written)
         advanced = {
             i: [b - a for a, b in zip(before[i], counter_values(
                 [layer.cumulative_length for layer in c.layers]), strict=True)]
             for i, c in caches.items()
         }  # fmt: skip
     finally:
-        # The example call's caches are left as they were: compiling writes nothing.
-        for index, cache in caches.items():
-            for (_, _, tensor), copy in zip(cache_tensors(cache), saved[index], strict=True):
-                tensor.copy_(copy)
+        # What the traced run wrote is put back before the plan records the model (its
+        # identity reads the module's attributes, which the trace's Python may rebind).
+        state.restore()
+    state.check()
     plan = _plan(model, args, kwargs, leaves, paths, trace, advanced)
     _check_dynamic(plan, trace.artifact.manifest, dims, paths, leaves)
     log.info("traced and compiled %s in %.1f s", class_path(model), time.perf_counter() - started)

@@ -129,6 +129,15 @@ def _placeholder_values(gm: torch.fx.GraphModule, example_inputs: Sequence[Any])
     return values
 
 
+def _entry_requires_grad(value: Any, example: Any) -> bool:
+    """Whether a graph input requires grad as the graph is entered: the example tensor's
+    flag (a backend gets the real tensors before the frame runs). The placeholder's fake
+    tensor is what tracing left: an in-place write of a value that requires grad (a KV
+    cache filled from the projections, grad enabled) set its flag, which the tensor a
+    call passes does not have. The fake is read only where the example is no tensor."""
+    return bool((example if isinstance(example, torch.Tensor) else value).requires_grad)
+
+
 def _expr(value: Any, shape_env: Any | None) -> sympy.Expr:
     if isinstance(value, torch.SymInt):
         expr = value.node.expr
@@ -195,7 +204,7 @@ def describe_graph(
                     "tensor",
                     dtype=value.dtype,
                     device=value.device,
-                    requires_grad=bool(value.requires_grad),
+                    requires_grad=_entry_requires_grad(value, example_inputs[index]),
                     shape=shape,
                     stride=stride,
                     storage_offset=offset,
@@ -1016,11 +1025,14 @@ def trace_model(
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
     compile_graph: Any,
+    before_run: Callable[[Any, Sequence[Any]], None] | None = None,
 ) -> ModelTrace:
     """Trace the call once with Dynamo (``fullgraph``: a graph break is an
     ``UnsupportedGraphError`` quoting Dynamo's explanation), compile its graph with
     ``compile_graph(gm, example_inputs)`` inside the backend, and run it once (with its
-    collectives, if any, made local: ranks trace at different times, or not at all)."""
+    collectives, if any, made local: ranks trace at different times, or not at all).
+    ``before_run(artifact, flat_inputs)`` is called just before that run: the compiled
+    artifact's manifest says which of those inputs the graph writes."""
     from torch._guards import TracingContext
 
     seen: list[dict[str, Any]] = []
@@ -1046,6 +1058,8 @@ def trace_model(
         collectives = bool(record["artifact"].manifest.process_groups)
 
         def run(*flat: Any) -> Any:
+            if before_run is not None:
+                before_run(record["artifact"], flat)
             with _LocalCollectives() if collectives else contextlib.nullcontext():
                 outputs = record["artifact"](*flat)
             record["outputs"] = list(outputs) if isinstance(outputs, (list, tuple)) else [outputs]

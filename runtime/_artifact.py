@@ -402,8 +402,9 @@ class CompiledArtifact:
     ) -> CompiledArtifact:
         """Load every variant now, so no call pays a first-use cost. With ``inputs`` (the
         graph's flat inputs at any size; tensors of a fixed shape, such as weights, are
-        used as given, the rest made up), also run each variant once at its own point,
-        and with CUDA graphs and ``capture_sizes``, capture those.
+        used as given, copies of those the graph writes in place, the rest made up), also
+        run each variant once at its own point, and with CUDA graphs and
+        ``capture_sizes``, capture those. Nothing of ``inputs`` is written.
 
         With ``background=True`` a thread does it while this thread goes on
         (a server can take requests meanwhile; a call that needs a variant still being

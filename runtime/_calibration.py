@@ -62,7 +62,9 @@ def normalize_sizes(
 def synthesize_inputs(
     manifest: Manifest, point: Sequence[int], templates: Sequence[Any] | None
 ) -> list[Any]:
-    """Inputs for the graph at ``point``: templates reused where they fit, else random."""
+    """Inputs for the graph at ``point``: templates reused where they fit, else random.
+    A template the graph writes in place is copied: a warm-up or timing run never writes
+    the caller's tensor (a model's counter buffer, a KV cache held in its buffers)."""
     values = dict(zip(manifest.symbol_names, point, strict=True))
     args: list[Any] = []
     for index, spec in enumerate(manifest.inputs):
@@ -73,7 +75,7 @@ def synthesize_inputs(
             continue
         shape = [d if isinstance(d, int) else int(eval_size(d, values)) for d in spec.shape]
         if isinstance(template, torch.Tensor) and list(template.shape) == shape:
-            args.append(template)
+            args.append(template if spec.mutation == "none" else _copy_of(template))
             continue
         dtype = dtype_of(spec.dtype)
         device = torch.device(spec.device)
@@ -82,6 +84,17 @@ def synthesize_inputs(
         else:
             args.append(torch.zeros(shape, dtype=dtype, device=device))
     return args
+
+
+def _copy_of(tensor: torch.Tensor) -> torch.Tensor:
+    """A copy with the same sizes, strides and storage offset (the compiled code may
+    rely on them)."""
+    offset = tensor.storage_offset()
+    extent = 1 + sum((n - 1) * s for n, s in zip(tensor.shape, tensor.stride(), strict=True))
+    with torch.no_grad():
+        storage = torch.empty(offset + extent * (tensor.numel() > 0), dtype=tensor.dtype,
+                              device=tensor.device)  # fmt: skip
+        return storage.as_strided(tensor.size(), tensor.stride(), offset).copy_(tensor)
 
 
 def eval_size(expression: str, values: Mapping[str, int]) -> int:

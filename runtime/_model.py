@@ -454,9 +454,10 @@ class CompiledModel:
     # -- warm-up ---------------------------------------------------------------------
     def warmup(self, *, background: bool = False) -> CompiledModel:
         """Load every variant and run each once at its own point, with the model's own
-        weights and made-up arguments (``background=True``: in a thread that stops
-        at interpreter exit), so
-        that no size pays a first-use cost once warm-up is done."""
+        weights (copies of the parameters and buffers its graph writes in place: warm-up
+        writes none of the model's state) and made-up arguments (``background=True``: in
+        a thread that stops at interpreter exit), so that no size pays a first-use cost
+        once warm-up is done."""
         templates: list[Any] = [None] * len(self.plan.bindings)
         for index, (table, name) in self._weights.items():
             templates[index] = table[name]
