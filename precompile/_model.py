@@ -163,12 +163,14 @@ def _prepare_caches(
     """The example call's KV caches, initialized (a fresh StaticCache is initialized by
     running the model once eagerly, then emptied again: what its lazy initialization on a
     first write would leave; the rest of what that run wrote is put back), and their
-    layouts; unsupported caches are refused. Their tensors are watched from then on."""
+    layouts; unsupported caches, and caches written under grad, are refused before
+    anything runs. Their tensors are watched from then on."""
     caches = {i: leaf for i, leaf in enumerate(leaves) if is_kv_cache(leaf)}
     if not caches:
         return {}
     for index, cache in caches.items():
         describe_cache(cache, _argument_name(paths[index]), initialized=False)
+    _refuse_grad_into_caches(model, leaves, paths)
     if not all(layer.is_initialized for c in caches.values() for layer in c.layers):
         log.info("initializing the example call's KV cache with one eager run")
         state.keep_all()
@@ -323,7 +325,6 @@ def compile_model(
     kwargs = dict(sorted((example_kwargs or {}).items()))  # a call's kwargs, sorted by name
     leaves, _ = runtime_adapter.tree_flatten((args, kwargs), is_leaf=is_kv_cache)
     paths = _leaf_paths(args, kwargs)
-    _refuse_grad_into_caches(model, leaves, paths)
     named = [(_argument_name(path), leaf) for path, leaf in zip(paths, leaves, strict=True)]
     with CallerState(model, named) as state:
         compiled = _compiled_model(
@@ -350,8 +351,8 @@ def _compiled_model(
     offline: bool,
 ) -> CompiledModel:
     """``compile_model`` up to its warm-up: found in the cache, or traced and compiled."""
-    caches = _prepare_caches(model, args, kwargs, leaves, paths, state)
     dims = _dynamic_dims(leaves, paths, dynamic, len(args))
+    caches = _prepare_caches(model, args, kwargs, leaves, paths, state)
     if caches:
         _cache_batch_follows_call(leaves, dims)
     if dims and sizes is None:
