@@ -13,6 +13,7 @@ trace read are unchanged and runs the plan: no Dynamo frame, no compile, no comp
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import inspect
 import json
@@ -35,7 +36,6 @@ from runtime._errors import (
     CacheWriteError,
     IncompatibleArtifactError,
     InvalidOptionError,
-    NoVariantError,
     UnsupportedGraphError,
     UntrustedArtifactError,
 )
@@ -307,12 +307,13 @@ def compile_model(
     """Compile ``model`` for calls shaped like ``model(*example_args, **example_kwargs)``.
 
     Dynamic dims: ``dynamic`` (``{0: [1]}``: positional argument 0's dim 1; keyword
-    arguments by name) or ``torch._dynamo.mark_dynamic`` on the example tensors. Without
-    ``sizes``, an exact-size variant with every dynamic dim at 1 is added (decode steps
-    are served; Dynamo would trace size 1 apart). ``hints``, ``sizes``, ``options`` and
-    ``cudagraphs`` as for ``standalone_compile``. ``cache``: a later process with the same
-    model and call finds the compiled model there without tracing. ``warmup``: load every
-    variant ("background" by default, so a new size never waits once warm-up is done).
+    arguments by name) or ``torch._dynamo.mark_dynamic`` on the example tensors. Lengths
+    at 1 are traced apart, as Dynamo traces them, into the same compiled model (decode
+    steps are served from a trace at 1; see ``_trace_with_pieces``); 0 is refused.
+    ``hints``, ``sizes``, ``options`` and ``cudagraphs`` as for ``standalone_compile``.
+    ``cache``: a later process with the same model and call finds the compiled model
+    there without tracing. ``warmup``: load every variant ("background" by default, so a
+    new size never waits once warm-up is done).
     ``compile=False`` (or ``PRECOMPILE_OFFLINE=1``): a miss raises ``ArtifactNotFoundError``.
     Compiling writes none of the caller's state: the model's parameters, buffers and
     attributes and the example's tensors are as they were (see ``_caller_state``).
@@ -355,8 +356,6 @@ def _compiled_model(
     caches = _prepare_caches(model, args, kwargs, leaves, paths, state)
     if caches:
         _cache_batch_follows_call(leaves, dims)
-    if dims and sizes is None:
-        sizes = [1]
     store = resolve_cache(cache)
     factors = model_factors(model, args, kwargs, dims, hints, sizes, options or {})
     key = hashlib.sha256(json.dumps(factors, sort_keys=True).encode()).hexdigest()
@@ -369,22 +368,24 @@ def _compiled_model(
         refuse(store, key, factors, None if store is None else _unused_because(store, key))
     traced = (model, args, kwargs, leaves, paths, dims, hints, sizes, options)
     if store is None:
-        return _trace_and_compile(*traced, None, state)
+        return _trace_with_pieces(*traced, None, state)
     try:
         lock = store.lock(key)
         lock.__enter__()
     except CacheWriteError as exc:  # a read-only cache: no single flight, nothing stored
         log.warning("cache %s cannot take a lock (%s); compiling without storing", store.root, exc)
-        return _trace_and_compile(*traced, None, state)
+        return _trace_with_pieces(*traced, None, state)
     try:
         found = _cached_model(store, key, model)  # built by another process meanwhile?
         if found is not None:
             return found
-        compiled = _trace_and_compile(*traced, store, state)
+        compiled = _trace_with_pieces(*traced, store, state)
         compiled.cache_key = key
         try:
             about = {ABOUT_CONFIG: config_summary(model)}
-            store_model(store, key, compiled.artifact, compiled.plan.to_json(), factors, about)
+            pieces = [piece.artifact for piece in compiled.pieces.values()]
+            store_model(store, key, compiled.artifact, compiled.plan.to_json(), factors, about,
+                        pieces)  # fmt: skip
         except CacheWriteError as exc:
             log.warning("compiled the model but could not store it: %s", exc)
     finally:
@@ -417,7 +418,7 @@ def _finish(
     compiled: CompiledModel, cudagraphs: CudaGraphsOption, warmup: bool | str
 ) -> CompiledModel:
     if cudagraphs is not None:
-        compiled.artifact.set_cudagraphs(cudagraphs)
+        compiled.set_cudagraphs(cudagraphs)
     if warmup:
         compiled.warmup(background=warmup == "background")
     return compiled
@@ -531,177 +532,132 @@ def _trace_and_compile(
     plan = _plan(model, args, kwargs, leaves, paths, trace, advanced)
     _check_dynamic(plan, trace.artifact.manifest, dims, paths, leaves)
     log.info("traced and compiled %s in %.1f s", class_path(model), time.perf_counter() - started)
-    compiled = CompiledModel(model, trace.artifact, plan)
-    if not caches:
-        compiled = _refusing_other_branches(model, compiled, args, kwargs, paths)
-    return compiled
+    return CompiledModel(model, trace.artifact, plan, {})
 
 
-def _refusing_other_branches(
+def _trace_with_pieces(
     model: torch.nn.Module,
-    compiled: CompiledModel,
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
+    leaves: list[Any],
     paths: list[Any],
+    dims: Mapping[int, set[int]],
+    hints: Hints,
+    sizes: Sizes,
+    options: Mapping[str, Any] | None,
+    store: ArtifactCache | None,
+    state: CallerState,
 ) -> CompiledModel:
-    """Refuse sizes below 2 where the model's Python code takes another branch.
+    """The model traced as Dynamo traces it: once with every dynamic length at 2 or more
+    (the graph Dynamo assumes 0 and 1 away from: its variants are guarded to serve 2 and
+    more only), and once more per combination of lengths at 1 (each a piece: its own
+    trace, graph and plan, with the other lengths dynamic). A model whose Python branches
+    on a length (``x * 2 if x.shape[0] > 1 else x * 3``) is so served each branch from a
+    trace of it. Length 0 is refused (``NoVariantError``). A length that a KV cache's
+    tensors share (a dynamic batch) stays as traced: see ``_lengths``."""
+    main = _trace_and_compile(model, args, kwargs, leaves, paths, dims, hints,
+                              _at_least_two(sizes), options, store, state)  # fmt: skip
+    lengths = _lengths(main, leaves)
+    if not lengths:
+        return main
+    artifact = main.artifact
+    for name, _ in lengths:
+        artifact = artifact.excluding(f"{name} >= 2")
+    count = len(lengths)
+    corners = [frozenset(i for i in range(count) if mask >> i & 1) for mask in range(1, 1 << count)]
+    if count > 3:  # 2^k traces: each length alone at 1, and all of them (the rest refused)
+        corners = [frozenset({i}) for i in range(count)] + [frozenset(range(count))]
+    spec = runtime_adapter.tree_flatten((args, kwargs), is_leaf=is_kv_cache)[1]
+    pieces: dict[frozenset[int], CompiledModel] = {}
+    for ones in corners:
+        narrowed = list(leaves)
+        at_one: set[tuple[int, int]] = set()
+        for index in ones:
+            for leaf, dim in lengths[index][1]:
+                narrowed[leaf] = narrowed[leaf].narrow(dim, 0, 1).contiguous()
+                at_one.add((leaf, dim))
+        corner_dims = {leaf: {d for d in wanted if (leaf, d) not in at_one}
+                       for leaf, wanted in dims.items()}  # fmt: skip
+        corner_args, corner_kwargs = runtime_adapter.tree_unflatten(narrowed, spec)
+        said = ", ".join(f"{_where(paths, lengths[i][1])} = 1" for i in sorted(ones))
+        try:
+            piece = _trace_and_compile(
+                model, corner_args, corner_kwargs, narrowed, paths,
+                {leaf: d for leaf, d in corner_dims.items() if d},
+                _hints_besides(hints, paths, at_one), [], options, store, state,
+            )  # fmt: skip
+        except Exception as exc:  # the model cannot be traced there: those calls refused
+            log.warning(
+                "compile_model: the model could not be traced at %s (%s: %s); calls with "
+                "those lengths are refused (NoVariantError)", said, type(exc).__name__,
+                str(exc)[:500],
+            )  # fmt: skip
+            continue
+        piece_artifact = piece.artifact
+        for name, _ in _lengths(piece, narrowed):
+            piece_artifact = piece_artifact.excluding(f"{name} >= 2")
+        pieces[ones] = CompiledModel(model, piece_artifact, piece.plan, {})
+        log.info("compile_model: traced %s apart, as Dynamo would", said)
+    plan = dataclasses.replace(
+        main.plan,
+        lengths=tuple(places[0] for _, places in lengths),
+        pieces=tuple(
+            {"ones": sorted(ones), "manifest": p.artifact.manifest.to_json(),
+             "plan": p.plan.to_json()}
+            for ones, p in pieces.items()
+        ),
+    )  # fmt: skip
+    return CompiledModel(model, artifact, plan, pieces)
 
-    Dynamo traces a dynamic dim as at least 2 and decides a branch on it (``if
-    x.shape[0] > 1``, ``if b + s > 3``) from that, recording no guard; the graph holds
-    that branch only, yet its variants admit 0 and 1 (the default exact size 1;
-    size-oblivious hints). So the compiled model is run beside the model itself on the
-    example narrowed at the corners below the traced range: each length alone at 1 and
-    at 0, each at 1 with the others at 2, all at 1. Where they disagree (values, or one
-    raising), every variant is guarded away from that corner's small lengths. A check on
-    a few inputs, not a proof (random ops, dropout in training mode, differ from eager
-    and are refused there). Skipped for calls that write their inputs (a KV cache: a run
-    would write it); a graph with collectives is not run (it would be a collective on
-    this rank alone) and is refused below 2 outright.
-    """
-    artifact = compiled.artifact
-    manifest = artifact.manifest
-    if any(isinstance(s, TensorInput) and s.mutation != "none" for s in manifest.inputs):
-        return compiled
+
+def _lengths(compiled: CompiledModel, leaves: Sequence[Any]) -> list[tuple[str, list[Any]]]:
+    """The graph's dynamic lengths Dynamo traced at 2 or more, by symbol, each with the
+    argument dims it is read at. A length that a KV cache's tensors share (a dynamic
+    batch the cache follows) is left out: a trace at 1 would need a cache of that batch,
+    so such a length is served as traced (documented in the README's Limits)."""
     bindings = compiled.plan.bindings
-    leaves, spec = runtime_adapter.tree_flatten((args, kwargs), is_leaf=is_kv_cache)
-    places: dict[str, list[tuple[int, int]]] = {}
-    for symbol in manifest.symbols:
-        found = [
+    found = []
+    for symbol in compiled.artifact.manifest.symbols:
+        kinds = {bindings[src.input_index][0] for src in symbol.sources}
+        places = [
             (bindings[src.input_index][1], src.dim)
             for src in symbol.sources
             if src.dim is not None and bindings[src.input_index][0] == "leaf"
         ]
-        if found and all(leaves[leaf].shape[dim] >= 2 for leaf, dim in found):
-            places[symbol.name] = found  # traced at 2 or more: Dynamo assumed >= 2
-    if not places:
-        return compiled
-    if manifest.process_groups:
-        for name in places:
-            artifact = artifact.excluding(f"{name} >= 2")
-        log.warning(
-            "compile_model: lengths below 2 of %s are refused: the graph has collectives, "
-            "so whether the model branches there cannot be checked by running it here",
-            ", ".join(_where(paths, found) for found in places.values()),
-        )
-        return CompiledModel(model, artifact, compiled.plan)
-    names = list(places)
-    corners = [{n: 1} for n in names] + [{n: 0} for n in names]
-    if len(names) > 1:
-        corners += [{m: 1 if m == n else 2 for m in names} for n in names]
-        corners.append(dict.fromkeys(names, 1))
-    rounding: float | None = None  # compiled against eager at the example's own sizes
-    excluded: set[str] = set()
-    for corner in corners:
-        if all(n in excluded for n, v in corner.items() if v < 2):
-            continue
-        narrowed = list(leaves)
-        for name, size in corner.items():
-            for leaf, dim in places[name]:
-                narrowed[leaf] = narrowed[leaf].narrow(dim, 0, size).contiguous()
-        call_args, call_kwargs = runtime_adapter.tree_unflatten(narrowed, spec)
-        got, got_error = _outcome(compiled, call_args, call_kwargs)
-        if isinstance(got_error, NoVariantError):
-            continue  # nothing serves that corner: nothing to refuse
-        want, want_error = _outcome(model, call_args, call_kwargs)
-        if got_error is not None or want_error is not None:
-            difference = (
-                None
-                if got_error is not None and want_error is not None
-                else f"the compiled model {_said_outcome(got_error)}, "
-                f"the model {_said_outcome(want_error)}"
-            )
-        else:
-            if rounding is None:
-                rounding = _largest_gap(_outcome(compiled, args, kwargs)[0],
-                                        _outcome(model, args, kwargs)[0])  # fmt: skip
-            difference = _difference(got, want, rounding)
-        if difference is None:
-            continue
-        small = [n for n, v in corner.items() if v < 2]
-        empty = all(corner[n] == 0 for n in small)  # only 0 is in question there
-        log.warning(
-            "compile_model: at %s the compiled graph and the model disagree (%s): the "
-            "model's Python branches on those lengths, and Dynamo traced them as 2 or "
-            "more; calls with %s are refused (NoVariantError). Compile a second model "
-            "from an example of those lengths to serve them.",
-            ", ".join(f"{_where(paths, places[n])} = {v}" for n, v in corner.items()),
-            difference,
-            " or ".join(f"{_where(paths, places[n])} {'0' if empty else 'below 2'}" for n in small),
-        )
-        for name in small:
-            if name not in excluded:
-                artifact = artifact.excluding(f"{name} != 0" if empty else f"{name} >= 2")
-                if not empty:
-                    excluded.add(name)
-        compiled = CompiledModel(model, artifact, compiled.plan)
-    return compiled
+        if places and "cache" not in kinds and all(
+            int(leaves[leaf].shape[dim]) >= 2 for leaf, dim in places
+        ):
+            found.append((symbol.name, places))
+    return found
+
+
+def _at_least_two(sizes: Sizes) -> Sizes:
+    """The exact sizes the graph traced at 2 or more can serve: below 2, a trace of its
+    own serves (see ``_trace_with_pieces``)."""
+    if sizes is None:
+        return None
+
+    def values(size: Any) -> list[Any]:
+        if isinstance(size, Mapping):
+            return list(size.values())
+        return list(size) if isinstance(size, (list, tuple)) else [size]
+
+    return [s for s in sizes if all(not isinstance(v, int) or v >= 2 for v in values(s))]
+
+
+def _hints_besides(hints: Hints, paths: list[Any], at_one: set[tuple[int, int]]) -> Hints:
+    """Per-dim hints less those of dims a piece fixes at 1 (and symbol names, which
+    name the first trace's symbols)."""
+    if not isinstance(hints, Mapping):
+        return hints
+    fixed = {(paths[leaf], dim) for leaf, dim in at_one}
+    return {key: value for key, value in hints.items()
+            if isinstance(key, tuple) and tuple(key) not in fixed}  # fmt: skip
 
 
 def _where(paths: list[Any], places: list[tuple[int, int]]) -> str:
     """The argument dims a length is read from, as a caller names them."""
     return "/".join(f"{_argument_name(paths[leaf])} dim {dim}" for leaf, dim in places)
-
-
-def _said_outcome(error: Exception | None) -> str:
-    return "returned" if error is None else f"raised {type(error).__name__}: {error}"[:200]
-
-
-def _outcome(call: Any, args: Any, kwargs: Any) -> tuple[Any, Exception | None]:
-    """What ``call(*args, **kwargs)`` returns (in the grad mode of the trace, which a
-    compiled model checks), or the error it raises."""
-    try:
-        return call(*args, **kwargs), None
-    except Exception as exc:  # compared with the other side's outcome
-        return None, exc
-
-
-def _largest_gap(got: Any, want: Any) -> float:
-    """The largest difference between two outputs' floating-point tensors."""
-    got_leaves, want_leaves = (
-        runtime_adapter.tree_flatten(got)[0],
-        runtime_adapter.tree_flatten(want)[0],
-    )
-    pairs = zip(got_leaves, want_leaves, strict=False)
-    gaps = [
-        float((a.float() - b.float()).abs().max())
-        for a, b in pairs
-        if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape
-        and a.dtype.is_floating_point and a.numel()
-    ]  # fmt: skip
-    return max(gaps, default=0.0)
-
-
-def _difference(got: Any, want: Any, rounding: float) -> str | None:
-    """How two outputs differ beyond compiled-vs-eager rounding (the dtype's, or four
-    times what the example's own sizes showed), or None."""
-    got_leaves, got_spec = runtime_adapter.tree_flatten(got)
-    want_leaves, want_spec = runtime_adapter.tree_flatten(want)
-    if got_spec != want_spec:
-        return "their output structures differ"
-    for index, (a, b) in enumerate(zip(got_leaves, want_leaves, strict=True)):
-        if not isinstance(b, torch.Tensor):
-            if a != b:
-                return f"output {index}: {a!r} against {b!r}"
-            continue
-        if not isinstance(a, torch.Tensor) or a.shape != b.shape or a.dtype != b.dtype:
-            return f"output {index}: {_said(a)} against {_said(b)}"
-        if not a.dtype.is_floating_point:
-            if not torch.equal(a, b):
-                return f"output {index} differs"
-            continue
-        tolerance = 5e-2 if a.element_size() <= 2 else 1e-4
-        atol = max(tolerance, 4 * rounding)
-        if not torch.allclose(a.float(), b.float(), rtol=tolerance, atol=atol):
-            return (
-                f"output {index} differs by up to {float((a.float() - b.float()).abs().max()):.3g}"
-            )
-    return None
-
-
-def _said(value: Any) -> str:
-    if isinstance(value, torch.Tensor):
-        return f"{value.dtype} {tuple(value.shape)}"
-    return type(value).__name__
 
 
 def _check_dynamic(

@@ -323,6 +323,14 @@ class CompiledArtifact:
             adapter.import_runtime_modules()
             return None
 
+    @property
+    def payload_store(self) -> PayloadStore:
+        """Where this artifact's payloads come from (a compiled model's pieces share it)."""
+        return self._payloads
+
+    def has_payload(self, digest: str) -> bool:
+        return self._payloads.has(digest)
+
     def payload_bytes(self, digest: str) -> bytes:
         """The verified bytes of one payload (what a save or a cache writes)."""
         return self._payloads.read(digest)

@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 import os
 import struct
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from cache._bytes import (
@@ -50,9 +50,12 @@ def write_binary(
     payloads: PayloadStore,
     signing_key: Any = None,
     model: Mapping[str, Any] | None = None,
+    more: Sequence[tuple[Manifest, PayloadStore]] = (),
 ) -> None:
     """Write an artifact file; ``model`` (a compiled model's plan) rides in the index, so
-    the index digest, and a signature over it, cover it too."""
+    the index digest, and a signature over it, cover it too. ``more``: the graphs of a
+    compiled model's pieces (their manifests ride in its plan), whose payloads join the
+    table (each once)."""
     if os.path.isdir(path):
         raise InvalidOptionError(
             f"path {path!r} is a directory; format='binary' writes one file (use "
@@ -61,8 +64,10 @@ def write_binary(
     blobs: list[bytes] = []
     table: dict[str, dict[str, Any]] = {}
     offset = 0
-    for digest in manifest.payload_digests:
-        raw = payloads.read(digest)
+    sources = [(manifest, payloads), *more]
+    wanted = {d: store for m, store in reversed(sources) for d in m.payload_digests}
+    for digest, store in wanted.items():
+        raw = store.read(digest)
         stored = compress(raw)
         table[digest] = {
             "offset": offset,
@@ -192,8 +197,17 @@ def read_binary_with_model(
         raise CorruptArtifactError(f"{where} index is malformed (no manifest or payload table)")
     manifest = Manifest.from_json(index["manifest"])
     payload_view = memoryview(view)[data_start:]
-    table = _check_table(index["payloads"], manifest.payload_digests, len(payload_view), where)
-    for digest in manifest.payload_digests:
+    listed = index["payloads"]
+    if not isinstance(listed, dict) or not all(
+        isinstance(d, str) and len(d) == 64 for d in listed
+    ):
+        raise CorruptArtifactError(f"{where} payload table is malformed")
+    missing = [d for d in manifest.payload_digests if d not in listed]
+    if missing:
+        raise CorruptArtifactError(f"{where} lacks payload {missing[0][:12]}")
+    # every payload the table lists: this graph's and, in a compiled model, its pieces'
+    table = _check_table(listed, list(listed), len(payload_view), where)
+    for digest in table:
         entry = table[digest]
         stored = payload_view[entry["offset"] : entry["offset"] + entry["size"]]
         if sha256_hex(stored) != entry["stored_sha256"]:
@@ -204,4 +218,4 @@ def read_binary_with_model(
         stored = payload_view[entry["offset"] : entry["offset"] + entry["size"]]
         return decompress(stored, entry["raw_size"], digest, where)
 
-    return manifest, LazyPayloads(fetch), signature, index.get("model")
+    return manifest, LazyPayloads(fetch, holds=table.__contains__), signature, index.get("model")

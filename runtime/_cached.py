@@ -10,7 +10,7 @@ for a compiled model, that manifest and the model's plan) and the blobs are its 
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from cache import ArtifactCache, StoredEntry, cache_to_read
@@ -51,11 +51,14 @@ def store_model(
     plan: Mapping[str, Any],
     factors: Mapping[str, str],
     about: Mapping[str, str] | None = None,
+    pieces: Sequence[CompiledArtifact] = (),
 ) -> None:
     """Store a compiled model under ``key``: its graph's artifact and its plan (``about``:
-    what it is, for ``cache ls``; see ``_entry_summary``)."""
+    what it is, for ``cache ls``; see ``_entry_summary``), with its pieces' payloads."""
     manifest = artifact.manifest
     blobs = {d: artifact.payload_bytes(d) for d in manifest.payload_digests}
+    for piece in pieces:  # a compiled model's traces at lengths below 2
+        blobs.update({d: piece.payload_bytes(d) for d in piece.manifest.payload_digests})
     document = {"kind": MODEL_ENTRY, "manifest": manifest.to_json(), "model": dict(plan)}
     cache.put(key, document, blobs, factors, about=about)
 

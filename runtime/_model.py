@@ -41,6 +41,7 @@ from ._errors import (
     IncompatibleArtifactError,
     InputMismatchError,
     InvalidOptionError,
+    NoVariantError,
 )
 from ._global_state import StateCheck
 from ._kv_cache import (
@@ -91,6 +92,13 @@ class ModelPlan:
     distributed: tuple[int, int, str] | None = None
     # what the trace read (Dynamo's guards, the global state), checked at bind and per call
     trace_read: TraceRead | None = None
+    # Lengths below Dynamo's bound of 2: per dynamic length, the (leaf, dim) a call's
+    # length is read at; the graph above serves every length >= 2 (its variants are
+    # guarded so), and each piece is a trace of its own with the lengths it names (by
+    # index into ``lengths``) at 1, as Dynamo would trace them apart. Raw JSON
+    # ({"ones", "manifest", "plan"}): built into compiled models where a plan is bound.
+    lengths: tuple[tuple[int, int], ...] = ()
+    pieces: tuple[Mapping[str, Any], ...] = ()
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -110,6 +118,8 @@ class ModelPlan:
             "position_leaf": self.position_leaf,
             "distributed": None if self.distributed is None else list(self.distributed),
             "trace_read": None if self.trace_read is None else self.trace_read.to_json(),
+            "lengths": [list(place) for place in self.lengths],
+            "pieces": [dict(piece) for piece in self.pieces],
         }
 
     @staticmethod
@@ -221,7 +231,34 @@ class ModelPlan:
             if distributed is None
             else (distributed[0], distributed[1], distributed[2]),
             trace_read=TraceRead.from_json(value.get("trace_read")),
+            lengths=_lengths_from_json(value.get("lengths", []), where),
+            pieces=_pieces_from_json(value.get("pieces", []), where),
         )
+
+
+def _lengths_from_json(value: Any, where: str) -> tuple[tuple[int, int], ...]:
+    if not isinstance(value, list) or not all(
+        isinstance(p, list) and len(p) == 2 and all(type(i) is int and i >= 0 for i in p)
+        for p in value
+    ):
+        raise CorruptArtifactError(f"{where} field lengths is malformed")
+    return tuple((p[0], p[1]) for p in value)
+
+
+def _pieces_from_json(value: Any, where: str) -> tuple[Mapping[str, Any], ...]:
+    if not isinstance(value, list) or len(value) > 64:
+        raise CorruptArtifactError(f"{where} field pieces is malformed")
+    for piece in value:
+        ones = piece.get("ones") if isinstance(piece, dict) else None
+        if not (
+            isinstance(ones, list)
+            and ones
+            and all(type(i) is int and i >= 0 for i in ones)
+            and isinstance(piece.get("manifest"), dict)
+            and isinstance(piece.get("plan"), dict)
+        ):
+            raise CorruptArtifactError(f"{where} field pieces is malformed")
+    return tuple(value)
 
 
 def changed_files(plan: ModelPlan) -> list[str]:
@@ -245,7 +282,13 @@ class CompiledModel:
     """``model`` compiled as one graph: call it like the model (same arguments, same
     return value); no Dynamo frame is traced and nothing compiles."""
 
-    def __init__(self, model: torch.nn.Module, artifact: CompiledArtifact, plan: ModelPlan):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        artifact: CompiledArtifact,
+        plan: ModelPlan,
+        pieces: Mapping[frozenset[int], CompiledModel] | None = None,
+    ):
         if class_path(model) != plan.model_class:
             raise IncompatibleArtifactError(
                 f"the compiled plan is for {plan.model_class}, this model is {class_path(model)}"
@@ -268,6 +311,62 @@ class CompiledModel:
         self._flat_names = _flat_keywords(self._in_spec)
         self._caches = self._cache_guard(plan, artifact.manifest) if plan.caches else None
         self.cache_key: str | None = None
+        self._lengths = plan.lengths
+        self.pieces = dict(pieces) if pieces is not None else self._bind_pieces(model, plan)
+
+    def _bind_pieces(
+        self, model: torch.nn.Module, plan: ModelPlan
+    ) -> dict[frozenset[int], CompiledModel]:
+        """The plan's pieces (traces at lengths below 2), bound to ``model`` too; their
+        payloads come from where this graph's do (a file, or a cache entry)."""
+        found: dict[frozenset[int], CompiledModel] = {}
+        for raw in plan.pieces:
+            manifest = Manifest.from_json(raw["manifest"])
+            missing = [d for d in manifest.payload_digests if not self.artifact.has_payload(d)]
+            if missing:
+                raise CorruptArtifactError(f"a compiled model lacks payload {missing[0][:12]}")
+            check_compatible(manifest.environment, "a compiled model's piece")
+            artifact = CompiledArtifact(manifest, self.artifact.payload_store)
+            piece_plan = ModelPlan.from_json(raw["plan"], len(manifest.inputs))
+            if piece_plan.pieces or any(i >= len(plan.lengths) for i in raw["ones"]):
+                raise CorruptArtifactError("a compiled model's piece is malformed")
+            found[frozenset(raw["ones"])] = CompiledModel(model, artifact, piece_plan, {})
+        return found
+
+    def _piece_for(self, leaves: list[Any]) -> CompiledModel | None:
+        """The piece that serves a call whose lengths include 1 (None: this graph, which
+        refuses 0 and serves 2 and more)."""
+        ones = []
+        for index, (leaf, dim) in enumerate(self._lengths):
+            value = leaves[leaf]
+            if isinstance(value, torch.Tensor) and dim < value.dim():
+                size = value.shape[dim]
+                if size == 0:
+                    return None  # refused by this graph's variants, which say why
+                if size == 1:
+                    ones.append(index)
+        if not ones:
+            return None
+        piece = self.pieces.get(frozenset(ones))
+        if piece is None:
+            said = ", ".join(self._length_name(i) for i in ones)
+            raise NoVariantError(
+                f"no trace of the model serves {said} at 1: the model could not be traced "
+                "there when it was compiled (see the warning it logged then), so calls with "
+                "those lengths are refused"
+            )
+        return piece
+
+    def _length_name(self, index: int) -> str:
+        leaf, dim = self._lengths[index]
+        return f"{self._names[leaf]} dim {dim}"
+
+    def set_cudagraphs(self, cudagraphs: Any) -> CompiledModel:
+        """CUDA graphs (``CudaGraphs``) for this graph and every piece."""
+        self.artifact.set_cudagraphs(cudagraphs)
+        for piece in self.pieces.values():
+            piece.artifact.set_cudagraphs(cudagraphs)
+        return self
 
     def _cache_guard(self, plan: ModelPlan, manifest: Manifest) -> CacheGuard:
         """The checks of the call's KV cache arguments (see ``runtime._kv_cache``)."""
@@ -335,6 +434,13 @@ class CompiledModel:
         leaves = self._flat_leaves(args, kwargs)
         if leaves is None:
             leaves = self._leaves(args, kwargs)
+        if self._lengths:
+            piece = self._piece_for(leaves)
+            if piece is not None:
+                return piece._call(leaves)
+        return self._call(leaves)
+
+    def _call(self, leaves: list[Any]) -> Any:
         for index, value in self.plan.constants.items():
             if type(leaves[index]) is not type(value) or leaves[index] != value:
                 raise InputMismatchError(
@@ -462,6 +568,8 @@ class CompiledModel:
         for index, (table, name) in self._weights.items():
             templates[index] = table[name]
         self.artifact.warmup(background=background, inputs=templates, runnable=self._runnable())
+        for piece in self.pieces.values():
+            piece.warmup(background=background)
         return self
 
     def _runnable(self) -> Any:
@@ -489,11 +597,15 @@ class CompiledModel:
         return lambda point: size in point and point[size] <= capacity
 
     def wait_warm(self, timeout: float | None = None) -> bool:
-        return self.artifact.wait_warm(timeout)
+        warm = self.artifact.wait_warm(timeout)
+        return all([warm, *(piece.wait_warm(timeout) for piece in self.pieces.values())])
 
     def explain(self, *args: Any, **kwargs: Any) -> Any:
         """Which variant a call with these arguments runs, and why."""
         leaves, _ = adapter.tree_flatten((args, dict(sorted(kwargs.items()))), is_leaf=is_kv_cache)
+        piece = self._piece_for(leaves) if self._lengths else None
+        if piece is not None:
+            return piece.explain(*args, **kwargs)
         flat = self._graph_inputs(leaves)
         return self.artifact.explain(*flat)
 
@@ -506,6 +618,7 @@ class CompiledModel:
             self.artifact._payloads,
             signing_key,
             model=self.plan.to_json(),
+            more=[(p.artifact.manifest, p.artifact.payload_store) for p in self.pieces.values()],
         )
 
     @staticmethod
@@ -558,7 +671,7 @@ class CompiledModel:
         _check_rank(plan, where)
         compiled = CompiledModel(model, artifact, plan)
         if cudagraphs is not None:
-            artifact.set_cudagraphs(cudagraphs)
+            compiled.set_cudagraphs(cudagraphs)
         if warmup:
             compiled.warmup(background=warmup == "background")
         return compiled

@@ -21,6 +21,9 @@ class PayloadStore(Protocol):
     def edited_source(self, digest: str) -> str | None:
         """Generated code the user edited in place of the payload's own, if any."""
 
+    def has(self, digest: str) -> bool:
+        """Whether the store holds ``digest`` (True where it cannot tell before a read)."""
+
 
 class MemoryPayloads:
     """Payloads held in memory, as a fresh compile produces them."""
@@ -37,6 +40,9 @@ class MemoryPayloads:
     def edited_source(self, digest: str) -> str | None:
         return None
 
+    def has(self, digest: str) -> bool:
+        return digest in self._payloads
+
 
 class LazyPayloads:
     """Payloads verified and decoded on first use by ``fetch`` (for files on disk)."""
@@ -45,9 +51,11 @@ class LazyPayloads:
         self,
         fetch: Callable[[str], bytes],
         edited: Callable[[str], str | None] | None = None,
+        holds: Callable[[str], bool] | None = None,
     ) -> None:
         self._fetch = fetch
         self._edited = edited
+        self._holds = holds
 
     def read(self, digest: str) -> bytes:
         data = self._fetch(digest)
@@ -59,3 +67,6 @@ class LazyPayloads:
 
     def edited_source(self, digest: str) -> str | None:
         return self._edited(digest) if self._edited else None
+
+    def has(self, digest: str) -> bool:
+        return self._holds(digest) if self._holds else True

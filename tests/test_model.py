@@ -334,25 +334,42 @@ class BranchesOnLength(torch.nn.Module):
         return x * 2 if x.shape[0] > 1 else x * 3
 
 
-def test_a_model_that_branches_on_a_dynamic_length_is_refused_there_never_wrong(
-    tmp_path: Any,
+class SignAgrees(torch.nn.Module):
+    """``relu(x)`` for more than one row, ``abs(x)`` for one: the two sides agree on an
+    all-positive example, so a check by running the example narrowed to 1 passed it and
+    the traced side ran at 1 (wrong for negative inputs)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(x) if x.shape[0] > 1 else torch.abs(x)
+
+
+@pytest.mark.parametrize("model", [BranchesOnLength(), SignAgrees()], ids=["2x-3x", "sign"])
+def test_a_model_that_branches_on_a_dynamic_length_is_served_each_branch_from_its_trace(
+    tmp_path: Any, model: torch.nn.Module
 ) -> None:
     """Before, the default exact size 1 (and the hint variant) ran the traced branch at 1:
-    2x where the model returns 3x. The tiny Llama's branches on its length give the same
-    values at 1, so it is still served there (test_llama_outputs_match_eager)."""
-    model, cache = BranchesOnLength(), str(tmp_path)
+    2x where the model returns 3x. Then a run at 1 beside the model refused length 1
+    where the two disagreed, and missed branches that agree on the example. Now length 1
+    is traced apart, as Dynamo traces it, into the same compiled model; 0 is refused."""
+    cache = str(tmp_path)
+    example = torch.rand(8, 4) + 0.1  # all positive: the sign branch's sides agree here
     with torch.no_grad():
         compiled = precompile.compile_model(
-            model, (torch.randn(8, 4),), dynamic={0: [0]}, hints=[8], cache=cache
+            model, (example,), dynamic={0: [0]}, hints=[8], cache=cache
         )
         found = precompile.compile_model(
-            model, (torch.randn(8, 4),), dynamic={0: [0]}, hints=[8], cache=cache, compile=False
+            model, (example,), dynamic={0: [0]}, hints=[8], cache=cache, compile=False
         )
-        for served in (compiled, found):
-            y = torch.randn(5, 4)
-            torch.testing.assert_close(served(y), y * 2)
+        path = str(tmp_path / "branches.pt2c")
+        compiled.save(path)
+        loaded = precompile.load_model(model, path=path, warmup=False)
+        for served in (compiled, found, loaded):
+            assert len(served.pieces) == 1
+            for rows in (1, 2, 5):
+                y = torch.randn(rows, 4)
+                torch.testing.assert_close(served(y), model(y))
             with pytest.raises(precompile.NoVariantError, match=r"s[0-9]+ >= 2"):
-                served(torch.randn(1, 4))
+                served(torch.randn(0, 4))
 
 
 class SumOfLengths(torch.nn.Module):
@@ -370,11 +387,12 @@ class EmptyAddsOnes(torch.nn.Module):
         return torch.ones(3) + x.sum(0) if x.shape[0] == 0 else x.sum(0)
 
 
-def test_corners_below_the_traced_range_are_checked_together_and_at_zero(
+def test_every_combination_of_lengths_at_1_is_traced_and_0_refused(
     tmp_path: Any,
 ) -> None:
-    """Found by a client trial after the length-1 check: one length narrowed at a time
-    never met (1, 2), where b + s > 3 turns; and 0 was never run (ones were zeros)."""
+    """Found by a client trial of the old length-1 check: one length narrowed at a time
+    never met (1, 2), where b + s > 3 turns; and 0 was never run (ones were zeros). Each
+    combination of lengths at 1 is now a trace of its own; 0 is refused."""
     with torch.no_grad():
         both = precompile.compile_model(
             SumOfLengths(), (torch.randn(3, 8, 2),), dynamic={0: [0, 1]}, hints=[4],
@@ -386,16 +404,19 @@ def test_corners_below_the_traced_range_are_checked_together_and_at_zero(
         )  # fmt: skip
     torch.set_grad_enabled(False)  # as compiled: a compiled model checks the grad mode
     try:
-        for b, s in ((2, 2), (3, 5), (4, 1 + 1)):
+        for b, s in ((2, 2), (3, 5), (4, 2), (1, 1), (1, 6), (5, 1)):
             y = torch.randn(b, s, 2)
-            torch.testing.assert_close(both(y), y + 1)
-        for b, s in ((1, 1), (1, 2), (2, 1)):
+            torch.testing.assert_close(both(y), SumOfLengths()(y))
+        assert sorted(sorted(ones) for ones in both.pieces) == [[0], [0, 1], [1]]
+        # the trace at b = 1 (s = 8) guarded 1 + s > 3: (1, 2) would need another trace,
+        # which Dynamo would make; here it is refused, never answered from the wrong one
+        for b, s in ((0, 3), (2, 0), (1, 2), (2, 1)):
             with pytest.raises(precompile.NoVariantError):
                 both(torch.randn(b, s, 2))
         y = torch.randn(5, 3)
         torch.testing.assert_close(empty(y), y.sum(0))
-        torch.testing.assert_close(empty(y[:1]), y[:1].sum(0))  # 1 agrees: still served
-        with pytest.raises(precompile.NoVariantError, match="!= 0"):
+        torch.testing.assert_close(empty(y[:1]), y[:1].sum(0))
+        with pytest.raises(precompile.NoVariantError, match=">= 2"):
             empty(torch.randn(0, 3))
     finally:
         torch.set_grad_enabled(True)
@@ -437,12 +458,16 @@ def test_a_guard_of_the_trace_that_is_no_range_holds_for_every_variant(tmp_path:
             y = torch.randn(size, 3)
             torch.testing.assert_close(compiled(y), y * 2)
             torch.testing.assert_close(loaded(size, y)[0], y * 2)
-        for size in (1, 3, 7):
+        for size in (3, 7):
             y = torch.randn(size, 3)
             with pytest.raises(precompile.NoVariantError, match=r"Mod|%"):
                 compiled(y)
             with pytest.raises(precompile.NoVariantError):
                 loaded(size, y)
+        y = torch.randn(1, 3)  # traced apart at 1, as Dynamo traces it
+        torch.testing.assert_close(compiled(y), y * 3)
+        with pytest.raises(precompile.NoVariantError):
+            loaded(1, y)
 
 
 def test_a_graph_break_is_refused_with_dynamos_explanation(tmp_path: Any) -> None:
