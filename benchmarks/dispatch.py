@@ -71,7 +71,7 @@ def hollow_artifact(gm: torch.fx.GraphModule, inputs: list[Any]) -> precompile.C
     manifest = Manifest(
         environment=current_environment("cpu"),
         symbols=symbols,
-        inputs=_input_specs(graph, uses),
+        inputs=_input_specs(graph, uses, False),
         variants=(Variant(0, "hint", {s.name: 16 for s in symbols}, (), NOOP_DIGEST, NOOP_DIGEST),),
     )
     return precompile.CompiledArtifact(manifest, MemoryPayloads({}), loaded={NOOP_DIGEST: _noop})

@@ -277,7 +277,11 @@ def _history_dependent(guard: Guard) -> bool:
     # torch's global hooks dicts are keyed by handle ids, which count every hook a process
     # ever registered (a bound compiled model registers its own, see _model_guards)
     by_handle = "_global_" in text and "_hooks'" in text and "'item'" in text
-    return guard.kind in ("length", "keys") or "'list'" in text or by_handle
+    by_position = "['call', 'list'" in text  # list(dict.keys(registry))[i]
+    mutable_size = guard.kind == "keys" or (
+        guard.kind == "length" and guard.expected[0] != "builtins.tuple"  # a tuple's is fixed
+    )
+    return mutable_size or by_position or by_handle
 
 
 def _said_source(source: str) -> str:
