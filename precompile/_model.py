@@ -13,6 +13,7 @@ trace read are unchanged and runs the plan: no Dynamo frame, no compile, no comp
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import hashlib
 import inspect
@@ -553,15 +554,15 @@ def _trace_with_pieces(
     more only), and once more per combination of lengths at 1 (each a piece: its own
     trace, graph and plan, with the other lengths dynamic). A model whose Python branches
     on a length (``x * 2 if x.shape[0] > 1 else x * 3``) is so served each branch from a
-    trace of it. Length 0 is refused (``NoVariantError``). A length that a KV cache's
-    tensors share (a dynamic batch) stays as traced: see ``_lengths``."""
+    trace of it. Length 0 is refused (``NoVariantError``). A dynamic batch that a KV
+    cache follows is traced at 1 with a copy of the cache narrowed to batch 1."""
     main = _trace_and_compile(model, args, kwargs, leaves, paths, dims, hints,
                               _at_least_two(sizes), options, store, state)  # fmt: skip
     lengths = _lengths(main, leaves)
     if not lengths:
         return main
     artifact = main.artifact
-    for name, _ in lengths:
+    for name, _, _ in lengths:
         artifact = artifact.excluding(f"{name} >= 2")
     count = len(lengths)
     corners = [frozenset(i for i in range(count) if mask >> i & 1) for mask in range(1, 1 << count)]
@@ -576,6 +577,9 @@ def _trace_with_pieces(
             for leaf, dim in lengths[index][1]:
                 narrowed[leaf] = narrowed[leaf].narrow(dim, 0, 1).contiguous()
                 at_one.add((leaf, dim))
+            for leaf in lengths[index][2]:
+                narrowed[leaf] = _batch_of_one(narrowed[leaf])
+                at_one.add((leaf, 0))
         corner_dims = {leaf: {d for d in wanted if (leaf, d) not in at_one}
                        for leaf, wanted in dims.items()}  # fmt: skip
         corner_args, corner_kwargs = runtime_adapter.tree_unflatten(narrowed, spec)
@@ -594,13 +598,13 @@ def _trace_with_pieces(
             )  # fmt: skip
             continue
         piece_artifact = piece.artifact
-        for name, _ in _lengths(piece, narrowed):
+        for name, _, _ in _lengths(piece, narrowed):
             piece_artifact = piece_artifact.excluding(f"{name} >= 2")
         pieces[ones] = CompiledModel(model, piece_artifact, piece.plan, {})
         log.info("compile_model: traced %s apart, as Dynamo would", said)
     plan = dataclasses.replace(
         main.plan,
-        lengths=tuple(places[0] for _, places in lengths),
+        lengths=tuple(places[0] for _, places, _ in lengths),
         pieces=tuple(
             {"ones": sorted(ones), "manifest": p.artifact.manifest.to_json(),
              "plan": p.plan.to_json()}
@@ -610,25 +614,43 @@ def _trace_with_pieces(
     return CompiledModel(model, artifact, plan, pieces)
 
 
-def _lengths(compiled: CompiledModel, leaves: Sequence[Any]) -> list[tuple[str, list[Any]]]:
+def _lengths(
+    compiled: CompiledModel, leaves: Sequence[Any]
+) -> list[tuple[str, list[Any], list[int]]]:
     """The graph's dynamic lengths Dynamo traced at 2 or more, by symbol, each with the
-    argument dims it is read at. A length that a KV cache's tensors share (a dynamic
-    batch the cache follows) is left out: a trace at 1 would need a cache of that batch,
-    so such a length is served as traced (documented in the README's Limits)."""
+    argument dims it is read at and the KV caches whose batch it is (a dynamic batch the
+    cache follows: a trace at batch 1 takes a copy of the cache narrowed to batch 1)."""
     bindings = compiled.plan.bindings
     found = []
     for symbol in compiled.artifact.manifest.symbols:
-        kinds = {bindings[src.input_index][0] for src in symbol.sources}
-        places = [
-            (bindings[src.input_index][1], src.dim)
-            for src in symbol.sources
-            if src.dim is not None and bindings[src.input_index][0] == "leaf"
-        ]
-        if places and "cache" not in kinds and all(
-            int(leaves[leaf].shape[dim]) >= 2 for leaf, dim in places
-        ):
-            found.append((symbol.name, places))
+        places, caches, other = [], set(), False
+        for src in symbol.sources:
+            kind, target = bindings[src.input_index]
+            if kind == "leaf" and src.dim is not None:
+                places.append((target, src.dim))
+            elif kind == "cache":
+                leaf, _, field = target
+                other |= src.dim != 0 or field == "cumulative_length"
+                caches.add(leaf)
+        if places and not other and all(int(leaves[leaf].shape[dim]) >= 2 for leaf, dim in places):
+            found.append((symbol.name, places, sorted(caches)))
     return found
+
+
+def _batch_of_one(cache: Any) -> Any:
+    """A copy of a StaticCache whose layers hold the first row of its keys and values:
+    the cache a trace at batch 1 takes (the example's own is never written)."""
+    narrowed = copy.copy(cache)
+    narrowed.layers = []
+    for layer in cache.layers:
+        row = copy.copy(layer)
+        row.keys = layer.keys[:1].clone()
+        row.values = layer.values[:1].clone()
+        row.cumulative_length = layer.cumulative_length.clone()
+        if hasattr(row, "batch_size"):
+            row.batch_size = 1
+        narrowed.layers.append(row)
+    return narrowed
 
 
 def _at_least_two(sizes: Sizes) -> Sizes:

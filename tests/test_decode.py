@@ -146,9 +146,9 @@ def test_bad_caches_are_refused_naming_what_differs(llama: tuple[Any, Any]) -> N
             compiled(input_ids=ids, past_key_values=cache, use_cache=True, **call)
 
     refused("max_cache_len 32, but the model was compiled for 64", new_cache(model, length=32))
-    refused(
-        "has batch size 2, but this call's batch is 1", new_cache(model, 2)
-    )  # the call's batch is 1
+    refused(  # the call's batch is 1: served by the trace at batch 1, whose cache has 1
+        "batch size 2, but the model was compiled for 1", new_cache(model, 2)
+    )
     refused("dtype float64, but the model was compiled for float32",
             new_cache(model, 1, dtype=torch.float64))  # fmt: skip
     refused("device meta", new_cache(model, 1, device="meta"))
@@ -318,8 +318,10 @@ def test_cudagraph_decode_matches_the_same_model_without_graphs(
     for batch in (1, 3, 8):
         prompt = torch.randint(0, VOCAB, (batch, 7), device="cuda")
         assert torch.equal(greedy(graphs, model, prompt), greedy(plain, model, prompt))
-    decode_graphs = [s for s in graphs.artifact.captured_sizes if 1 in s]
-    assert len(decode_graphs) >= 3, graphs.artifact.captured_sizes  # one per batch size
+    # decode steps (one token) are served by the model's trace at length 1, a piece
+    (decode,) = graphs.pieces.values()
+    decode_graphs = decode.artifact.captured_sizes
+    assert len(decode_graphs) >= 3, decode_graphs  # one per batch size
     # A graph is bound to the cache it was captured on: another cache object drops it
     # (the call runs plainly, the next one captures again) and the first cache is never
     # written through a stale graph.
