@@ -87,9 +87,38 @@ def summarize_entry(
         config=about.get(ABOUT_CONFIG) if is_model else None,
         inputs=None if manifest is None else tuple(input_text(i) for i in manifest.inputs),
         hints=None if manifest is None else _points(manifest, "hint"),
-        sizes=None if manifest is None else _points(manifest, "static"),
+        sizes=None
+        if manifest is None
+        else _points(manifest, "static") + _traced_apart(manifest, plan),
         device=factors.get("device"),
     )
+
+
+def _traced_apart(manifest: Manifest, plan: Any) -> tuple[Mapping[str, int], ...]:
+    """A compiled model's traces at lengths of 1 (its pieces), as points of the graph's
+    own symbols: ``{"s81": 1}`` for the decode trace of a model whose length is s81."""
+    if not isinstance(plan, dict):
+        return ()
+    lengths, pieces, bindings = plan.get("lengths"), plan.get("pieces"), plan.get("bindings")
+    if not (isinstance(lengths, list) and isinstance(pieces, list) and isinstance(bindings, list)):
+        return ()
+    names: list[str | None] = []
+    for place in lengths:
+        names.append(next(
+            (symbol.name for symbol in manifest.symbols for src in symbol.sources
+             if isinstance(place, list) and len(place) == 2 and src.dim == place[1]
+             and 0 <= src.input_index < len(bindings)
+             and bindings[src.input_index] == ["leaf", place[0]]),
+            None,
+        ))  # fmt: skip
+    points = []
+    for piece in pieces:
+        ones = piece.get("ones") if isinstance(piece, dict) else None
+        if isinstance(ones, list) and all(
+            type(i) is int and 0 <= i < len(names) and names[i] for i in ones
+        ):
+            points.append({str(names[i]): 1 for i in ones})
+    return tuple(points)
 
 
 def _manifest(document: Any) -> Manifest | None:
