@@ -18,6 +18,7 @@ put back: ``check`` refuses the compile then, naming it, rather than leave it ch
 
 from __future__ import annotations
 
+import copy
 import logging
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -32,6 +33,8 @@ log = logging.getLogger("precompile.compile")
 _TABLES = ("_parameters", "_buffers", "_modules")
 Kind = Literal["parameter", "buffer", "argument", "cache"]
 _MISSING = object()
+# what torch itself sets on a module that ``torch.compile`` traced (not the model's state)
+_TORCH_MARKERS = frozenset({"_is_torch_compile"})
 
 
 def _version(tensor: torch.Tensor) -> int | None:
@@ -95,6 +98,41 @@ class CallerState:
         self._kept: dict[int, _Kept] = {}
         self._unrestorable: list[str] = []
         self._written_with_grad: list[str] = []
+
+    def python_state(self, model: torch.nn.Module) -> list[tuple[str, Any, Any, Any]]:
+        """Each module attribute now (by name), and a copy of each list, dict or set
+        held in one: what a run that writes Python state would change (``written``)."""
+        found = []
+        for prefix, module in model.named_modules():
+            for key, value in vars(module).items():
+                if key in _TABLES or key in _TORCH_MARKERS:
+                    continue
+                held = copy.copy(value) if type(value) in (list, dict, set) else None
+                found.append((f"{prefix}.{key}" if prefix else key, module, value, held))
+        return found
+
+    @staticmethod
+    def written(before: list[tuple[str, Any, Any, Any]]) -> list[str]:
+        """The attributes (of ``python_state``) a run rebound, removed or changed in place."""
+        changed = []
+        for name, module, value, held in before:
+            now = vars(module).get(name.rpartition(".")[2], _MISSING)
+            if now is not value or (held is not None and held != now):
+                changed.append(f"model.{name}")
+        return changed
+
+    @staticmethod
+    def put_back(before: list[tuple[str, Any, Any, Any]]) -> None:
+        """Put back the contents of the lists, dicts and sets a run changed in place
+        (``restore`` puts the attributes themselves back)."""
+        for _, _, value, held in before:
+            if held is None or held == value:
+                continue
+            if isinstance(value, list):
+                value[:] = held
+            else:
+                value.clear()
+                value.update(held)
 
     def watch(self, name: str, tensor: torch.Tensor, kind: Kind) -> None:
         """Watch ``tensor`` from now on (a KV cache's tensors, once initialized)."""

@@ -51,7 +51,7 @@ from runtime._kv_cache import (
     is_kv_cache,
 )
 from runtime._manifest import FORMAT_VERSION, TensorInput
-from runtime._model import CompiledModel, ModelPlan, stale_reason
+from runtime._model import CompiledModel, ModelPlan, hooks_on, stale_reason
 from runtime._model_identity import canonical_digest as _digest
 from runtime._model_identity import class_path, file_digest, model_identity
 from runtime._process_groups import registered_groups, this_rank
@@ -323,6 +323,14 @@ def compile_model(
     if not isinstance(model, torch.nn.Module):
         raise InvalidOptionError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     cudagraph_options(cudagraphs)  # validate early
+    hooked = hooks_on(model)
+    if hooked:
+        raise UnsupportedGraphError(
+            f"{hooked} is registered: it runs outside the model's forward, which is what "
+            "compile_model traces and compiles (a compiled model runs no hook of the model "
+            "itself); register it on a submodule (traced into the graph), or apply it to "
+            "the compiled model's inputs or outputs"
+        )
     args = tuple(example_args)
     kwargs = dict(sorted((example_kwargs or {}).items()))  # a call's kwargs, sorted by name
     leaves, _ = runtime_adapter.tree_flatten((args, kwargs), is_leaf=is_kv_cache)
@@ -366,7 +374,8 @@ def _compiled_model(
             return found
         log.info("model cache miss: %s", store.explain_miss(key, factors))
     if offline:
-        refuse(store, key, factors, None if store is None else _unused_because(store, key))
+        unused = None if store is None else _unused_because(store, key, model)
+        refuse(store, key, factors, unused)
     traced = (model, args, kwargs, leaves, paths, dims, hints, sizes, options)
     if store is None:
         return _trace_with_pieces(*traced, None, state)
@@ -449,9 +458,10 @@ def _cached_model(store: ArtifactCache, key: str, model: torch.nn.Module) -> Com
     return compiled
 
 
-def _unused_because(store: ArtifactCache, key: str) -> str | None:
+def _unused_because(store: ArtifactCache, key: str, model: torch.nn.Module) -> str | None:
     """Why the entry under ``key`` itself (if there is one) did not serve: what a miss
-    names where the nearest entry is the key's own."""
+    names where the nearest entry is the key's own (a changed source file, or a model
+    that differs from the compiled one in what its trace read, both unseen by the key)."""
     try:
         found = load_cached_model(store, key)
         if found is None:
@@ -460,7 +470,13 @@ def _unused_because(store: ArtifactCache, key: str) -> str | None:
     except (OSError, ValueError, RuntimeError) as exc:  # our errors subclass these
         return f"it cannot be read: {type(exc).__name__}: {exc}"
     stale = stale_reason(plan)
-    return None if stale is None else f"it is stale: {stale}"
+    if stale is not None:
+        return f"it is stale: {stale}"
+    try:
+        CompiledModel(model, found[0], plan)
+    except IncompatibleArtifactError as exc:
+        return str(exc)
+    return None
 
 
 def _trace_and_compile(
@@ -518,8 +534,17 @@ def _trace_and_compile(
     caches = {i: leaf for i, leaf in enumerate(leaves) if is_kv_cache(leaf)}
     before = {i: counter_values([layer.cumulative_length for layer in c.layers])
               for i, c in caches.items()}  # fmt: skip
+    python_state = state.python_state(model)
     try:
         trace = adapter.trace_model(model, args, kwargs, compile_graph, keep_written)
+        written = state.written(python_state)
+        if written:
+            raise UnsupportedGraphError(
+                f"the model's forward writes its Python state ({', '.join(written[:5])}): "
+                "a compiled model runs none of the forward's Python, so its calls would not "
+                "write it, and outputs that read it would differ from eager's; keep such "
+                "state in buffers (a graph writes those), or outside the model"
+            )
         advanced = {
             i: [b - a for a, b in zip(before[i], counter_values(
                 [layer.cumulative_length for layer in c.layers]), strict=True)]
@@ -528,6 +553,7 @@ def _trace_and_compile(
     finally:
         # What the traced run wrote is put back before the plan records the model (its
         # identity reads the module's attributes, which the trace's Python may rebind).
+        state.put_back(python_state)
         state.restore()
     state.check()
     plan = _plan(model, args, kwargs, leaves, paths, trace, advanced)

@@ -233,8 +233,8 @@ def trace_read(
     for entry in entries:
         if entry.guard_type in _COVERED_ELSEWHERE:
             continue
-        if entry.guard_type == "AUTOGRAD_SAVED_TENSORS_HOOKS" and not state["grad_mode"]:
-            continue  # saved-tensor hooks act on a backward graph; there is none
+        if entry.guard_type == "AUTOGRAD_SAVED_TENSORS_HOOKS":
+            continue  # the global state records them (with grad enabled: see trace_state)
         source = entry.source
         if any(source.startswith(f"G['{prefix}") for prefix in _COMPILER_MODULES):
             continue

@@ -54,8 +54,15 @@ def _mode_stack() -> list[str]:
 def trace_state() -> dict[str, Any]:
     """The state now, as JSON: what a key holds and a compiled model checks."""
     guard = _guard_state()
+    grad = torch.is_grad_enabled()
+    hooks = {}
+    if grad:  # saved-tensor hooks (activation offloading, say) act on a backward graph
+        hooks["saved_tensors_hooks"] = (
+            torch._C._autograd._top_saved_tensors_default_hooks(False) is not None
+        )
     return {
-        "grad_mode": torch.is_grad_enabled(),
+        **hooks,
+        "grad_mode": grad,
         "autocast": _autocast(),
         "default_dtype": dtype_name(torch.get_default_dtype()),
         "deterministic_algorithms": [
@@ -84,12 +91,13 @@ class StateCheck:
     the common case; a failure is explained field by field (or passes, where only the
     thread count moved: the guard is then rebuilt for it)."""
 
-    __slots__ = ("_guard", "_modes", "_recorded", "_where")
+    __slots__ = ("_guard", "_hooks", "_modes", "_recorded", "_where")
 
     def __init__(self, recorded: Mapping[str, Any], where: str) -> None:
         self._recorded = dict(recorded)
         self._where = where
         self._modes = bool(recorded.get("torch_function_modes"))
+        self._hooks = "saved_tensors_hooks" in recorded
         self._guard: Any = None
         self._rebuild()
 
@@ -114,6 +122,11 @@ class StateCheck:
             and guard.check()
             and torch._C._len_torch_function_stack() == 0
             and not self._modes
+            and not (
+                self._hooks
+                and (torch._C._autograd._top_saved_tensors_default_hooks(False) is not None)
+                != self._recorded["saved_tensors_hooks"]
+            )
         ):
             return
         self._slow_check()

@@ -453,6 +453,13 @@ class CompiledModel:
                 f"the model is in {mode} mode, but was compiled in the other; switch back"
             )
         self._state.check()
+        hooked = hooks_on(self.model)
+        if hooked:
+            raise InputMismatchError(
+                f"{hooked} is registered: a compiled model runs none of the model's Python, "
+                "its hooks neither (eager would run it); remove it, or compile the model "
+                "with it registered on a submodule"
+            )
         if self._guards.check():  # something was registered in the model: bound again
             self._weights = self._resolve_weights(self.model, self.plan, self.artifact.manifest)
         caches = self._caches
@@ -675,6 +682,25 @@ class CompiledModel:
         if warmup:
             compiled.warmup(background=warmup == "background")
         return compiled
+
+
+_MODULE_HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_forward_hooks_with_kwargs",
+                 "_forward_pre_hooks_with_kwargs")  # fmt: skip
+_GLOBAL_HOOKS = ("_global_forward_hooks", "_global_forward_pre_hooks")
+
+
+def hooks_on(model: torch.nn.Module) -> str | None:
+    """A forward hook that calling ``model`` would run outside its forward (on the
+    model itself, or registered for every module), which no trace of the forward holds."""
+    for name in _MODULE_HOOKS:
+        if getattr(model, name, None):
+            return f"a {name.strip('_').replace('_', ' ')} on the model"
+    from torch.nn.modules import module as module_module
+
+    for name in _GLOBAL_HOOKS:
+        if getattr(module_module, name, None):
+            return f"a global {name.removeprefix('_global_').replace('_', ' ')}"
+    return None
 
 
 def _check_rank(plan: ModelPlan, where: str) -> None:

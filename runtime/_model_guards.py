@@ -299,6 +299,8 @@ class Guard:
             now = self.observed(roots)
         except (CorruptArtifactError, InputMismatchError):
             raise
+        except Unencodable as exc:  # a value of a type the trace's value did not have
+            return f"{readable(self.expr)} is {exc}, compiled with {said(self.expected)}"
         except Exception as exc:  # a missing attribute or key: the model differs there
             return f"{readable(self.expr)} cannot be read ({type(exc).__name__}: {exc})"
         if now == self.expected:

@@ -31,18 +31,17 @@ def _warm_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 class Stateful(torch.nn.Module):
-    """Writes its state on every call: a counter buffer, a parameter, its tensor argument
-    ``acc`` and a Python attribute (each in place; the output reads all but the last)."""
+    """Writes its state on every call: a counter buffer, a parameter and its tensor
+    argument ``acc``, each in place (a forward that writes a Python attribute is refused:
+    tests/test_trace_read.py)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.lin = torch.nn.Linear(WIDTH, WIDTH)
         self.drift = torch.nn.Parameter(torch.zeros(WIDTH))
         self.register_buffer("n", torch.zeros(()))
-        self.calls = 0
 
     def forward(self, x: torch.Tensor, acc: torch.Tensor) -> torch.Tensor:
-        self.calls += 1
         self.n.add_(1)
         self.drift.add_(0.5)  # a parameter written in place (callers run it under no_grad)
         acc.add_(x)

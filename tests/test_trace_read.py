@@ -100,8 +100,9 @@ def test_a_model_that_differs_in_what_the_trace_read_is_refused(
             other, key=compiled["compiled"].cache_key, cache=compiled["cache"], warmup=False
         )
     # compile=False finds no entry that fits (the same key, another model): refused,
-    # never the first model's graph
-    with torch.no_grad(), pytest.raises(precompile.ArtifactNotFoundError):
+    # never the first model's graph, and the refusal says why
+    refusal = f"{said}|differs in: .*model_settings"  # the key's digest sees some of these
+    with torch.no_grad(), pytest.raises(precompile.ArtifactNotFoundError, match=refusal):
         precompile.compile_model(
             other, (_example(),), dynamic={0: [1]}, hints=[4], cache=compiled["cache"],
             warmup=False, compile=False,
@@ -242,3 +243,58 @@ def test_the_backend_key_holds_autocast(tmp_path: Any) -> None:
         full = torch.compile(model, backend=backend)(x)
         assert full.dtype == torch.float32
         torch.testing.assert_close(full, model(x))
+
+
+class CountsCalls(torch.nn.Module):
+    """A forward that writes Python state: a counter its output reads, and a log."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(8, 8)
+        self.calls = 0
+        self.log: list[int] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        self.log.append(x.shape[0])
+        return self.proj(x) * self.calls
+
+
+def test_a_forward_that_writes_python_state_is_refused_and_left_as_it_was() -> None:
+    """A compiled model runs none of the forward's Python: the counter never moved, and
+    outputs differed from eager's from the second call on (found by a client trial)."""
+    model = CountsCalls().eval()
+    said = r"writes its Python state \(model\.calls, model\.log\)"
+    with torch.no_grad(), pytest.raises(precompile.UnsupportedGraphError, match=said):
+        precompile.compile_model(model, (torch.randn(4, 8),), cache=False, warmup=False)
+    assert model.calls == 0 and model.log == []
+
+
+def test_hooks_on_the_model_itself_are_refused(compiled: dict[str, Any]) -> None:
+    """A hook on the model runs outside its forward, which is what is traced: refused at
+    compile time (was 'tracing the model gave 2 graphs') and at a call after binding
+    (was a silent difference: the compiled model ran no hook)."""
+    model = Configured().eval()
+    handle = model.register_forward_hook(lambda module, args, out: out + 100)
+    with torch.no_grad(), pytest.raises(precompile.UnsupportedGraphError, match="forward hooks"):
+        precompile.compile_model(model, (_example(),), cache=False, warmup=False)
+    handle.remove()
+    bound, x = compiled["compiled"], _example()
+    handle = compiled["model"].register_forward_pre_hook(lambda module, args: None)
+    try:
+        with torch.no_grad(), pytest.raises(precompile.InputMismatchError, match="pre hooks"):
+            bound(x)
+    finally:
+        handle.remove()
+    with torch.no_grad():
+        torch.testing.assert_close(bound(x), compiled["model"](x))
+
+
+def test_a_value_of_another_type_is_named_with_both() -> None:
+    from runtime._model_guards import Guard, Roots
+
+    guard = Guard("equals", ["attr", ["M"], "extra"], ["none"])
+    holder = torch.nn.Module()
+    holder.extra = torch.ones(1)  # type: ignore[assignment]
+    said = guard.failure(Roots(holder, {}, {}))
+    assert said is not None and "model.extra is a torch.Tensor value, compiled with None" in said
