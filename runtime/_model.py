@@ -361,6 +361,16 @@ class CompiledModel:
         leaf, dim = self._lengths[index]
         return f"{self._names[leaf]} dim {dim}"
 
+    def check_model(self) -> None:
+        """Check every guard of the trace against the model now, as a bind does (a few
+        ms): after changing what no per-call check sees (a plain attribute, a class
+        attribute, a config field, a module global), refused here with
+        ``IncompatibleArtifactError`` naming it, rather than served as compiled."""
+        self._guards.bind()
+        self._weights = self._resolve_weights(self.model, self.plan, self.artifact.manifest)
+        for piece in self.pieces.values():
+            piece.check_model()
+
     def set_cudagraphs(self, cudagraphs: Any) -> CompiledModel:
         """CUDA graphs (``CudaGraphs``) for this graph and every piece."""
         self.artifact.set_cudagraphs(cudagraphs)

@@ -195,6 +195,10 @@ def test_changes_after_binding_are_refused_at_the_next_call(compiled: dict[str, 
         torch.testing.assert_close(bound(x), model(x))
         model.norm.train()  # LayerNorm reads no training flag: nothing to refuse
         torch.testing.assert_close(bound(x), model(x))
+        # a plain attribute set in place is not seen per call; check_model sees it
+        model.perm = (2, 1, 0)
+        with pytest.raises(precompile.IncompatibleArtifactError, match=r"model\.perm is"):
+            bound.check_model()
 
 
 class Tied(torch.nn.Module):
