@@ -666,13 +666,17 @@ def _lengths(
 def _batch_of_one(cache: Any) -> Any:
     """A copy of a StaticCache whose layers hold the first row of its keys and values:
     the cache a trace at batch 1 takes (the example's own is never written)."""
+    from ._torch_adapter import with_static_mark
+
     narrowed = copy.copy(cache)
     narrowed.layers = []
     for layer in cache.layers:
         row = copy.copy(layer)
-        row.keys = layer.keys[:1].clone()
-        row.values = layer.values[:1].clone()
-        row.cumulative_length = layer.cumulative_length.clone()
+        for field in ("keys", "values"):
+            original = getattr(layer, field)
+            setattr(row, field, with_static_mark(original, original[:1].clone()))
+        counter = layer.cumulative_length
+        row.cumulative_length = with_static_mark(counter, counter.clone())
         if hasattr(row, "batch_size"):
             row.batch_size = 1
         narrowed.layers.append(row)

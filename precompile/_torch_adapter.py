@@ -283,6 +283,16 @@ def _output_shapes(
     return tuple(shapes)
 
 
+def with_static_mark(original: torch.Tensor, copied: torch.Tensor) -> torch.Tensor:
+    """``copied`` with Dynamo's static-address mark where ``original`` has one
+    (transformers marks a StaticCache's tensors: a graph writes them in place, and a
+    CUDA graph replays on them only while they keep one address)."""
+    mark = getattr(original, "_dynamo_static_input_type", None)
+    if mark is not None:
+        copied._dynamo_static_input_type = mark  # type: ignore[attr-defined]
+    return copied
+
+
 def _static_address(placeholders: Sequence[Any], index: int, examples: Sequence[Any]) -> bool:
     """Whether Dynamo marked input ``index`` static (parameters and buffers of modules)."""
     example = examples[index] if index < len(examples) else None
