@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch.nn.modules import module as _modules_of_torch  # its global hooks, read per call
 
 from cache import _signing as signing
 from cache import cache_to_read
@@ -702,13 +703,18 @@ _GLOBAL_HOOKS = ("_global_forward_hooks", "_global_forward_pre_hooks")
 def hooks_on(model: torch.nn.Module) -> str | None:
     """A forward hook that calling ``model`` would run outside its forward (on the
     model itself, or registered for every module), which no trace of the forward holds."""
+    if not (
+        model._forward_hooks
+        or model._forward_pre_hooks
+        or _modules_of_torch._global_forward_hooks
+        or _modules_of_torch._global_forward_pre_hooks
+    ):
+        return None  # the common case, per call: four dict truth tests
     for name in _MODULE_HOOKS:
         if getattr(model, name, None):
             return f"a {name.strip('_').replace('_', ' ')} on the model"
-    from torch.nn.modules import module as module_module
-
     for name in _GLOBAL_HOOKS:
-        if getattr(module_module, name, None):
+        if getattr(_modules_of_torch, name, None):
             return f"a global {name.removeprefix('_global_').replace('_', ' ')}"
     return None
 
