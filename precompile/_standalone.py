@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import pickle
 import time
@@ -40,6 +41,7 @@ from runtime._manifest import (
 from runtime._payloads import MemoryPayloads
 from runtime._process_groups import describe_groups
 
+from . import _gpu_lean as gpu_lean
 from . import _torch_adapter as adapter
 from ._cache_key import cache_factors, cache_key
 from ._graph import GraphDescription
@@ -283,6 +285,7 @@ def _compile_all(
     payloads: dict[str, bytes] = {}
     by_code: dict[str, str] = {}
     leans: dict[str, LeanCall | None] = {}
+    pending: dict[str, adapter.LeanPlan] = {}
     variants: list[Variant] = []
     all_guards: list[tuple[sympy.Expr, ...]] = []
     uses: tuple[adapter.InputUse, ...] | None = None
@@ -343,7 +346,10 @@ def _compile_all(
             payloads[by_code[code]] = compiled.payload
             plan = adapter.lean_plan(compiled.payload, lambda text: sha256_hex(text.encode()))
             leans[code] = plan.lean
-            if plan.lean is not None:
+            if plan.lean is not None and plan.triton_kernels:
+                leans[code] = None  # until its launches are recorded (_complete_gpu_leans)
+                pending[code] = plan
+            elif plan.lean is not None:
                 payloads[plan.lean.source] = plan.source.encode()
             else:
                 log.info(
@@ -391,8 +397,43 @@ def _compile_all(
         output_shapes=_output_shapes(graph),
         process_groups=groups,
     )
+    if pending:
+        manifest = _complete_gpu_leans(manifest, payloads, pending)
     artifact = CompiledArtifact(manifest, MemoryPayloads(payloads))
     return artifact, _common_guards(graph, queue, all_guards)
+
+
+def _complete_gpu_leans(
+    manifest: Manifest, payloads: dict[str, bytes], pending: Mapping[str, adapter.LeanPlan]
+) -> Manifest:
+    """Each GPU variant's lean call completed with its recorded Triton launches (see
+    ``_gpu_lean``); a variant whose launches cannot be recorded, or whose lean run differs
+    from inductor's, stays on upstream's path (logged)."""
+    completed: dict[str, LeanCall] = {}
+    for code, plan in pending.items():
+        assert plan.lean is not None
+        variant = next(v for v in manifest.variants if v.code == code)
+        try:
+            result = gpu_lean.complete(
+                manifest, variant, plan.lean, plan.source, plan.triton_kernels
+            )
+        except Exception as exc:  # inductor's or the driver's own failure, whatever its type
+            result = f"running it at build time failed ({type(exc).__name__}: {str(exc)[:200]})"
+        if isinstance(result, str):
+            log.info(
+                "variant %d loads through upstream's deserializer (not the lean path): %s",
+                variant.index,
+                result,
+            )
+            continue
+        payloads[plan.lean.source] = plan.source.encode()
+        payloads.update(result.binaries)
+        completed[code] = result.lean
+    variants = tuple(
+        dataclasses.replace(v, lean=completed[v.code]) if v.code in completed else v
+        for v in manifest.variants
+    )
+    return dataclasses.replace(manifest, variants=variants)
 
 
 CalibrateOption = Sequence[Any] | Mapping[str, Any] | None

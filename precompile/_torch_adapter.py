@@ -34,7 +34,7 @@ from cache._settings import env_flag
 from runtime import _torch_adapter as runtime_adapter
 from runtime._build_dir import build_dir
 from runtime._errors import InvalidOptionError, UnsupportedGraphError
-from runtime._manifest import LeanCall, NativeKernel
+from runtime._manifest import LeanCall, NativeKernel, TritonLaunch
 from runtime._native_kernels import cpu_features_for_flags, find_cpp_kernels, kernel_key
 
 from ._graph import GraphDescription, GraphInput
@@ -842,19 +842,77 @@ def add_caller_guard(shape_env: Any, expr: sympy.Expr) -> None:
 
 
 # -- what the cache key needs from torch ---------------------------------------------
-def codegen_config_digest() -> str:
-    """sha256 of the inductor and functorch configs, as upstream's FX cache keys them."""
-    import torch._functorch.config as functorch_config
-    from torch._inductor import config as inductor_config
+_CONFIG_MODULES = ("torch._inductor.config", "torch._functorch.config")
+_ENV_NAME = re.compile(r"""["']([A-Z][A-Z0-9_]{2,127})["']""")
+_ENV_PREFIXES = ("TORCHINDUCTOR_", "TORCH_COMPILE", "TORCHDYNAMO_", "TRITON_")
 
-    snapshot = {
-        "inductor": inductor_config.save_config_portable(),
-        "functorch": functorch_config.save_config_portable(),
-        # the attention kernels hint and exact-size variants are compiled with
-        "sdpa": [sdpa_settings(dynamic=True), sdpa_settings(dynamic=False)],
-    }
+
+def codegen_config_digest() -> str:
+    """sha256 of the inductor and functorch configs, as upstream's FX cache keys them.
+
+    Where neither config differs from its defaults (as torch's config module tells:
+    ``_is_default``, which counts an entry set through the environment as changed), the
+    digest covers the defaults instead: the environment variables their modules can read
+    (every name their source spells, and inductor's prefixes). That digest needs no
+    import of inductor, whose package imports Dynamo (5-10 s on a GPU host): a serving
+    process that never imported the compiler has its configs at their defaults by
+    construction, and looks its model up without importing it."""
+    settings = [sdpa_settings(dynamic=True), sdpa_settings(dynamic=False)]
+    if _configs_at_defaults():
+        snapshot: dict[str, Any] = {"defaults": _config_environment(), "sdpa": settings}
+    else:
+        import torch._functorch.config as functorch_config
+        from torch._inductor import config as inductor_config
+
+        snapshot = {
+            "inductor": inductor_config.save_config_portable(),
+            "functorch": functorch_config.save_config_portable(),
+            # the attention kernels hint and exact-size variants are compiled with
+            "sdpa": settings,
+        }
     text = json.dumps(snapshot, sort_keys=True, default=repr)
     return hashlib.sha256(text.encode()).hexdigest()
+
+
+def _configs_at_defaults() -> bool:
+    """Whether every entry of the configs imported so far is at its default (a config
+    not imported is). False where this torch's config module cannot say."""
+    import sys
+
+    for name in _CONFIG_MODULES:
+        config = sys.modules.get(name)
+        if config is None:
+            continue
+        try:
+            if not all(config._is_default(entry) for entry in config._config):
+                return False
+        except (AttributeError, KeyError, TypeError):
+            return False
+    return True
+
+
+@functools.lru_cache(maxsize=1)
+def _config_environment_names() -> frozenset[str]:
+    """Every environment variable name the config modules' source spells as a string."""
+    names: set[str] = set()
+    root = os.path.dirname(torch.__file__)
+    for relative in ("_inductor/config.py", "_functorch/config.py"):
+        try:
+            with open(os.path.join(root, relative), encoding="utf-8") as file:
+                names.update(_ENV_NAME.findall(file.read()))
+        except OSError:
+            names.add(f"<{relative} unreadable>")
+    return frozenset(names)
+
+
+def _config_environment() -> dict[str, str]:
+    """The environment variables that can set the configs' defaults, as set now."""
+    names = _config_environment_names()
+    return {
+        key: value
+        for key, value in sorted(os.environ.items())
+        if key in names or key.startswith(_ENV_PREFIXES)
+    }
 
 
 # -- collectives ------------------------------------------------------------------------
@@ -1175,29 +1233,83 @@ def _executed_nodes(tree: Any) -> Iterator[Any]:
         yield from ast.walk(statement)
 
 
-def lean_source_blockers(source: str) -> tuple[list[str], list[str]]:
+# What inductor's GPU wrapper modules import besides the CPU ones: the bandwidth
+# profiler's markers (never called on the lean path: checked below) and Triton itself,
+# named only inside kernel source strings, which the lean path never compiles.
+_GPU_LEAN_IMPORTS = {
+    "torch._inductor.runtime.triton_heuristics": frozenset({"start_graph", "end_graph"})
+}
+_GPU_LEAN_MODULES = frozenset({"triton", "triton.language"})
+_UNCALLED_ON_GPU = frozenset({"start_graph", "end_graph", "triton", "tl"})
+
+
+@dataclass(frozen=True)
+class SourceScan:
+    """What a generated wrapper module needs of the lean path: why it cannot run there
+    (empty if it can), the ``extern_kernels`` it uses, the Triton kernels it creates."""
+
+    blockers: tuple[str, ...]
+    externs: tuple[str, ...]
+    triton_kernels: tuple[str, ...]
+
+
+def lean_source_blockers(source: str, *, gpu: bool = False) -> tuple[list[str], list[str]]:
     """Why a generated wrapper module cannot run on the lean path's stand-ins (empty if it
     can), and the ``extern_kernels`` names it uses."""
+    scan = scan_lean_source(source, gpu=gpu)
+    return list(scan.blockers), list(scan.externs)
+
+
+def scan_lean_source(source: str, *, gpu: bool = False) -> SourceScan:
+    """Read a generated wrapper module for the lean path (``gpu``: a CUDA variant whose
+    Triton kernels are launched from their binaries)."""
     import ast
 
     blockers: list[str] = []
     externs: set[str] = set()
+    kernels: list[str] = []
     tree = ast.parse(source)
     defined = set()
+    allowed_imports = {**runtime_adapter.LEAN_IMPORTS, **(_GPU_LEAN_IMPORTS if gpu else {})}
     for node in _executed_nodes(tree):
         if isinstance(node, ast.ImportFrom):
             module = node.module or ""
             if node.level:
                 blockers.append(f"a relative import of {module}")
             elif module.startswith(runtime_adapter._COMPILER_PACKAGES):
-                allowed = runtime_adapter.LEAN_IMPORTS.get(module, frozenset())
+                allowed = allowed_imports.get(module, frozenset())
                 names = {alias.name for alias in node.names}
                 if not names <= allowed:
                     blockers.append(f"imports {sorted(names - allowed)} from {module}")
+            elif module == "triton" or module.startswith("triton."):
+                blockers.append(f"imports from {module}")
         elif isinstance(node, ast.Import):
             for alias in node.names:
-                if alias.name.startswith(runtime_adapter._COMPILER_PACKAGES):
+                if alias.name.startswith(runtime_adapter._COMPILER_PACKAGES) or (
+                    alias.name.partition(".")[0] == "triton"
+                    and not (gpu and alias.name in _GPU_LEAN_MODULES)
+                ):
                     blockers.append(f"imports {alias.name}")
+        elif (
+            gpu
+            and isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute)
+            and isinstance(node.func.value, ast.Name)
+            and node.func.value.id == "async_compile"
+            and node.func.attr == "triton"
+        ):
+            first = node.args[0] if node.args else None
+            if isinstance(first, ast.Constant) and isinstance(first.value, str):
+                kernels.append(first.value)
+            else:
+                blockers.append("creates a Triton kernel with no literal name")
+        elif (
+            gpu
+            and isinstance(node, ast.Name)
+            and isinstance(node.ctx, ast.Load)
+            and node.id in _UNCALLED_ON_GPU
+        ):
+            blockers.append(f"uses {node.id} outside its imports")
         elif isinstance(node, ast.Attribute):
             path = _dotted(node) or ""
             if path.startswith(runtime_adapter._COMPILER_PACKAGES):
@@ -1211,10 +1323,10 @@ def lean_source_blockers(source: str) -> tuple[list[str], list[str]]:
             elif (
                 isinstance(node.value, ast.Name)
                 and node.value.id == "async_compile"
-                and node.attr not in ("cpp_pybinding", "wait")
+                and node.attr not in ("cpp_pybinding", "wait", *(("triton",) if gpu else ()))
             ):
                 blockers.append(f"compiles kernels with async_compile.{node.attr}")
-        elif isinstance(node, ast.Name) and node.id in ("extern_kernels", "async_compile"):
+        if isinstance(node, ast.Name) and node.id in ("extern_kernels", "async_compile"):
             defined.add(node.id)
     for statement in tree.body:
         if isinstance(statement, ast.Assign):
@@ -1223,7 +1335,9 @@ def lean_source_blockers(source: str) -> tuple[list[str], list[str]]:
                     defined.add(target.id)
     if "call" not in defined:
         blockers.append("defines no module-level call")
-    return list(dict.fromkeys(blockers)), sorted(externs)
+    if len(set(kernels)) != len(kernels):
+        blockers.append("creates a Triton kernel name twice")
+    return SourceScan(tuple(dict.fromkeys(blockers)), tuple(sorted(externs)), tuple(kernels))
 
 
 def _extern_path(name: str) -> str | None:
@@ -1271,11 +1385,14 @@ def _lean_support_matches() -> list[str]:
 @dataclass(frozen=True)
 class LeanPlan:
     """A variant's lean call (None where its wrapping is not provably trivial: then
-    ``reasons`` say why) and the source it runs."""
+    ``reasons`` say why) and the source it runs. ``triton_kernels``: the Triton kernels
+    the source creates, whose launches must still be recorded (``lean.triton``) by running
+    the variant before the lean call is complete."""
 
     lean: LeanCall | None
     source: str
     reasons: tuple[str, ...]
+    triton_kernels: tuple[str, ...] = ()
 
 
 def lean_plan(payload: bytes, source_digest: Callable[[str], str]) -> LeanPlan:
@@ -1320,23 +1437,35 @@ def lean_plan(payload: bytes, source_digest: Callable[[str], str]) -> LeanPlan:
             f"its {name} wraps calls",
         )
     require(type(graph).__name__ == "CompiledFxGraph", "its output is not a CompiledFxGraph")
-    require(set(getattr(graph, "device_types", ())) <= {"cpu"}, "it runs on a GPU")
+    devices = set(getattr(graph, "device_types", ()))
+    gpu = "cuda" in devices
+    require(devices <= {"cpu", "cuda"}, f"it runs on {sorted(devices - {'cpu', 'cuda'})}")
+    require(
+        not gpu or getattr(torch.version, "hip", None) is None,
+        "it runs on ROCm (whose kernels take other launch arguments)",
+    )
+    require(
+        not gpu or runtime_adapter.static_launcher() is not None,
+        "this torch has no static CUDA launcher",
+    )
     require(not getattr(graph, "constants", None), "it carries constants")
     require(not getattr(graph, "torchbind_constants", None), "it carries torchbind constants")
     require(not getattr(graph, "_wrap_compiled_regions", False), "its regions are wrapped")
     bundle = getattr(graph, "_triton_bundle", None)
     require(
-        bundle is None
+        gpu
+        or bundle is None
         or not (getattr(bundle, "kernel_artifacts", 1) or getattr(bundle, "static_autotuners", 1)),
         "it bundles Triton kernels",
     )
     check = list(getattr(graph, "inputs_to_check", ()) or ())
+    mutated = set(getattr(graph, "mutated_input_idxs", ()) or ())
     if getattr(graph, "_defers_input_alignment", False):
-        mutated = set(getattr(graph, "mutated_input_idxs", ()) or ())
         check = [i for i in check if i in mutated]
-    require(not check, "inductor realigns its inputs")
-    blockers, names = lean_source_blockers(source)
-    reasons.extend(f"its code {b}" for b in blockers)
+    require(gpu or not check, "inductor realigns its inputs")
+    scan = scan_lean_source(source, gpu=gpu)
+    names = scan.externs
+    reasons.extend(f"its code {b}" for b in scan.blockers)
     externs = {}
     for name in names:
         path = _extern_path(name)
@@ -1366,8 +1495,98 @@ def lean_plan(payload: bytes, source_digest: Callable[[str], str]) -> LeanPlan:
         bump_versions=bumps,
         dynamic_dims=dims,
         dynamic_attribute=attribute,
+        align=tuple(int(i) for i in check),
+        realign=tuple(int(i) for i in check if i in mutated),
     )
-    return LeanPlan(lean, source, ())
+    return LeanPlan(lean, source, (), scan.triton_kernels)
+
+
+# -- the lean path on GPUs: what inductor launched, recorded -------------------------
+def load_generated_module(source: str) -> Any:
+    """Import a generated wrapper module as inductor does (its Triton kernels loaded
+    through ``async_compile``, from Triton's cache where this process compiled them)."""
+    from torch._inductor.codecache import PyCodeCache
+
+    with runtime_adapter._no_compile_workers():
+        return PyCodeCache.load(source)
+
+
+@dataclass(frozen=True)
+class RecordedLaunch:
+    """A Triton kernel's launch as inductor performs it, and its binary."""
+
+    launch: TritonLaunch
+    binary: bytes
+
+
+def _grid_assignment(line: str) -> tuple[str, str]:
+    name, separator, expression = line.partition(" = ")
+    if not separator or not name.isidentifier():
+        raise ValueError(f"grid line {line!r} is not an assignment")
+    return name, expression
+
+
+def recorded_launch(module: Any, name: str) -> RecordedLaunch | str:
+    """What inductor's autotuner ``name`` in a generated ``module`` launches once it ran
+    (one launcher left): the static launcher's kernel, grid and arguments, rebuilt with
+    the calls inductor's ``StaticTritonCompileResult.make_launcher`` makes and checked
+    against the launcher it made. A string says why it cannot be recorded."""
+    from torch._inductor.runtime.cache_dir_utils import triton_cache_dir
+    from torch._inductor.runtime.triton_heuristics import GridExpr
+
+    autotuner = getattr(module, name, None)
+    launchers = getattr(autotuner, "launchers", None)
+    if not launchers or len(launchers) != 1:
+        return f"Triton kernel {name} did not run down to one launcher at build time"
+    (launcher,) = launchers
+    if not getattr(launcher, "_is_static", False):
+        return f"Triton kernel {name} is not launched statically (inductor's choice)"
+    results = [r for r in getattr(autotuner, "compile_results", ()) if r.config is launcher.config]
+    if len(results) != 1:
+        return f"Triton kernel {name}'s launcher matches no single compile result"
+    (result,) = results
+    kernel = result.kernel
+    try:
+        _, parameters, none_args = result._get_arg_lists(
+            kernel.arg_names, kernel.declared_constexprs
+        )
+        arguments = [
+            arg
+            for i, arg in enumerate(kernel.arg_names)
+            if i not in kernel.full_constexprs and arg not in none_args
+        ]
+        grid = GridExpr.from_meta(result.inductor_meta, result.config)
+        prefix = tuple(_grid_assignment(line) for line in grid.prefix)
+    except (AttributeError, KeyError, TypeError, ValueError) as exc:
+        return f"Triton kernel {name}'s launcher could not be rebuilt ({type(exc).__name__})"
+    code = launcher.__code__
+    if list(code.co_varnames[: code.co_argcount]) != [*parameters, "stream"]:
+        return f"Triton kernel {name}'s launcher takes other parameters than rebuilt"
+    scratch = int(bool(kernel.has_global_scratch)) + int(bool(kernel.has_profile_scratch))
+    if len(arguments) != len(kernel.arg_tys):
+        return f"Triton kernel {name} passes {len(arguments)} arguments for {kernel.arg_tys!r}"
+    device = result.compile_meta.get("device", 0) or 0
+    path = os.path.join(triton_cache_dir(device), launcher.cache_hash, f"{kernel.name}.cubin")
+    try:
+        with open(path, "rb") as file:
+            binary = file.read()
+    except OSError:
+        return f"Triton kernel {name}'s binary is not in Triton's cache ({path})"
+    launch = TritonLaunch(
+        name=name,
+        function=kernel.name,
+        binary=sha256_hex(binary),
+        device=int(device),
+        num_warps=int(kernel.num_warps),
+        shared=int(kernel.shared),
+        arg_types=kernel.arg_tys + "O" * scratch,
+        parameters=tuple(parameters),
+        grid_prefix=prefix,
+        grid=(str(grid.x_grid), str(grid.y_grid), str(grid.z_grid)),
+        arguments=tuple(arguments),
+        scratch=scratch,
+    )
+    return RecordedLaunch(launch, binary)
 
 
 def _global_names(function: Any) -> set[str]:

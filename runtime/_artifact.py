@@ -43,13 +43,6 @@ from ._unpacked_format import read_unpacked, write_unpacked
 
 log = logging.getLogger("precompile.runtime")
 
-if adapter.gpu_build():
-    # GPU variants load through upstream's path, which imports torch's compiler modules
-    # (1-2 s, 10 s on some GPU hosts): paid with this import, while a server builds its
-    # model, rather than in its first request. CPU-only torch imports them only for an
-    # artifact with a variant off the lean path (see CompiledArtifact.__init__).
-    adapter.import_runtime_modules()
-
 
 OutputStructure = Literal["upstream", "graph"]
 _OUTPUT_STRUCTURES = ("upstream", "graph")
@@ -170,10 +163,19 @@ class CompiledArtifact:
         memo_size: int = DEFAULT_MEMO_SIZE,
         cudagraphs: CudaGraphsOption = None,
     ) -> None:
-        if not lean_enabled() or any(variant.lean is None for variant in manifest.variants):
+        upstream = [v.index for v in manifest.variants if v.lean is None or not lean_enabled()]
+        if upstream:
             # The torch compiler modules that loading and running such a variant import
-            # (1-2 s): paid here, once, so that its first call has the short latency a
-            # server's first request needs. Lean variants import none of them.
+            # (1-2 s on a CPU, 5-10 s on a GPU host): paid here, once, so that its first
+            # call has the short latency a server's first request needs. Lean variants
+            # import none of them.
+            log.info(
+                "variants %s load through upstream's path, importing torch's compiler: %s",
+                upstream,
+                "PRECOMPILE_LEAN=0"
+                if not lean_enabled()
+                else "the artifact has no lean call for them (its build logged why)",
+            )
             adapter.import_runtime_modules()
         self._manifest = manifest
         self._payloads = payloads
@@ -317,7 +319,7 @@ class CompiledArtifact:
             return None
         source = self._payloads.read(lean.source).decode("utf-8")
         try:
-            return load_lean(lean, source, f"variant_{variant.payload[:16]}")
+            return load_lean(lean, source, f"variant_{variant.payload[:16]}", self._payloads.read)
         except adapter.LeanImportRefused as exc:
             log.warning("variant %d loads through upstream's path: %s", variant.index, exc)
             adapter.import_runtime_modules()

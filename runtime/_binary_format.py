@@ -198,9 +198,7 @@ def read_binary_with_model(
     manifest = Manifest.from_json(index["manifest"])
     payload_view = memoryview(view)[data_start:]
     listed = index["payloads"]
-    if not isinstance(listed, dict) or not all(
-        isinstance(d, str) and len(d) == 64 for d in listed
-    ):
+    if not isinstance(listed, dict) or not all(isinstance(d, str) and len(d) == 64 for d in listed):
         raise CorruptArtifactError(f"{where} payload table is malformed")
     missing = [d for d in manifest.payload_digests if d not in listed]
     if missing:

@@ -133,9 +133,7 @@ class StateCheck:
 
     def _slow_check(self) -> None:
         now = trace_state()
-        differing = [
-            k for k in describe(self._recorded) if self._recorded[k] != now.get(k)
-        ]
+        differing = [k for k in describe(self._recorded) if self._recorded[k] != now.get(k)]
         if not differing:
             self._rebuild()  # the thread count moved, or the raw record is another torch's
             return

@@ -25,8 +25,10 @@ FORMAT_NAME = "precompile-artifact"
 # 4: a variant may say how to run its generated code directly (``LeanCall``), with its
 #    source as a payload; version 3 artifacts load as before (every variant through
 #    upstream's deserializer).
-FORMAT_VERSION = 4
-READABLE_VERSIONS = (3, 4)
+# 5: a lean variant may launch Triton kernels from their shipped binaries (``TritonLaunch``)
+#    and realign misaligned inputs as upstream does (``LeanCall.align``).
+FORMAT_VERSION = 5
+READABLE_VERSIONS = (3, 4, 5)
 VariantKind = Literal["hint", "static"]
 Mutation = Literal["none", "data", "metadata"]
 _MAX_INT = 2**63 - 1
@@ -37,6 +39,7 @@ _DEVICE = re.compile(r"^[a-z][a-z0-9_]{0,15}(:[0-9]{1,4})?$")
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
 _IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")
 _DYNAMO_ATTRIBUTE = re.compile(r"^_dynamo_[a-z_]{1,48}$")
+_ARG_TYPES = re.compile(r"^[ObhilBHIKfd]{0,4096}$")  # torch's _StaticCudaLauncher codes
 _TORCH_PATH = re.compile(r"^torch(\.[A-Za-z_][A-Za-z0-9_]{0,127}){1,6}$")
 
 
@@ -158,6 +161,28 @@ class NativeKernel:
 
 
 @dataclass(frozen=True)
+class TritonLaunch:
+    """One Triton kernel of a lean GPU variant, launched from its compiled binary (a cubin)
+    through torch's static CUDA launcher, as inductor's own static launcher does: no
+    Triton compiler, no inductor import. The compile side records the launcher inductor
+    chose and ran for the variant (after its autotuning), so the fields repeat exactly
+    what inductor's ``StaticTritonCompileResult.make_launcher`` would build."""
+
+    name: str  # the name the wrapper passes to ``async_compile.triton``
+    function: str  # the kernel's function name inside the binary
+    binary: str  # sha256 of the binary, a payload
+    device: int  # the CUDA device index it was compiled for and loads onto
+    num_warps: int
+    shared: int  # bytes of dynamic shared memory
+    arg_types: str  # the static launcher's type codes, one per argument passed
+    parameters: tuple[str, ...]  # what the wrapper's ``.run(...)`` passes, in order
+    grid_prefix: tuple[tuple[str, str], ...]  # (name, expression) assigned before the grid
+    grid: tuple[str, str, str]  # expressions over the parameters and prefix names
+    arguments: tuple[str, ...]  # the parameters passed on to the kernel, in order
+    scratch: int = 0  # trailing null pointers (Triton's global and profile scratch)
+
+
+@dataclass(frozen=True)
 class LeanCall:
     """How to run a variant's generated wrapper module directly: exec its source and call
     its ``call``, with no AOTAutograd wrapper and no torch compiler module imported.
@@ -179,6 +204,13 @@ class LeanCall:
     # tensor attribute this torch marks them in (it differs between torch versions)
     dynamic_dims: tuple[tuple[int, tuple[int, ...]], ...] = ()
     dynamic_attribute: str | None = None
+    # the Triton kernels its source creates with ``async_compile.triton`` (GPU variants)
+    triton: tuple[TritonLaunch, ...] = ()
+    # inputs compiled as 16-byte aligned: one that is not is copied to an aligned tensor
+    # before the call, and copied back after it where the graph writes it (``realign``),
+    # as inductor's wrapper does
+    align: tuple[int, ...] = ()
+    realign: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "externs", MappingProxyType(dict(self.externs)))
@@ -281,11 +313,28 @@ class Manifest:
         return tuple(dict.fromkeys(v.lean.source for v in self.variants if v.lean is not None))
 
     @property
-    def payload_digests(self) -> tuple[str, ...]:
-        """Every payload an artifact stores: graphs, kernel binaries, then lean sources. The
-        one list of what an artifact (and so a cache entry) references."""
+    def triton_digests(self) -> tuple[str, ...]:
+        """Each lean variant's Triton kernel binary once, in first-use order."""
         return tuple(
-            dict.fromkeys((*self.graph_digests, *self.kernel_digests, *self.source_digests))
+            dict.fromkeys(
+                t.binary for v in self.variants if v.lean is not None for t in v.lean.triton
+            )
+        )
+
+    @property
+    def payload_digests(self) -> tuple[str, ...]:
+        """Every payload an artifact stores: graphs, kernel binaries, lean sources, then
+        Triton binaries. The one list of what an artifact (and so a cache entry)
+        references."""
+        return tuple(
+            dict.fromkeys(
+                (
+                    *self.graph_digests,
+                    *self.kernel_digests,
+                    *self.source_digests,
+                    *self.triton_digests,
+                )
+            )
         )
 
     def digest(self) -> str:
@@ -365,6 +414,11 @@ class Manifest:
         return _Reader().manifest(data)
 
 
+def _as_text(value: Any) -> Any:
+    """A grid expression as text (inductor writes constant grids as ints)."""
+    return str(value) if isinstance(value, int) and not isinstance(value, bool) else value
+
+
 def _lean_to_json(lean: LeanCall | None) -> dict[str, Any] | None:
     if lean is None:
         return None
@@ -375,6 +429,26 @@ def _lean_to_json(lean: LeanCall | None) -> dict[str, Any] | None:
         "bump_versions": list(lean.bump_versions),
         "dynamic_dims": [[index, list(dims)] for index, dims in lean.dynamic_dims],
         "dynamic_attribute": lean.dynamic_attribute,
+        "triton": [_triton_to_json(t) for t in lean.triton],
+        "align": list(lean.align),
+        "realign": list(lean.realign),
+    }
+
+
+def _triton_to_json(launch: TritonLaunch) -> dict[str, Any]:
+    return {
+        "name": launch.name,
+        "function": launch.function,
+        "binary": launch.binary,
+        "device": launch.device,
+        "num_warps": launch.num_warps,
+        "shared": launch.shared,
+        "arg_types": launch.arg_types,
+        "parameters": list(launch.parameters),
+        "grid_prefix": [list(pair) for pair in launch.grid_prefix],
+        "grid": list(launch.grid),
+        "arguments": list(launch.arguments),
+        "scratch": launch.scratch,
     }
 
 
@@ -702,7 +776,8 @@ class _Reader:
             return None
         raw = self.expect(value, dict, where)
         keys = {"source", "externs", "outputs", "bump_versions", "dynamic_dims"}
-        if set(raw) != keys | {"dynamic_attribute"}:
+        keys |= {"dynamic_attribute"}
+        if set(raw) not in (keys, keys | {"triton", "align", "realign"}):
             raise CorruptArtifactError(f"manifest field {where} has unexpected keys")
         externs: dict[str, str] = {}
         table = self.expect(raw["externs"], dict, f"{where}.externs")
@@ -747,6 +822,23 @@ class _Reader:
                 f"manifest field {where}.dynamic_attribute should name a _dynamo_ tensor "
                 "attribute exactly when dynamic_dims lists outputs"
             )
+        launches = tuple(
+            self.triton_launch(item, f"{where}.triton[{n}]")
+            for n, item in enumerate(self.expect(raw.get("triton", []), list, f"{where}.triton"))
+        )
+        if len({launch.name for launch in launches}) != len(launches):
+            raise CorruptArtifactError(f"manifest field {where}.triton names a kernel twice")
+        align, realign = (
+            tuple(
+                self.integer(i, f"{where}.{key}", high=high)
+                for i in self.expect(raw.get(key, []), list, f"{where}.{key}")
+            )
+            for key in ("align", "realign")
+        )
+        if ((align or realign) and not input_count) or not set(realign) <= set(align):
+            raise CorruptArtifactError(
+                f"manifest field {where}.realign should list inputs that {where}.align lists"
+            )
         return LeanCall(
             source=self.digest(raw["source"], f"{where}.source"),
             externs=externs,
@@ -754,6 +846,77 @@ class _Reader:
             bump_versions=bumps,
             dynamic_dims=tuple(dims),
             dynamic_attribute=attribute,
+            triton=launches,
+            align=align,
+            realign=realign,
+        )
+
+    def identifiers(self, value: Any, where: str, *, limit: int = 4096) -> tuple[str, ...]:
+        listed = self.expect(value, list, where)
+        if len(listed) > limit or not all(
+            isinstance(n, str) and _IDENTIFIER.match(n) for n in listed
+        ):
+            raise CorruptArtifactError(f"manifest field {where} should list identifiers")
+        return tuple(listed)
+
+    def triton_launch(self, value: Any, where: str) -> TritonLaunch:
+        raw = self.expect(value, dict, where)
+        keys = {
+            "name", "function", "binary", "device", "num_warps", "shared", "arg_types",
+            "parameters", "grid_prefix", "grid", "arguments", "scratch",
+        }  # fmt: skip
+        if set(raw) != keys:
+            raise CorruptArtifactError(f"manifest field {where} has unexpected keys")
+        name, function = (
+            self.text(raw[k], f"{where}.{k}", limit=128) for k in ("name", "function")
+        )
+        if not (_IDENTIFIER.match(name) and _IDENTIFIER.match(function)):
+            raise CorruptArtifactError(
+                f"manifest field {where} names a kernel that is no identifier"
+            )
+        arg_types = self.text(raw["arg_types"], f"{where}.arg_types", limit=4096)
+        if not _ARG_TYPES.match(arg_types):
+            raise CorruptArtifactError(
+                f"manifest field {where}.arg_types should be static launcher type codes"
+            )
+        parameters = self.identifiers(raw["parameters"], f"{where}.parameters")
+        prefix: list[tuple[str, str]] = []
+        for n, pair in enumerate(self.expect(raw["grid_prefix"], list, f"{where}.grid_prefix")):
+            at = f"{where}.grid_prefix[{n}]"
+            if not (isinstance(pair, list) and len(pair) == 2 and isinstance(pair[0], str)):
+                raise CorruptArtifactError(f"manifest field {at} should be [name, expression]")
+            if not _IDENTIFIER.match(pair[0]) or n >= 16:
+                raise CorruptArtifactError(f"manifest field {at} assigns no identifier")
+            known = (*parameters, *(p for p, _ in prefix))
+            prefix.append((pair[0], check_expression(pair[1], known)))
+        known = (*parameters, *(p for p, _ in prefix))
+        grid = self.expect(raw["grid"], list, f"{where}.grid")
+        if len(grid) != 3:
+            raise CorruptArtifactError(f"manifest field {where}.grid should hold 3 expressions")
+        arguments = self.identifiers(raw["arguments"], f"{where}.arguments")
+        scratch = self.integer(raw["scratch"], f"{where}.scratch", high=2)
+        if not set(arguments) <= set(parameters) or len(arguments) + scratch != len(arg_types):
+            raise CorruptArtifactError(
+                f"manifest field {where}.arguments should be parameters, one per type code "
+                "besides the scratch pointers"
+            )
+        return TritonLaunch(
+            name=name,
+            function=function,
+            binary=self.digest(raw["binary"], f"{where}.binary"),
+            device=self.integer(raw["device"], f"{where}.device", high=1023),
+            num_warps=self.integer(raw["num_warps"], f"{where}.num_warps", low=1, high=64),
+            shared=self.integer(raw["shared"], f"{where}.shared", high=2**31),
+            arg_types=arg_types,
+            parameters=parameters,
+            grid_prefix=tuple(prefix),
+            grid=(
+                check_expression(_as_text(grid[0]), known),
+                check_expression(_as_text(grid[1]), known),
+                check_expression(_as_text(grid[2]), known),
+            ),
+            arguments=arguments,
+            scratch=scratch,
         )
 
     def kernels(self, value: Any, where: str) -> tuple[NativeKernel, ...]:

@@ -404,15 +404,23 @@ class _LeanNamespace:
 
 def _lean_async_compile(
     load_cpp: Callable[[Any, list[str], str], Any],
+    triton_kernels: Mapping[str, Any],
 ) -> type:
     inductor = _InductorAsyncCompile()
 
     class AsyncCompile:
-        """What a CPU wrapper module uses of inductor's AsyncCompile: ``cpp_pybinding``
-        returning the kernel itself (so ``wait`` has no futures to resolve)."""
+        """What a wrapper module uses of inductor's AsyncCompile: ``cpp_pybinding``
+        returning the kernel itself, ``triton`` the kernel loaded from its binary (so
+        ``wait`` has no futures to resolve)."""
 
         def cpp_pybinding(self, argtypes: list[str], source: str) -> Any:
             return load_cpp(inductor, argtypes, source)
+
+        def triton(self, kernel_name: str, source: str, *args: Any, **kwargs: Any) -> Any:
+            kernel = triton_kernels.get(kernel_name)
+            if kernel is None:
+                raise LeanImportRefused(f"no binary of Triton kernel {kernel_name} was shipped")
+            return kernel
 
         def wait(self, scope: dict[str, Any]) -> None:
             pass
@@ -437,32 +445,65 @@ class LeanImportRefused(ImportError):
     """A lean variant's module imported a torch compiler module after all."""
 
 
+def _lean_triton_heuristics() -> _LeanNamespace:
+    """What GPU wrapper modules import from inductor's ``triton_heuristics`` (the
+    bandwidth profiler's markers; the compile side proves a lean module never calls them)."""
+
+    def refused(*args: Any, **kwargs: Any) -> None:
+        raise LeanImportRefused("a lean module ran inductor's bandwidth profiling")
+
+    return _LeanNamespace(start_graph=refused, end_graph=refused)
+
+
+class _Unused:
+    """What a lean GPU module's ``import triton`` binds: its generated code only names
+    Triton inside kernel source strings, which the lean path never compiles."""
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+
+    def __getattr__(self, attribute: str) -> Any:
+        if attribute.startswith("__"):
+            raise AttributeError(attribute)
+        return _Unused(f"{self._name}.{attribute}")  # ``import triton.language as tl``
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        raise LeanImportRefused(f"a lean module called {self._name}")
+
+
 def exec_lean_module(
     source: str,
     name: str,
     externs: Mapping[str, Any],
     load_cpp: Callable[[Any, list[str], str], Any],
+    triton_kernels: Mapping[str, Any] | None = None,
 ) -> Any:
     """Execute a generated wrapper module with its compiler imports served by stand-ins
-    (``extern_kernels`` holding exactly ``externs``; C++ kernels through ``load_cpp``) and
-    return the module. Any other import from torch's compiler packages raises
-    ``LeanImportRefused``: nothing of inductor or Dynamo is imported."""
+    (``extern_kernels`` holding exactly ``externs``; C++ kernels through ``load_cpp``;
+    ``async_compile.triton(name, ...)`` answered from ``triton_kernels``) and return the
+    module. Any other import from torch's compiler packages raises ``LeanImportRefused``:
+    nothing of inductor, Dynamo or Triton's compiler is imported."""
     import builtins
     import linecache
     import types
 
-    served = {
+    served: dict[str, Any] = {
         "torch._inductor.hooks": _LeanNamespace(
             run_intermediate_hooks=_lean_run_intermediate_hooks
         ),
         "torch._inductor.utils": _LeanNamespace(maybe_profile=_lean_maybe_profile),
         "torch._inductor.codegen.memory_planning": _LeanNamespace(_align=_lean_align),
-        "torch._inductor.async_compile": _LeanNamespace(AsyncCompile=_lean_async_compile(load_cpp)),
+        "torch._inductor.async_compile": _LeanNamespace(
+            AsyncCompile=_lean_async_compile(load_cpp, triton_kernels or {})
+        ),
         "torch._inductor.select_algorithm": _LeanNamespace(
             extern_kernels=_LeanNamespace(**externs)
         ),
     }
+    if triton_kernels:
+        served["torch._inductor.runtime.triton_heuristics"] = _lean_triton_heuristics()
     real_import = builtins.__import__
+    triton_stand_in = _Unused("triton")
 
     def lean_import(
         module: str,
@@ -479,6 +520,10 @@ def exec_lean_module(
             return stand_in
         if level == 0 and module.startswith(_COMPILER_PACKAGES):
             raise LeanImportRefused(f"{name} imports {module}")
+        if level == 0 and (module == "triton" or module.startswith("triton.")):
+            if not triton_kernels or fromlist:
+                raise LeanImportRefused(f"{name} imports {module}")
+            return triton_stand_in  # ``import triton`` / ``import triton.language as tl``
         return real_import(module, globals, locals, fromlist, level)
 
     filename = f"<precompile lean {name}>"
@@ -487,6 +532,33 @@ def exec_lean_module(
     module_type.__dict__["__builtins__"] = {**builtins.__dict__, "__import__": lean_import}
     exec(compile(source, filename, "exec"), module_type.__dict__)
     return module_type
+
+
+# -- Triton kernels launched from their binaries (torch's static CUDA launcher) ---------
+def static_launcher() -> Any:
+    """torch's C++ launcher of Triton-compiled CUDA kernels (``torch._C._StaticCudaLauncher``,
+    what inductor's static launcher calls), or None where this torch has none."""
+    import torch
+
+    return getattr(torch._C, "_StaticCudaLauncher", None)
+
+
+def load_cuda_kernel(binary_path: str, function: str, shared: int, device: int) -> int:
+    """Load a kernel from a cubin file onto ``device``: its CUfunction handle. (torch
+    2.10-2.12 return (function, registers, spills); 2.13 puts the module first.)"""
+    launcher = static_launcher()
+    if launcher is None:
+        raise RuntimeError("this torch has no static CUDA launcher")
+    loaded = launcher._load_kernel(binary_path, function, shared, device)
+    handle: int = loaded[1] if len(loaded) == 4 else loaded[0]
+    return handle
+
+
+def cuda_kernel_launch() -> Callable[..., None]:
+    """``launch(function, grid_x, grid_y, grid_z, num_warps, shared, arg_types, args,
+    stream)``: one launch of a loaded kernel on a raw CUDA stream."""
+    launch: Callable[..., None] = static_launcher()._launch_kernel
+    return launch
 
 
 def tensor_guard(

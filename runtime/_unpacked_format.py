@@ -74,7 +74,7 @@ def write_unpacked(
             with open(os.path.join(folder, CODE), "w", encoding="utf-8") as handle:
                 handle.write(code)
             files[digest] = {"file": _payload_file(digest), "size": len(raw)}
-        for digest in manifest.kernel_digests:
+        for digest in _binary_digests(manifest):
             raw = payloads.read(digest)
             os.makedirs(os.path.join(staging, "kernels"), exist_ok=True)
             with open(os.path.join(staging, _kernel_file(digest)), "wb") as handle:
@@ -92,6 +92,11 @@ def write_unpacked(
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
+
+
+def _binary_digests(manifest: Manifest) -> tuple[str, ...]:
+    """The kernel binaries kept under ``kernels/``: built C++ kernels and Triton cubins."""
+    return tuple(dict.fromkeys((*manifest.kernel_digests, *manifest.triton_digests)))
 
 
 def _lean_sources(manifest: Manifest) -> dict[str, str]:
@@ -232,7 +237,7 @@ def read_unpacked(
         manifest = Manifest.from_json(document)
         sizes = _payload_sizes(document, manifest, where)
         relative: dict[str, str] = {d: _payload_file(d) for d in manifest.graph_digests}
-        relative.update({d: _kernel_file(d) for d in manifest.kernel_digests})
+        relative.update({d: _kernel_file(d) for d in _binary_digests(manifest)})
         contents = {d: _read_relative(root, name, sizes[d], where) for d, name in relative.items()}
         codes = {}
         for digest in manifest.graph_digests:
@@ -306,7 +311,7 @@ def _payload_sizes(document: Any, manifest: Manifest, where: str) -> dict[str, i
     if not isinstance(files, dict):
         raise CorruptArtifactError(f"{where} manifest lacks its payload_files table")
     sizes = {}
-    for digest in (*manifest.graph_digests, *manifest.kernel_digests):
+    for digest in (*manifest.graph_digests, *_binary_digests(manifest)):
         entry = files.get(digest)
         size = entry.get("size") if isinstance(entry, dict) else None
         sizes[digest] = check_payload_size(size, digest, f"{where} payload_files")
