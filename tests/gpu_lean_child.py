@@ -20,7 +20,7 @@ imported_torch = time.perf_counter()
 import precompile  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-COMPILER = ("torch._inductor", "triton.compiler", "torch._functorch._aot_autograd")
+COMPILER = ("torch._inductor", "triton.compiler")  # (torch imports some of functorch itself)
 
 
 def compiler_modules() -> list[str]:
