@@ -28,6 +28,7 @@ from typing import Any
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
+BASELINE = "import torch, transformers"
 ROWS = [
     "ours-model cold",
     "ours-model warm",
@@ -37,7 +38,11 @@ ROWS = [
     "torch.compile warm",
     "aot_compile build",
     "aot_compile load",
+    BASELINE,
 ]
+REPEATED = ("ours-model warm", BASELINE)  # rows of the goals: medians of this many runs
+REPEATS = 3
+COMPILER_MODULES = ("torch._inductor", "triton.compiler")
 FIRST, NEW = 128, 200
 HINTS = [16, 256, 2048]
 
@@ -58,12 +63,23 @@ def child(row: str, workdir: str, device: str) -> dict[str, Any]:
     spawned = watch_processes()
     import torch
 
+    imported_torch = time.perf_counter()
     sys.path.insert(0, ROOT)
-    from _common import count_tracing_and_compiles, is_compiler
+    from _common import is_compiler
 
-    import precompile
+    if row == BASELINE:
+        import transformers  # noqa: F401
 
-    frames, compiles = count_tracing_and_compiles()
+        return {"from_start_s": time.perf_counter() - started}
+    serving = row == "ours-model warm"
+    if not serving:
+        # counting Dynamo frames and inductor compiles imports the compiler: every row but
+        # the serving one (which must not import it: checked at the end instead)
+        from _common import count_tracing_and_compiles
+
+        import precompile
+
+        frames, compiles = count_tracing_and_compiles()
     imported = time.perf_counter()
     model = llama(device)
     vocab = model.config.vocab_size
@@ -76,22 +92,27 @@ def child(row: str, workdir: str, device: str) -> dict[str, Any]:
             torch.cuda.synchronize()
 
     built = time.perf_counter()
+    before = list(sys.modules)
     result: dict[str, Any] = {}
     with torch.no_grad():
         first = ids(FIRST)
-        torch._dynamo.mark_dynamic(first, 1)
         if row.startswith("ours-model"):
+            import precompile
+
             compiled = precompile.compile_model(
                 model, (first,), dynamic={0: [1]}, hints=HINTS, warmup="background"
             )
             out = compiled(first)
         elif row.startswith("ours-backend"):
+            torch._dynamo.mark_dynamic(first, 1)
             fn = torch.compile(model, backend=precompile.backend(hints=HINTS))
             out = fn(first)
         elif row.startswith("torch.compile"):
+            torch._dynamo.mark_dynamic(first, 1)
             fn = torch.compile(model)
             out = fn(first)
         elif row == "aot_compile build":
+            torch._dynamo.mark_dynamic(first, 1)
             torch._dynamo.config.enable_aot_compile = True
 
             def call(ids: Any) -> Any:
@@ -115,6 +136,9 @@ def child(row: str, workdir: str, device: str) -> dict[str, Any]:
         sync()
         first_output = time.perf_counter() - built
         result["first_output_s"] = first_output
+        from_start = time.perf_counter() - started
+        known = set(before)
+        added = [name for name in list(sys.modules) if name not in known]
         if row.startswith("ours-model"):
             compiled.wait_warm(timeout=600)
         began = time.perf_counter()
@@ -127,10 +151,19 @@ def child(row: str, workdir: str, device: str) -> dict[str, Any]:
         sync()
         result["new_size_s"] = time.perf_counter() - began
     del out
+    if serving:
+        compiler = sorted(m for m in added if m.startswith(COMPILER_MODULES))
+        # nothing of the compiler imported by the serving path (transformers imports some
+        # of Dynamo and inductor itself): nothing traced or compiled by construction
+        frames, compiles = ([1] if compiler else []), ([1] if compiler else [])
+        result["compiler_modules"] = compiler
+        result["serving_modules"] = added
+        result["modules_before"] = before
     result.update(
         import_s=imported - started,
+        import_torch_s=imported_torch - started,
         model_built_s=built - imported,
-        from_start_s=time.perf_counter() - started - result["new_size_s"],
+        from_start_s=from_start,
         dynamo_frames=len(frames),
         inductor_compiles=len(compiles),
         processes=len(spawned),
@@ -140,15 +173,45 @@ def child(row: str, workdir: str, device: str) -> dict[str, Any]:
     return result
 
 
+def imports_beyond(before: list[str], modules: list[str]) -> float:
+    """Seconds a fresh process takes to import ``modules`` (in their order) once it has
+    imported ``before`` (what the serving process held when it had built its model):
+    the imports a serving path adds to a transformers server's own."""
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as handle:
+        json.dump({"before": before, "modules": modules}, handle)
+    code = (
+        "import importlib, json, sys, time, torch\n"
+        f"lists = json.load(open({handle.name!r}))\n"
+        "def load(names):\n"
+        "    for name in names:\n"
+        "        try:\n"
+        "            importlib.import_module(name)\n"
+        "        except BaseException:\n"
+        "            pass\n"
+        "load(lists['before'])\n"
+        "t = time.perf_counter()\n"
+        "load(lists['modules'])\n"
+        "print(time.perf_counter() - t)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+    os.unlink(handle.name)
+    return float(out.stdout.strip().splitlines()[-1])
+
+
 def run_all(device: str) -> dict[str, Any]:
+    """Every row once, then the goals' rows (ours-model warm and the import baseline)
+    until each ran ``REPEATS`` times: those rows report medians, their runs kept beside."""
+    from _common import median
+
     workdir = tempfile.mkdtemp(prefix="warmstart-model-")
     caches = {
         "ours-model": tempfile.mkdtemp(prefix="wm-ours-model-"),
         "ours-backend": tempfile.mkdtemp(prefix="wm-ours-backend-"),
         "inductor": tempfile.mkdtemp(prefix="wm-inductor-"),
     }
-    results: dict[str, Any] = {}
-    for row in ROWS:
+    runs: dict[str, list[dict[str, Any]]] = {row: [] for row in ROWS}
+    order = list(ROWS) + [row for _ in range(REPEATS - 1) for row in REPEATED]
+    for row in order:
         env = {
             **os.environ,
             "PRECOMPILE_CACHE_DIR": caches["ours-backend" if "backend" in row else "ours-model"],
@@ -163,10 +226,36 @@ def run_all(device: str) -> dict[str, Any]:
                    "--workdir", workdir, "--device", device]  # fmt: skip
         out = subprocess.run(command, capture_output=True, text=True, env=env, cwd=ROOT)
         if out.returncode != 0:
-            results[row] = {"error": (out.stderr.strip().splitlines() or ["?"])[-1][:300]}
+            result = {"error": (out.stderr.strip().splitlines() or ["?"])[-1][:300]}
         else:
-            results[row] = json.loads(out.stdout.strip().splitlines()[-1])
-        print(f"[warmstart] {row}: {results[row]}", flush=True)
+            result = json.loads(out.stdout.strip().splitlines()[-1])
+        runs[row].append(result)
+        shown = {k: v for k, v in result.items() if k not in ("serving_modules", "modules_before")}
+        print(f"[warmstart] {row}: {shown}",
+              flush=True)  # fmt: skip
+    results: dict[str, Any] = {}
+    for row, done in runs.items():
+        good = [r for r in done if "error" not in r]
+        if not good:
+            results[row] = done[0]
+            continue
+        merged = dict(good[0])
+        for field, value in good[0].items():
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                merged[field] = median([r[field] for r in good])
+        if len(done) > 1:
+            merged["runs"] = len(good)
+            merged["all_runs"] = [
+                {k: v for k, v in r.items() if k not in ("serving_modules", "modules_before")}
+                for r in done
+            ]
+        results[row] = merged
+    serving = results.get("ours-model warm", {})
+    if "serving_modules" in serving:
+        modules, before = serving.pop("serving_modules"), serving.pop("modules_before")
+        beyond = [imports_beyond(before, modules) for _ in range(REPEATS)]
+        serving["imports_beyond_torch_s"] = median(beyond)
+        serving["serving_modules_added"] = len(modules)
     return results
 
 
@@ -187,11 +276,28 @@ def report(document: dict[str, Any]) -> str:
         if "error" in r:
             rows.append([row, f"fails: {r['error'][:80]}", "-", "-", "-", "-", "-"])
             continue
+        if "first_output_s" not in r:  # the import baseline
+            rows.append([row, "-", "-", r["from_start_s"], "-", "-", "-"])
+            continue
         rows.append(
             [row, r["first_output_s"], r["new_size_s"], r["from_start_s"], r["dynamo_frames"],
              r["inductor_compiles"], r["compiler_processes"]]
         )  # fmt: skip
-    return table(headers, rows)
+    text = table(headers, rows)
+    ours, base = document["rows"].get("ours-model warm", {}), document["rows"].get(BASELINE, {})
+    if "error" not in ours and "from_start_s" in base and "from_start_s" in ours:
+        budget = base["from_start_s"] + ours["model_built_s"] + 0.5
+        text += (
+            f"\n\ngoals (medians of {ours.get('runs', 1)}): serving imports beyond "
+            f"import torch, transformers {ours.get('imports_beyond_torch_s', float('nan')):.3f} s "
+            f"(<= 0.5); process start to first output {ours['from_start_s']:.2f} s (<= "
+            f"{budget:.2f} = import torch, transformers {base['from_start_s']:.2f} + model built "
+            f"{ours['model_built_s']:.2f} + 0.5); call to first output "
+            f"{ours['first_output_s']:.3f} s (<= 0.3); compiler processes "
+            f"{ours['compiler_processes']}; new size after warm-up {ours['new_size_s'] * 1000:.1f} "
+            f"ms (<= 5); compiler modules imported {ours.get('compiler_modules')}"
+        )
+    return text
 
 
 def plot(document: dict[str, Any], path: str) -> None:
@@ -200,7 +306,7 @@ def plot(document: dict[str, Any], path: str) -> None:
     plt = pyplot()
     if plt is None:
         return
-    rows = [(k, v) for k, v in document["rows"].items() if "error" not in v]
+    rows = [(k, v) for k, v in document["rows"].items() if "first_output_s" in v]
     figure, axis = plt.subplots(figsize=(8, 0.5 * len(rows) + 1.2))
     for number, (_, r) in enumerate(rows):
         parts = [("import", r["import_s"]), ("model built", r["model_built_s"]),

@@ -844,7 +844,6 @@ def add_caller_guard(shape_env: Any, expr: sympy.Expr) -> None:
 # -- what the cache key needs from torch ---------------------------------------------
 _CONFIG_MODULES = ("torch._inductor.config", "torch._functorch.config")
 _ENV_NAME = re.compile(r"""["']([A-Z][A-Z0-9_]{2,127})["']""")
-_ENV_PREFIXES = ("TORCHINDUCTOR_", "TORCH_COMPILE", "TORCHDYNAMO_", "TRITON_")
 
 
 def codegen_config_digest() -> str:
@@ -852,8 +851,8 @@ def codegen_config_digest() -> str:
 
     Where neither config differs from its defaults (as torch's config module tells:
     ``_is_default``, which counts an entry set through the environment as changed), the
-    digest covers the defaults instead: the environment variables their modules can read
-    (every name their source spells, and inductor's prefixes). That digest needs no
+    digest covers the defaults instead: the environment variables their modules read
+    (every name their source spells; their defaults are set from those). That digest needs no
     import of inductor, whose package imports Dynamo (5-10 s on a GPU host): a serving
     process that never imported the compiler has its configs at their defaults by
     construction, and looks its model up without importing it."""
@@ -911,7 +910,7 @@ def _config_environment() -> dict[str, str]:
     return {
         key: value
         for key, value in sorted(os.environ.items())
-        if key in names or key.startswith(_ENV_PREFIXES)
+        if key in names
     }
 
 
