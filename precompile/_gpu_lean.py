@@ -22,7 +22,7 @@ import torch
 
 from runtime._calibration import synthesize_inputs
 from runtime._lean import load_lean
-from runtime._manifest import LeanCall, Manifest, TensorInput, Variant
+from runtime._manifest import LeanCall, Manifest, Variant
 
 from . import _torch_adapter as adapter
 
@@ -79,14 +79,7 @@ def complete(
     """``lean`` with the launches of ``kernels`` recorded by running ``variant``, or why
     it stays off the lean path."""
     point = tuple(variant.point[name] for name in manifest.symbol_names)
-    devices = sorted(
-        {
-            torch.device(spec.device).index or 0
-            for spec in manifest.inputs
-            if isinstance(spec, TensorInput) and spec.device.startswith("cuda")
-        }
-    )
-    with torch.random.fork_rng(devices=devices), torch.no_grad():
+    with torch.no_grad():  # (synthesized inputs come from generators of their own)
         inputs = synthesize_inputs(manifest, point, None)
         module = adapter.load_generated_module(source)
         module.call(_fresh(inputs))  # autotunes each kernel down to one launcher

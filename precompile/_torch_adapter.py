@@ -11,6 +11,7 @@ import contextlib
 import copy
 import functools
 import hashlib
+import importlib
 import inspect
 import json
 import logging
@@ -19,6 +20,7 @@ import pickle
 import platform
 import re
 import shutil
+import sys
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import ExitStack, contextmanager
@@ -847,47 +849,53 @@ _ENV_NAME = re.compile(r"""["']([A-Z][A-Z0-9_]{2,127})["']""")
 
 
 def codegen_config_digest() -> str:
-    """sha256 of the inductor and functorch configs, as upstream's FX cache keys them.
+    """sha256 of what the inductor and functorch configs hold besides their defaults (by
+    value, as ``save_config_portable`` exports them), the environment variables their
+    modules read, and the attention backends variants are compiled with.
 
-    Where neither config differs from its defaults (as torch's config module tells:
-    ``_is_default``, which counts an entry set through the environment as changed), the
-    digest covers the defaults instead: the environment variables their modules read
-    (every name their source spells; their defaults are set from those). That digest needs no
-    import of inductor, whose package imports Dynamo (5-10 s on a GPU host): a serving
-    process that never imported the compiler has its configs at their defaults by
-    construction, and looks its model up without importing it."""
-    settings = [sdpa_settings(dynamic=True), sdpa_settings(dynamic=False)]
-    if _configs_at_defaults():
-        snapshot: dict[str, Any] = {"defaults": _config_environment(), "sdpa": settings}
-    else:
-        import torch._functorch.config as functorch_config
-        from torch._inductor import config as inductor_config
-
-        snapshot = {
-            "inductor": inductor_config.save_config_portable(),
-            "functorch": functorch_config.save_config_portable(),
-            # the attention kernels hint and exact-size variants are compiled with
-            "sdpa": settings,
-        }
+    A config module not imported holds its defaults, and the environment sets those
+    defaults only through the variables it reads: where none of them is set, the digest
+    is computed without importing inductor, whose package imports Dynamo (5-10 s on a
+    GPU host). A serving process that never imported the compiler so looks its model up
+    without importing it, under the key a build process with the same configs computed."""
+    environment = _config_environment()
+    changed: dict[str, Any] = {}
+    for name in _CONFIG_MODULES:
+        config = sys.modules.get(name)
+        if config is None and environment:
+            log.info("the cache key imports %s: the environment sets %s", name, sorted(environment))
+            config = importlib.import_module(name)
+        if config is not None:
+            differing = _non_defaults(config)
+            if differing:
+                changed[name] = differing
+    snapshot = {
+        "changed": changed,
+        "environment": environment,
+        # the attention kernels hint and exact-size variants are compiled with
+        "sdpa": [sdpa_settings(dynamic=True), sdpa_settings(dynamic=False)],
+    }
     text = json.dumps(snapshot, sort_keys=True, default=repr)
     return hashlib.sha256(text.encode()).hexdigest()
 
 
-def _configs_at_defaults() -> bool:
-    """Whether every entry of the configs imported so far is at its default (a config
-    not imported is). False where this torch's config module cannot say."""
-    import sys
+def _non_defaults(config: Any) -> dict[str, Any]:
+    """The config's portable entries whose value is not their default (all of them where
+    this torch's config module does not say what a default is)."""
+    portable: dict[str, Any] = config.save_config_portable()
+    entries = getattr(config, "_config", None)
+    if not isinstance(entries, dict):
+        return portable
+    differing = {}
+    for key, value in portable.items():
+        entry = entries.get(key)
+        default = getattr(entry, "default", _MISSING)
+        if default is _MISSING or value != default:
+            differing[key] = value
+    return differing
 
-    for name in _CONFIG_MODULES:
-        config = sys.modules.get(name)
-        if config is None:
-            continue
-        try:
-            if not all(config._is_default(entry) for entry in config._config):
-                return False
-        except (AttributeError, KeyError, TypeError):
-            return False
-    return True
+
+_MISSING = object()
 
 
 @functools.lru_cache(maxsize=1)
@@ -907,11 +915,7 @@ def _config_environment_names() -> frozenset[str]:
 def _config_environment() -> dict[str, str]:
     """The environment variables that can set the configs' defaults, as set now."""
     names = _config_environment_names()
-    return {
-        key: value
-        for key, value in sorted(os.environ.items())
-        if key in names
-    }
+    return {key: value for key, value in sorted(os.environ.items()) if key in names}
 
 
 # -- collectives ------------------------------------------------------------------------

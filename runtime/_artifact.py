@@ -30,7 +30,13 @@ from ._calibration import (
     synthesize_inputs,
 )
 from ._contract import InputContract, Prepared
-from ._cudagraphs import CudaGraphExecutor, CudaGraphs, CudaGraphsOption, cudagraph_options
+from ._cudagraphs import (
+    CAPTURE_LOCK,
+    CudaGraphExecutor,
+    CudaGraphs,
+    CudaGraphsOption,
+    cudagraph_options,
+)
 from ._dispatch import Dispatcher, Explanation
 from ._environment import check_compatible, current_environment
 from ._errors import ArtifactNotFoundError, CorruptArtifactError, InvalidOptionError
@@ -454,7 +460,8 @@ class CompiledArtifact:
             self._give_way_to_calls()
             if _exiting():
                 return
-            self._variant_callable(variant)
+            with CAPTURE_LOCK:  # never while another thread captures a CUDA graph
+                self._variant_callable(variant)
         if collectives:
             log.info("warm-up loaded the variants and ran none: the graph has collectives")
         elif self._templates is not None:
@@ -482,8 +489,9 @@ class CompiledArtifact:
                 if self._runnable is not None and not self._runnable(variant.point):
                     continue
                 try:
-                    args = synthesize_inputs(self._manifest, point, self._templates)
-                    self._variant_callable(variant)(*args)
+                    with CAPTURE_LOCK:  # never while another thread captures a CUDA graph
+                        args = synthesize_inputs(self._manifest, point, self._templates)
+                        self._variant_callable(variant)(*args)
                 except Exception as exc:  # warm-up never fails a server; calls still work
                     log.warning("warm-up run of variant %d failed: %s", variant.index, exc)
 

@@ -64,8 +64,12 @@ def synthesize_inputs(
 ) -> list[Any]:
     """Inputs for the graph at ``point``: templates reused where they fit, else random.
     A template the graph writes in place is copied: a warm-up or timing run never writes
-    the caller's tensor (a model's counter buffer, a KV cache held in its buffers)."""
+    the caller's tensor (a model's counter buffer, a KV cache held in its buffers). The
+    random values come from generators of its own: the caller's random state is never
+    advanced (and a CUDA graph being captured in another thread, which registers the
+    default generator, never sees an increment from here)."""
     values = dict(zip(manifest.symbol_names, point, strict=True))
+    generators: dict[torch.device, torch.Generator] = {}
     args: list[Any] = []
     for index, spec in enumerate(manifest.inputs):
         template = templates[index] if templates is not None else None
@@ -80,7 +84,11 @@ def synthesize_inputs(
         dtype = dtype_of(spec.dtype)
         device = torch.device(spec.device)
         if dtype.is_floating_point or dtype.is_complex:
-            args.append(torch.randn(shape, dtype=dtype, device=device))
+            generator = generators.get(device)
+            if generator is None:
+                generator = generators[device] = torch.Generator(device=device)
+                generator.manual_seed(0)
+            args.append(torch.randn(shape, dtype=dtype, device=device, generator=generator))
         else:
             args.append(torch.zeros(shape, dtype=dtype, device=device))
     return args

@@ -164,6 +164,23 @@ class _Graph:
             return [o.clone() if isinstance(o, torch.Tensor) else o for o in self.outputs]
 
 
+# Held while a graph is captured, and by each step of a background warm-up: work of
+# another thread during a capture (allocations, random increments on the generator the
+# capture registered) breaks it ("Offset increment outside graph capture", allocator
+# asserts). Not held by the caller's own other threads: their calls are theirs to order.
+CAPTURE_LOCK = threading.RLock()
+
+
+class CaptureFailed(RuntimeError):
+    """Capturing failed after the run before capture, which was the call itself (a graph
+    that writes its inputs): ``outputs`` are that call's, so it must not run again."""
+
+    def __init__(self, reason: BaseException, outputs: list[Any] | None) -> None:
+        super().__init__(str(reason))
+        self.reason = reason
+        self.outputs = outputs
+
+
 def _capture(
     function: Callable[..., Any],
     args: Sequence[Any],
@@ -173,7 +190,19 @@ def _capture(
 ) -> _Graph:
     """Capture ``function`` at ``args``' sizes. ``writes``: the graph writes inputs in
     place, so the run before capture (on a side stream, where lazy initializations
-    happen) is the call itself; its outputs are kept as ``first_outputs``."""
+    happen) is the call itself; its outputs are kept as ``first_outputs``, and a capture
+    failing after it raises ``CaptureFailed`` with them (the call is not run twice)."""
+    with CAPTURE_LOCK:
+        return _capture_locked(function, args, pool, static, writes)
+
+
+def _capture_locked(
+    function: Callable[..., Any],
+    args: Sequence[Any],
+    pool: Any,
+    static: frozenset[int],
+    writes: bool,
+) -> _Graph:
     static_args: list[Any] = []
     copied: list[int] = []
     stable: list[int] = []
@@ -199,8 +228,13 @@ def _capture(
         first = function(*static_args)  # outside capture: lazy inits happen here
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
-        outputs = function(*static_args)
+    try:
+        with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+            outputs = function(*static_args)
+    except Exception as exc:
+        if writes:
+            raise CaptureFailed(exc, list(first)) from exc
+        raise
     for index in stable:  # used in place, checked by address: no reference kept
         static_args[index] = None
     captured = _Graph(graph, static_args, copied, stable, ptrs, list(outputs))
@@ -332,12 +366,13 @@ class CudaGraphExecutor:
             try:
                 graph = _capture(function, args, self._pool, self._static, self._writes)
             except Exception as exc:  # capture failed: the size runs plainly
-                reason = (
-                    f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
-                )
+                failed = exc.reason if isinstance(exc, CaptureFailed) else exc
+                text = str(failed).splitlines()[0][:200] if str(failed) else ""
+                reason = f"{type(failed).__name__}: {text}"
                 self._refused[sizes] = reason
                 self._say(f"CUDA graph capture failed at sizes {sizes} ({reason}); runs plainly")
-                return None, None
+                # where the run before capture was the call, its outputs are this call's
+                return None, exc.outputs if isinstance(exc, CaptureFailed) else None
             first, graph.first_outputs = graph.first_outputs, None
             self._graphs[sizes] = graph
             log.info(

@@ -26,11 +26,21 @@ CHILD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gpu_lean_child
 SIZES = (1, 3, 5, 16, 100, 300)
 
 
+def build_configs() -> str:
+    """What this (building) process's compiler configs hold besides their defaults, and
+    the variables of theirs set: what a serving process's lookup key must agree with."""
+    from precompile import _torch_adapter as adapter
+
+    changed = {n: adapter._non_defaults(sys.modules[n]) for n in adapter._CONFIG_MODULES
+               if n in sys.modules}  # fmt: skip
+    return f"build configs: {changed}, environment: {adapter._config_environment()}"
+
+
 def child(*arguments: str, lean: bool = True) -> dict[str, Any]:
     env = {**os.environ, "PRECOMPILE_LEAN": "1" if lean else "0"}
     done = subprocess.run([sys.executable, CHILD, *arguments], capture_output=True, text=True,
                           env=env, cwd=ROOT, timeout=600)  # fmt: skip
-    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.returncode == 0, done.stderr[-3000:] + "\n" + build_configs()
     result: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
     return result
 

@@ -364,3 +364,67 @@ def test_an_edited_unpacked_variant_leaves_the_lean_path(
         assert (v.lean is None) == (v.payload in edited_graphs)
     intact = precompile.CompiledArtifact.load(path=saved["unpacked"], format="unpacked")
     assert all(v.lean is not None for v in intact.variants)
+
+
+# -- a model served from the cache imports no compiler either -------------------------
+class TwoLayers(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = torch.nn.Linear(16, 32)
+        self.second = torch.nn.Linear(32, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.second(torch.relu(self.first(x)))
+
+
+SERVE_MODEL = """
+import sys, torch, precompile
+sys.path.insert(0, "tests")
+from test_lean import TwoLayers
+torch.manual_seed(0)
+model = TwoLayers().eval()
+with torch.no_grad():
+    compiled = precompile.compile_model(model, (torch.randn(4, 16),), dynamic={{0: [0]}},
+                                        hints=[8], cache={cache!r}, compile=False)
+    x = torch.randn(6, 16)
+    assert torch.equal(compiled(x), model(x)) or torch.allclose(compiled(x), model(x))
+compiler = sorted(m for m in sys.modules if m.startswith(("torch._dynamo", "torch._inductor")))
+print("compiler modules", len(compiler), compiler[:8])
+"""
+
+
+def test_a_model_served_from_the_cache_imports_no_compiler(tmp_path: Any) -> None:
+    """compile_model's lookup keys the compiler configs: at their defaults (nothing
+    imported, no variable of theirs set) it needs no import of inductor, and a build
+    with the same configs computed the same key."""
+    cache = str(tmp_path / "cache")
+    torch.manual_seed(0)
+    model = TwoLayers().eval()
+    with torch.no_grad():
+        precompile.compile_model(model, (torch.randn(4, 16),), dynamic={0: [0]}, hints=[8],
+                                 cache=cache, warmup=False)  # fmt: skip
+    out = run_python(SERVE_MODEL.format(cache=cache))
+    assert "compiler modules 0 []" in out, out
+
+
+DIGEST = """
+import os, sys, torch
+from precompile import _torch_adapter as adapter
+before = adapter.codegen_config_digest()
+# imported only where a variable the config reads is set
+assert ("torch._inductor.config" in sys.modules) == ("TORCHINDUCTOR_MAX_AUTOTUNE" in os.environ)
+import torch._inductor.config as config
+assert adapter.codegen_config_digest() == before  # imported, at its defaults
+config.max_autotune = not config.max_autotune
+changed = adapter.codegen_config_digest()
+config.max_autotune = not config.max_autotune
+print(before, changed, adapter.codegen_config_digest())
+"""
+
+
+def test_the_config_digest_is_the_same_with_or_without_inductor_imported() -> None:
+    before, changed, after = run_python(DIGEST).split()
+    assert changed != before and after == before
+    # a variable the config modules read changes the digest (and is read without import)
+    with_env = run_python(DIGEST, env={"TORCHINDUCTOR_MAX_AUTOTUNE": "1"}).split()
+    assert with_env[0] != before
