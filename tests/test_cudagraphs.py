@@ -220,3 +220,31 @@ def test_inside_a_torch_compile_backend() -> None:
             torch.testing.assert_close(compiled(x), model(x), rtol=1e-3, atol=1e-3)
     captured = sorted(made[-1].artifact.captured_sizes)
     assert (8,) in captured and (32,) in captured and (17,) in captured, captured
+
+
+@cuda
+def test_a_failed_capture_after_the_call_ran_does_not_run_it_again() -> None:
+    """A graph that writes its inputs is captured at its second call, and the run before
+    capture is that call: if capturing then fails, the call's outputs are that run's (a
+    KV cache is written once), and the size runs plainly from then on."""
+    from runtime._cudagraphs import CaptureFailed, _capture
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    buffer = torch.zeros(4, device="cuda")
+
+    def step(buf: torch.Tensor) -> list[torch.Tensor]:
+        buf.add_(1)
+        if torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("not capturable")
+        return [buf * 2]
+
+    pool = torch.cuda.graph_pool_handle()
+    with pytest.raises(CaptureFailed) as failed:
+        _capture(step, [buffer], pool, frozenset({0}), writes=True)
+    torch.cuda.synchronize()
+    assert buffer.tolist() == [1.0] * 4  # written by the one run that was the call
+    assert failed.value.outputs is not None
+    assert failed.value.outputs[0].tolist() == [2.0] * 4
+    with pytest.raises(RuntimeError):  # a graph that writes nothing: the error itself
+        _capture(step, [torch.zeros(4, device="cuda")], pool, frozenset({0}), writes=False)
