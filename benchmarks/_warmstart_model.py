@@ -230,6 +230,10 @@ def run_all(device: str) -> dict[str, Any]:
         else:
             result = json.loads(out.stdout.strip().splitlines()[-1])
         runs[row].append(result)
+        partial = os.environ.get("WARMSTART_PARTIAL")  # runs so far, for a run cut short
+        if partial:
+            with open(partial, "w", encoding="utf-8") as handle:
+                json.dump(runs, handle, indent=1)
         shown = {k: v for k, v in result.items() if k not in ("serving_modules", "modules_before")}
         print(f"[warmstart] {row}: {shown}",
               flush=True)  # fmt: skip
