@@ -22,6 +22,7 @@ from __future__ import annotations
 import ast
 import inspect
 import logging
+import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -238,6 +239,13 @@ def trace_read(
         source = entry.source
         if any(source.startswith(f"G['{prefix}") for prefix in _COMPILER_MODULES):
             continue
+        if _INSTALLED_GLOBAL.search(source):
+            unchecked.append(
+                f"{entry.guard_type} on {_said_source(source)}: reads a global Dynamo "
+                "installed under a name made from an object's id in the tracing process "
+                "(not portable)"
+            )
+            continue
         try:
             rooted, reads_call = _rooted(parse_source(source), model, frame, closure, roots)
             if reads_call:
@@ -264,6 +272,12 @@ def trace_read(
             "; ".join(unchecked[:3]),
         )
     return TraceRead(tuple(guards.values()), state, name, tuple(unchecked))
+
+
+# Dynamo installs globals for its guards under names made of an object's id and the
+# compile's number (``install_global``: ``_140029843829712_c0``): they name nothing in
+# another process, and whether one resolves here depends on this process's history.
+_INSTALLED_GLOBAL = re.compile(r"G\['_\d+_c\d+")
 
 
 def _history_dependent(guard: Guard) -> bool:

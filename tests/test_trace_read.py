@@ -302,3 +302,27 @@ def test_a_value_of_another_type_is_named_with_both() -> None:
     holder.extra = torch.ones(1)  # type: ignore[assignment]
     said = guard.failure(Roots(holder, {}, {}))
     assert said is not None and "model.extra is a torch.Tensor value, compiled with None" in said
+
+
+def test_a_global_dynamo_installed_under_an_id_is_never_a_check() -> None:
+    """Dynamo names the globals it installs for guards after an object's id in the tracing
+    process (``_140029843829712_c0``). Where such a name resolved while tracing (it may:
+    it depends on the process's history), a check of it would refuse every later process:
+    it is listed as unchecked instead."""
+    from precompile._torch_adapter import GuardEntry
+    from precompile._trace_read import trace_read
+
+    class Small(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x + 1
+
+    model = Small()
+    name = f"_{id(model)}_c0"
+    globals()[name] = torch  # resolvable here, as in the tracing process
+    try:
+        entry = GuardEntry("CLASS_MATCH", (), f"G['{name}'].Tensor", True, torch.Tensor)
+        read = trace_read(model, (torch.ones(2),), {}, [entry], None)
+    finally:
+        del globals()[name]
+    assert read.guards == ()
+    assert len(read.unchecked) == 1 and "not portable" in read.unchecked[0]
