@@ -45,6 +45,16 @@ def child(*arguments: str, lean: bool = True) -> dict[str, Any]:
     return result
 
 
+def lean_and_upstream(job: str, cache: str, cudagraphs: str, folder: Any) -> tuple[Any, Any]:
+    """The outputs of ``job`` served by two fresh processes: on the lean path (which must
+    import no compiler module beyond what the model's own library did) and upstream's."""
+    lean_out, upstream_out = str(folder / "lean.pt"), str(folder / "upstream.pt")
+    lean = child(job, cache, cudagraphs, lean_out)
+    assert lean["compiler_modules"] == [], lean
+    child(job, cache, cudagraphs, upstream_out, lean=False)
+    return torch.load(lean_out), torch.load(upstream_out)
+
+
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     return (
         a.shape == b.shape
@@ -165,11 +175,7 @@ def readme_llama(tmp_path_factory: pytest.TempPathFactory) -> str:
 def test_the_readme_llama_serves_lean_bitwise_as_upstream(
     readme_llama: str, cudagraphs: str, tmp_path: Any
 ) -> None:
-    lean_out, upstream_out = str(tmp_path / "lean.pt"), str(tmp_path / "upstream.pt")
-    lean = child("llama", readme_llama, cudagraphs, lean_out)
-    assert lean["compiler_modules"] == [], lean
-    child("llama", readme_llama, cudagraphs, upstream_out, lean=False)
-    got, want = torch.load(lean_out), torch.load(upstream_out)
+    got, want = lean_and_upstream("llama", readme_llama, cudagraphs, tmp_path)
     assert set(got) == set(want)
     assert all(same_bits(got[k], want[k]) for k in got)
 
@@ -197,9 +203,6 @@ def decode_cache(tmp_path_factory: pytest.TempPathFactory) -> str:
 def test_the_decode_loop_serves_lean_bitwise_as_upstream(
     decode_cache: str, cudagraphs: str, tmp_path: Any
 ) -> None:
-    lean_out, upstream_out = str(tmp_path / "lean.pt"), str(tmp_path / "upstream.pt")
-    lean = child("decode", decode_cache, cudagraphs, lean_out)
-    assert lean["compiler_modules"] == [], lean
-    child("decode", decode_cache, cudagraphs, upstream_out, lean=False)
-    for got, want in zip(torch.load(lean_out), torch.load(upstream_out), strict=True):
+    lean, upstream = lean_and_upstream("decode", decode_cache, cudagraphs, tmp_path)
+    for got, want in zip(lean, upstream, strict=True):
         assert torch.equal(got, want)
