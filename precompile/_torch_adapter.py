@@ -898,9 +898,27 @@ def _non_defaults(config: Any) -> dict[str, Any]:
 _MISSING = object()
 
 
+# Names the config modules read only to name this process's logs (a launcher such as
+# torchrun sets ROLE_RANK per rank): they change no compiled code, and in the key they
+# would give each rank its own entry.
+_LOG_ONLY_NAMES = frozenset(
+    {
+        "ROLE_RANK",
+        "MAST_HPC_JOB_NAME",
+        "LOG_TLPARSE",
+        "TORCHINDUCTOR_WORKER_LOGPATH",
+        "TORCHINDUCTOR_WORKER_SUPPRESS_LOGGING",
+        "INDUCTOR_LOG_URL_FOR_GRAPH_XFORM",
+        "TORCHINDUCTOR_AUTOHEURISTIC_LOG_PATH",
+        "TORCHINDUCTOR_TRITON_PROTON_OUTPUT_DIR",
+    }
+)
+
+
 @functools.lru_cache(maxsize=1)
 def _config_environment_names() -> frozenset[str]:
-    """Every environment variable name the config modules' source spells as a string."""
+    """Every environment variable name the config modules' source spells as a string,
+    but those read only to name logs."""
     names: set[str] = set()
     root = os.path.dirname(torch.__file__)
     for relative in ("_inductor/config.py", "_functorch/config.py"):
@@ -909,7 +927,7 @@ def _config_environment_names() -> frozenset[str]:
                 names.update(_ENV_NAME.findall(file.read()))
         except OSError:
             names.add(f"<{relative} unreadable>")
-    return frozenset(names)
+    return frozenset(names - _LOG_ONLY_NAMES)
 
 
 def _config_environment() -> dict[str, str]:

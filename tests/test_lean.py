@@ -428,3 +428,6 @@ def test_the_config_digest_is_the_same_with_or_without_inductor_imported() -> No
     # a variable the config modules read changes the digest (and is read without import)
     with_env = run_python(DIGEST, env={"TORCHINDUCTOR_MAX_AUTOTUNE": "1"}).split()
     assert with_env[0] != before
+    # one torchrun sets per rank, read by inductor's config only to name its logs: the
+    # ranks keep one key (and share one compile)
+    assert run_python(DIGEST, env={"ROLE_RANK": "1"}).split()[0] == before
