@@ -1380,6 +1380,8 @@ def _extern_path(name: str) -> str | None:
         parts = path.split(".")
         if parts[1] == "ops" and parts[2] not in _BUILTIN_OP_NAMESPACES:
             continue
+        if not runtime_adapter.extern_path_names(name, path):
+            continue  # a load refuses a path naming another operator than the name
         try:
             if runtime_adapter.resolve_torch_path(path) is value:
                 return path

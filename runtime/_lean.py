@@ -51,6 +51,10 @@ def lean_enabled() -> bool:
 def _externs(lean: LeanCall) -> dict[str, Any]:
     table = {}
     for name, path in lean.externs.items():
+        if not adapter.extern_path_names(name, path):
+            raise CorruptArtifactError(
+                f"the artifact's extern kernel {name} names {path}, another operator"
+            )
         try:
             table[name] = adapter.resolve_torch_path(path)
         except (AttributeError, ValueError, RuntimeError) as exc:
@@ -114,7 +118,9 @@ def _runner(
         elif not isinstance(outs, list):
             outs = [outs]
         if len(outs) != expected:
-            raise AssertionError(f"expected {expected} outputs, got {len(outs)}")
+            raise CorruptArtifactError(
+                f"the lean variant returned {len(outs)} outputs where its manifest says {expected}"
+            )
         for index, dims in marks:
             _mark_dynamic(outs[index], attribute, dims)
         return outs

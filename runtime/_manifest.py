@@ -474,6 +474,24 @@ def _input_to_json(spec: InputSpec) -> dict[str, Any]:
 class _Reader:
     """Field-by-field validation of a manifest document."""
 
+    version = FORMAT_VERSION  # the document's format version, once read
+
+    def keys(self, raw: Mapping[str, Any], wanted: set[str], where: str) -> None:
+        """``raw`` has exactly the keys ``wanted`` (else the error names both sides)."""
+        if set(raw) != wanted:
+            extra, missing = sorted(set(raw) - wanted), sorted(wanted - set(raw))
+            said = "; ".join(
+                part
+                for part in (
+                    f"unexpected keys {[str(k)[:40] for k in extra[:8]]}" if extra else "",
+                    f"missing keys {missing}" if missing else "",
+                )
+                if part
+            )
+            raise CorruptArtifactError(
+                f"manifest field {where} has {said} (expected {sorted(wanted)})"
+            )
+
     def expect(self, value: Any, kind: type | tuple[type, ...], where: str) -> Any:
         numeric = kind in (int, float) or (isinstance(kind, tuple) and (int in kind))
         if not isinstance(value, kind) or (numeric and isinstance(value, bool)):
@@ -531,6 +549,7 @@ class _Reader:
                 f"not a precompile artifact (format={data.get('format')!r:.80})"
             )
         version = self.integer(data.get("format_version"), "format_version", high=2**31)
+        self.version = version
         if version not in READABLE_VERSIONS:
             raise IncompatibleArtifactError(
                 f"artifact format version {version} is not supported (this precompile reads "
@@ -774,11 +793,16 @@ class _Reader:
     def lean(self, value: Any, where: str, input_count: int) -> LeanCall | None:
         if value is None:
             return None
+        if self.version < 4:
+            raise CorruptArtifactError(
+                f"manifest field {where} is a lean call, which format {self.version} has not"
+            )
         raw = self.expect(value, dict, where)
         keys = {"source", "externs", "outputs", "bump_versions", "dynamic_dims"}
         keys |= {"dynamic_attribute"}
-        if set(raw) not in (keys, keys | {"triton", "align", "realign"}):
-            raise CorruptArtifactError(f"manifest field {where} has unexpected keys")
+        if self.version >= 5:  # format 5 added Triton launches and input realignment
+            keys |= {"triton", "align", "realign"}
+        self.keys(raw, keys, where)
         externs: dict[str, str] = {}
         table = self.expect(raw["externs"], dict, f"{where}.externs")
         if len(table) > 1024:
@@ -865,8 +889,7 @@ class _Reader:
             "name", "function", "binary", "device", "num_warps", "shared", "arg_types",
             "parameters", "grid_prefix", "grid", "arguments", "scratch",
         }  # fmt: skip
-        if set(raw) != keys:
-            raise CorruptArtifactError(f"manifest field {where} has unexpected keys")
+        self.keys(raw, keys, where)
         name, function = (
             self.text(raw[k], f"{where}.{k}", limit=128) for k in ("name", "function")
         )

@@ -429,7 +429,13 @@ def _lean_async_compile(
 
 
 def resolve_torch_path(path: str) -> Any:
-    """The object at a dotted path under ``torch`` (``torch.addmm``, ``torch.ops.aten.mm.out``)."""
+    """The torch operator at a dotted path under ``torch`` (``torch.addmm``,
+    ``torch.ops.aten.mm.out``): every step a torch module, ``torch.ops`` or one of its
+    namespaces or packets, the end an operator (an ``OpOverload`` or packet, or a
+    builtin of torch's C++ bindings). Anything else (``torch.os.system``, a Python
+    function, a dict) raises ValueError: an artifact names kernels, nothing more."""
+    import types
+
     import torch
 
     parts = path.split(".")
@@ -437,8 +443,39 @@ def resolve_torch_path(path: str) -> Any:
         raise ValueError(f"{path!r} is not a path under torch outside its compiler")
     value: Any = torch
     for part in parts[1:]:
+        if not _torch_container(value):
+            raise ValueError(f"{path!r} passes through {type(value).__name__}, not a torch module")
         value = getattr(value, part)
+    operator = isinstance(value, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)) or (
+        isinstance(value, types.BuiltinFunctionType)
+        and (getattr(value, "__module__", None) or "").split(".")[0] == "torch"
+    )
+    if not operator:
+        raise ValueError(f"{path!r} is a {type(value).__name__}, not a torch operator")
     return value
+
+
+def _torch_container(value: Any) -> bool:
+    """A module of torch's, ``torch.ops``, one of its namespaces, or an operator packet."""
+    import types
+
+    import torch
+
+    if isinstance(value, types.ModuleType):
+        name = value.__name__
+        return name == "torch" or name.startswith("torch.")
+    return isinstance(
+        value, (torch._ops._Ops, torch._ops._OpNamespace, torch._ops.OpOverloadPacket)
+    )
+
+
+def extern_path_names(name: str, path: str) -> bool:
+    """Whether ``path`` names the operator ``extern_kernels.<name>`` is: its last part
+    (``torch.addmm``), or the operator's part of an ops path (``torch.ops.aten.mm.out``)."""
+    parts = path.split(".")
+    if len(parts) >= 4 and parts[1] == "ops":
+        return parts[3] == name
+    return parts[-1] == name
 
 
 class LeanImportRefused(ImportError):

@@ -187,3 +187,46 @@ def test_the_launch_function_computes_the_grid_and_passes_scratch_pointers() -> 
     exec(compile(launcher_source(clash), "<test>", "exec"), namespace2)
     namespace2["run"]("in", "out", 33, 16, stream=5)
     assert calls[-1] == (1234, 2, 2, 1, 4, 0, "OOiiOO", ("in", "out", 33, 16, None, None), 5)
+
+
+@pytest.mark.parametrize(
+    ("name", "path", "message"),
+    [
+        ("system", "torch.os.system", "not a torch module"),  # torch re-exports os
+        ("loads", "torch.serialization.pickle.loads", "not a torch module"),
+        ("load", "torch.load", "not a torch operator"),
+        ("__builtins__", "torch.__builtins__", "not a torch operator"),
+        ("addmm", "torch.sub", "another operator"),  # an operator, not the one named
+    ],
+)
+def test_extern_kernels_name_operators_of_their_own_name_only(
+    name: str, path: str, message: str
+) -> None:
+    """A lean call's ``extern_kernels`` come from the manifest: each must be the torch
+    operator its name says, reached through torch's modules only."""
+    from runtime._lean import _externs
+
+    lean = LeanCall(source=digest("source"), externs={name: path}, outputs=1)
+    with pytest.raises(CorruptArtifactError, match=message):
+        _externs(lean)
+    assert (
+        _externs(dataclasses.replace(lean, externs={"addmm": "torch.addmm"}))["addmm"] is not None
+    )
+    mm = _externs(dataclasses.replace(lean, externs={"mm": "torch.ops.aten.mm.out"}))
+    assert str(mm["mm"]) == "aten.mm.out"
+
+
+def test_a_format_4_manifest_has_no_triton_fields_and_a_format_3_no_lean_call() -> None:
+    document = json.loads(json.dumps(_manifest(_launch()).to_json()))
+    document["format_version"] = 4
+    with pytest.raises(
+        CorruptArtifactError, match=r"unexpected keys \['align', 'realign', 'triton'\]"
+    ):
+        Manifest.from_json(document)
+    document["format_version"] = 3
+    with pytest.raises(CorruptArtifactError, match="which format 3 has not"):
+        Manifest.from_json(document)
+    document["format_version"] = 5
+    del document["variants"][0]["lean"]["source"]
+    with pytest.raises(CorruptArtifactError, match=r"missing keys \['source'\]"):
+        Manifest.from_json(document)
