@@ -381,6 +381,31 @@ def warm(out: str, setting: str, tag: str) -> None:
                 handle.write(stream.getvalue())
         compiled.wait_warm(timeout=600)
         result["warm_done_s"] = time.perf_counter() - t
+        if tag.startswith("newprof"):  # where a size first seen after warm-up spends its time
+            import cProfile
+            import io
+            import pstats
+
+            from torch.profiler import ProfilerActivity, profile
+
+            y = ids(250)
+            torch.cuda.synchronize()
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as tprof:
+                compiled(y)
+                torch.cuda.synchronize()
+            with open(os.path.join(out, f"newsize-torchprof-{tag}.txt"), "w") as handle:
+                handle.write(tprof.key_averages().table(sort_by="cpu_time_total", row_limit=40))
+            y = ids(260)
+            torch.cuda.synchronize()
+            cprof = cProfile.Profile()
+            cprof.enable()
+            compiled(y)
+            torch.cuda.synchronize()
+            cprof.disable()
+            stream = io.StringIO()
+            pstats.Stats(cprof, stream=stream).sort_stats("tottime").print_stats(40)
+            with open(os.path.join(out, f"newsize-cprof-{tag}.txt"), "w") as handle:
+                handle.write(stream.getvalue())
         for n in (200, 201, 333, 1500, 1):
             y = ids(n)
             torch.cuda.synchronize()
@@ -423,6 +448,36 @@ def warm(out: str, setting: str, tag: str) -> None:
         json.dump({**result, "spawn_detail": SPAWNED}, handle, indent=1, default=str)
 
 
+def blasinit(out: str) -> None:
+    """What a fresh process's first GEMM costs: cuBLAS's handle, then first GEMMs, with
+    the handle made on the main thread or (``thread`` in argv) on another one."""
+    import threading
+
+    import torch
+
+    torch.zeros(1, device="cuda")
+    torch.cuda.synchronize()
+    row = {}
+    t = time.perf_counter()
+    if "thread" in sys.argv:
+        worker = threading.Thread(target=torch.cuda.current_blas_handle)
+        worker.start()
+        worker.join()
+    else:
+        torch.cuda.current_blas_handle()
+    row["handle_ms"] = (time.perf_counter() - t) * 1e3
+    for m, n, k in ((64, 2048, 2048), (128, 3072, 2048), (128, 2048, 2048), (128, 11264, 2048),
+                    (128, 2048, 5632), (128, 32000, 2048)):  # fmt: skip
+        a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        b = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        torch.mm(a, b.t())
+        torch.cuda.synchronize()
+        row[f"mm_{m}x{n}x{k}_ms"] = (time.perf_counter() - t) * 1e3
+    print(json.dumps(row))
+
+
 def blas(out: str) -> None:
     """First call of eager bf16 GEMMs at new M: the per-shape host cost of cuBLAS."""
     import torch
@@ -461,6 +516,8 @@ if __name__ == "__main__":
     os.makedirs(out, exist_ok=True)
     if mode == "env":
         env(out)
+    elif mode == "blasinit":
+        blasinit(out)
     elif mode == "blas":
         blas(out)
     elif mode == "build":

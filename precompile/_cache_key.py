@@ -22,6 +22,7 @@ from runtime._manifest import FORMAT_VERSION
 from runtime._version import __version__
 
 from . import _torch_adapter as adapter
+from ._gemm_policy import POLICY as GEMM_POLICY
 from ._graph import GraphDescription
 from ._variant_plan import VariantRequest
 
@@ -90,6 +91,7 @@ def cache_factors(
         "variants": _canonical([[r.kind, list(r.point)] for r in requests]),
         "options": _canonical(dict(options)),
         "codegen_config": adapter.codegen_config_digest(),
+        "gemm_policy": GEMM_POLICY,
         "dynamic_shapes": dynamic_shapes,
         # what Dynamo's global-state guard holds: grad mode (a backward graph or not),
         # autocast per device and dtype, default dtype, deterministic algorithms, matmul

@@ -58,6 +58,7 @@ from runtime._process_groups import registered_groups, this_rank
 from runtime._version import __version__
 
 from ._caller_state import CallerState
+from ._gemm_policy import POLICY as GEMM_POLICY
 from ._offline import is_offline, refuse
 from ._trace_read import trace_read
 from ._variant_plan import Hints, Sizes
@@ -281,6 +282,7 @@ def model_factors(
         "options": _digest(dict(options)),
         # inductor's config and the attention backends change the compiled code too
         "codegen_config": _codegen_config_digest(),
+        "gemm_policy": GEMM_POLICY,
         # grad mode, autocast, default dtype, ...: what Dynamo's global-state guard holds
         "global_state": _digest(describe_state(trace_state())),
         "torch": f"{environment.torch} ({environment.torch_git})",

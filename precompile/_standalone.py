@@ -44,6 +44,7 @@ from runtime._process_groups import describe_groups
 from . import _gpu_lean as gpu_lean
 from . import _torch_adapter as adapter
 from ._cache_key import cache_factors, cache_key
+from ._gemm_policy import gemm_options
 from ._graph import GraphDescription
 from ._offline import is_offline, refuse
 from ._variant_plan import DEFAULT_MAX_VARIANTS, Hints, Sizes, VariantRequest, plan_variants
@@ -272,6 +273,36 @@ def _size_one_requests(
     return added
 
 
+def _compile_variant(
+    gm: torch.fx.GraphModule,
+    graph: GraphDescription,
+    point: Mapping[sympy.Symbol, int],
+    request: VariantRequest,
+    options: Mapping[str, Any],
+    number: int,
+) -> adapter.CompiledVariant:
+    """One variant, its GEMMs as ``_gemm_policy`` says; where inductor cannot compile
+    them so, with the caller's options (an INFO log says why)."""
+    dynamic = request.kind == "hint"
+    chosen = gemm_options(options, device=_device_of(graph), dynamic=dynamic,
+                          caller_config=adapter.inductor_config_changes())  # fmt: skip
+    if chosen is not None:
+        try:
+            return adapter.compile_variant(gm, graph, point, dynamic=dynamic, options=chosen)
+        except PrecompileError:
+            raise
+        except Exception as exc:  # inductor's own failure, whatever its type
+            reason = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else ""
+            log.info(
+                "variant %d: Triton GEMM templates failed (%s: %s); compiling with inductor's "
+                "default GEMMs",
+                number,
+                type(exc).__name__,
+                reason,
+            )
+    return adapter.compile_variant(gm, graph, point, dynamic=dynamic, options=options)
+
+
 def _compile_all(
     gm: torch.fx.GraphModule,
     graph: GraphDescription,
@@ -299,9 +330,7 @@ def _compile_all(
         point = dict(zip(graph.symbols, request.point, strict=True))
         started = time.perf_counter()
         try:
-            compiled = adapter.compile_variant(
-                gm, graph, point, dynamic=request.kind == "hint", options=options
-            )
+            compiled = _compile_variant(gm, graph, point, request, options, number)
         except PrecompileError:
             raise
         except Exception as exc:  # inductor's own failure, whatever its type

@@ -879,6 +879,15 @@ def codegen_config_digest() -> str:
     return hashlib.sha256(text.encode()).hexdigest()
 
 
+def inductor_config_changes() -> frozenset[str]:
+    """The inductor config entries this process holds at other than their defaults (none
+    where inductor's config is not imported and no variable of its is set)."""
+    config = sys.modules.get("torch._inductor.config")
+    if config is None and _config_environment():
+        config = importlib.import_module("torch._inductor.config")
+    return frozenset(_non_defaults(config)) if config is not None else frozenset()
+
+
 def _non_defaults(config: Any) -> dict[str, Any]:
     """The config's portable entries whose value is not their default (all of them where
     this torch's config module does not say what a default is)."""

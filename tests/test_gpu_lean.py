@@ -131,6 +131,17 @@ def test_every_gpu_variant_is_lean(built: dict[str, Any], name: str) -> None:
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
 
 
+def test_hint_variants_take_triton_gemms_and_exact_sizes_cublas(built: dict[str, Any]) -> None:
+    """The GEMM policy (``precompile._gemm_policy``): a hint variant serves every size, so
+    its GEMMs are Triton templates (no per-shape cuBLAS planning at a new size); the
+    exact-size variant keeps cuBLAS, planned in the warm-up."""
+    variants = built["extern"]["art"].manifest.variants
+    assert {v.kind for v in variants} == {"hint", "static"}
+    for variant in variants:
+        blas = {"mm", "addmm", "bmm"} & set(variant.lean.externs)
+        assert (not blas) if variant.kind == "hint" else blas, variant
+
+
 @pytest.mark.parametrize("name", ["reductions", "extern"])
 def test_a_fresh_serving_process_imports_no_compiler(built: dict[str, Any], name: str) -> None:
     case = built[name]

@@ -1,0 +1,47 @@
+"""Which GEMM kernels a variant is compiled with.
+
+Inductor's default for a matmul is an extern call to cuBLAS. cuBLAS chooses its kernel on
+the host for each (M, N, K) it has not seen: about 0.27 ms per GEMM on an H100. A hint
+variant serves every size of its dynamic dims, so each size first seen after the warm-up
+paid that once per GEMM: 12-17 ms for the README Llama's 30 GEMMs. Inductor's Triton GEMM
+templates compile M symbolically and launch at any M alike: a new size costs 1-3 ms.
+Steady state was no slower at any size measured (``benchmarks/gemm_backends.py``,
+``results/gemm-backends-h100.json``). The build costs more: the templates are autotuned
+at each hint.
+
+So CUDA hint variants use Triton GEMM templates. Exact-size variants keep inductor's
+default: they serve one size, whose cuBLAS plan the warm-up makes. A caller who sets any
+of the GEMM autotuning options (in ``options["config_patches"]`` or in inductor's config)
+keeps their choice. A variant whose GEMMs no template can serve is compiled with the
+caller's options (see ``precompile._standalone``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Set
+from typing import Any
+
+# What the policy sets; and what, set by the caller, leaves their choice in place.
+TRITON_GEMMS: Mapping[str, Any] = {
+    "max_autotune_gemm": True,
+    "max_autotune_gemm_backends": "TRITON",
+}
+CALLER_CHOICES = frozenset({"max_autotune", "max_autotune_gemm", "max_autotune_gemm_backends"})
+# In every cache key: a build under another policy compiled other code.
+POLICY = "gemm 1: CUDA hint variants use Triton GEMM templates unless the caller chose"
+
+
+def gemm_options(
+    options: Mapping[str, Any], *, device: str, dynamic: bool, caller_config: Set[str]
+) -> dict[str, Any] | None:
+    """The compile options of a variant (``dynamic``: a hint variant) on ``device``, where
+    the policy changes them, else None. ``caller_config``: the inductor config entries
+    the caller holds at other than their defaults."""
+    if device != "cuda" or not dynamic:
+        return None
+    patches = options.get("config_patches") or {}
+    if not isinstance(patches, Mapping):
+        return None  # inductor names what is wrong with it
+    if CALLER_CHOICES & set(patches) or CALLER_CHOICES & set(caller_config):
+        return None
+    return {**options, "config_patches": {**patches, **TRITON_GEMMS}}

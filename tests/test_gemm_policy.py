@@ -1,0 +1,94 @@
+"""The GEMM policy (``precompile._gemm_policy``, an internal module: its subject): CUDA
+hint variants use Triton GEMM templates, everything else compiles as inductor would, and
+a caller's own choice of GEMM autotuning stays theirs. The GPU side (which kernels the
+variants hold, and that they run lean) is in ``test_gpu_lean.py``."""
+
+from __future__ import annotations
+
+import pytest
+
+from precompile._gemm_policy import CALLER_CHOICES, POLICY, TRITON_GEMMS, gemm_options
+
+
+def test_cuda_hint_variants_take_triton_templates() -> None:
+    chosen = gemm_options({}, device="cuda", dynamic=True, caller_config=frozenset())
+    assert chosen == {"config_patches": dict(TRITON_GEMMS)}
+
+
+@pytest.mark.parametrize(("device", "dynamic"), [("cpu", True), ("cuda", False), ("cpu", False)])
+def test_other_variants_compile_as_inductor_would(device: str, dynamic: bool) -> None:
+    assert gemm_options({}, device=device, dynamic=dynamic, caller_config=frozenset()) is None
+
+
+def test_the_callers_other_options_and_patches_are_kept() -> None:
+    options = {"config_patches": {"triton.cudagraphs": False}, "cpp_wrapper": False}
+    chosen = gemm_options(options, device="cuda", dynamic=True, caller_config=frozenset())
+    assert chosen == {"cpp_wrapper": False,
+                      "config_patches": {"triton.cudagraphs": False, **TRITON_GEMMS}}  # fmt: skip
+    assert options == {"config_patches": {"triton.cudagraphs": False}, "cpp_wrapper": False}
+
+
+@pytest.mark.parametrize("name", sorted(CALLER_CHOICES))
+def test_a_callers_choice_of_gemm_autotuning_stays_theirs(name: str) -> None:
+    patched = {"config_patches": {name: False if name != "max_autotune_gemm_backends" else "ATEN"}}
+    assert gemm_options(patched, device="cuda", dynamic=True, caller_config=frozenset()) is None
+    assert gemm_options({}, device="cuda", dynamic=True, caller_config=frozenset({name})) is None
+
+
+def test_a_process_wide_config_choice_is_seen() -> None:
+    """``torch._inductor.config.max_autotune_gemm_backends = "ATEN"`` in the caller's
+    process is a choice too: the adapter reports it among the changed entries."""
+    import torch._inductor.config as config
+
+    from precompile import _torch_adapter as adapter
+
+    assert "max_autotune_gemm_backends" not in adapter.inductor_config_changes()
+    with config.patch(max_autotune_gemm_backends="ATEN"):
+        assert "max_autotune_gemm_backends" in adapter.inductor_config_changes()
+
+
+def test_both_cache_keys_name_the_policy() -> None:
+    """A build under another policy compiled other code: its entries are other keys."""
+    import torch
+
+    from precompile._model import model_factors
+
+    model = torch.nn.Linear(4, 4).eval()
+    factors = model_factors(model, (torch.randn(3, 4),), {}, {0: {0}}, [8], [1], {})
+    assert factors["gemm_policy"] == POLICY
+
+
+def test_a_variant_templates_cannot_serve_compiles_with_the_callers_options(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Inductor failing on the templates (no template fits the GEMM's dtype, say) is not
+    the end of the build: the variant compiles with the caller's options, logged."""
+    import logging
+
+    import sympy
+
+    from precompile import _standalone
+    from precompile._variant_plan import VariantRequest
+
+    calls: list[dict[str, object]] = []
+
+    def compile_variant(gm: object, graph: object, point: object, *, dynamic: bool,
+                        options: dict[str, object]) -> str:  # fmt: skip
+        calls.append(options)
+        if "max_autotune_gemm_backends" in options.get("config_patches", {}):  # type: ignore[operator]
+            raise RuntimeError("NoValidChoicesError: no choices for mm")
+        return "compiled"
+
+    monkeypatch.setattr(_standalone.adapter, "compile_variant", compile_variant)
+    monkeypatch.setattr(_standalone, "_device_of", lambda graph: "cuda")
+    request = VariantRequest("hint", (16,))
+    with caplog.at_level(logging.INFO, logger="precompile.compile"):
+        got = _standalone._compile_variant(None, None, {sympy.Symbol("s0"): 16}, request,  # type: ignore[arg-type]
+                                           {"config_patches": {"a": 1}}, 0)  # fmt: skip
+    assert got == "compiled"
+    assert calls == [{"config_patches": {"a": 1, **TRITON_GEMMS}}, {"config_patches": {"a": 1}}]
+    assert "Triton GEMM templates failed (RuntimeError: NoValidChoicesError" in caplog.text
+    calls.clear()
+    static = VariantRequest("static", (16,))
+    _standalone._compile_variant(None, None, {}, static, {}, 1)  # type: ignore[arg-type]
+    assert calls == [{}]
