@@ -339,12 +339,6 @@ def warm(out: str, setting: str, tag: str) -> None:
     if tag.startswith("prof"):
         import cProfile
 
-        from precompile._model import model_factors
-
-        x = ids(128)
-        t = time.perf_counter()
-        model_factors(model, (x,), {}, {0: {1}}, [16, 256, 2048], [1], {})
-        result["model_factors_s"] = time.perf_counter() - t
         prof = cProfile.Profile()
         prof.enable()
     with torch.no_grad():
@@ -377,7 +371,7 @@ def warm(out: str, setting: str, tag: str) -> None:
             pstats.Stats(prof, stream=stream).sort_stats("cumulative").print_stats(60)
             stream.write("\n\n===== tottime\n")
             pstats.Stats(prof, stream=stream).sort_stats("tottime").print_stats(40)
-            with open(os.path.join(out, "prof.txt"), "w") as handle:
+            with open(os.path.join(out, f"{tag}.txt"), "w") as handle:
                 handle.write(stream.getvalue())
         compiled.wait_warm(timeout=600)
         result["warm_done_s"] = time.perf_counter() - t

@@ -186,6 +186,11 @@ def main() -> None:
     parser.add_argument(
         "--model", action="store_true", help="the model level: a Llama, compile_model and rivals"
     )
+    parser.add_argument(
+        "--rows",
+        help="with --model: only these rows (separated by ';'); the other rows are kept from "
+        "the result file and listed in its rows_from_earlier_run",
+    )
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--model-child", help=argparse.SUPPRESS)
     parser.add_argument("--workdir", help=argparse.SUPPRESS)
@@ -199,7 +204,7 @@ def main() -> None:
         print(json.dumps(_warmstart_model.child(args.model_child, args.workdir, args.device)))
         return
     if args.model:
-        _model_level(args.device)
+        _model_level(args.device, args.rows.split(";") if args.rows else None)
         return
     if args.plot:
         with open(args.plot, encoding="utf-8") as handle:
@@ -266,13 +271,20 @@ def main() -> None:
     plot(document, name.replace(".json", ".png"))
 
 
-def _model_level(device: str) -> None:
+def _model_level(device: str, only: list[str] | None) -> None:
     import _warmstart_model as model_level
     from _common import RESULTS, environment, write_json
 
-    document = {**environment(device), "rows": model_level.run_all(device)}
-    print(model_level.report(document))
     name = f"warmstart-model-{'cuda' if device.startswith('cuda') else 'cpu'}.json"
+    document = {**environment(device), "rows": model_level.run_all(device, only)}
+    if only:
+        with open(os.path.join(RESULTS, name), encoding="utf-8") as handle:
+            earlier = json.load(handle)
+        kept = {row: r for row, r in earlier["rows"].items() if row not in document["rows"]}
+        merged = {**kept, **document["rows"]}
+        document["rows"] = {row: merged[row] for row in model_level.ROWS if row in merged}
+        document["rows_from_earlier_run"] = sorted(kept)
+    print(model_level.report(document))
     print(f"wrote {write_json(name, document)}")
     model_level.plot(document, os.path.join(RESULTS, name.replace(".json", ".png")))
 

@@ -13,6 +13,7 @@ from ._entry import (
     PrunePlan,
     RemoteScan,
     StoredEntry,
+    VerifiedBlobs,
     VerifyReport,
 )
 from ._errors import (
@@ -48,6 +49,7 @@ __all__ = [
     "StoredEntry",
     "UnsafeCacheError",
     "UntrustedArtifactError",
+    "VerifiedBlobs",
     "VerifyReport",
     "cache_to_read",
     "default_cache",

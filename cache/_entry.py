@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
@@ -21,7 +21,37 @@ class StoredEntry:
 
     def __post_init__(self) -> None:
         for name in ("blobs", "aux", "factors"):
-            object.__setattr__(self, name, MappingProxyType(dict(getattr(self, name))))
+            value = getattr(self, name)
+            if not isinstance(value, VerifiedBlobs):  # read-only already, and read lazily
+                object.__setattr__(self, name, MappingProxyType(dict(value)))
+
+
+class VerifiedBlobs(Mapping[str, bytes]):
+    """An entry's blobs as ``ArtifactCache.get(lazy=True)`` returns them: each read from
+    disk and verified (sha256 and size) the first time it is indexed, then kept. Safe to
+    index from several threads (a blob two threads ask for at once is read twice)."""
+
+    def __init__(self, sizes: Mapping[str, int], read: Callable[[str], bytes]) -> None:
+        self._sizes = dict(sizes)
+        self._read = read
+        self._held: dict[str, bytes] = {}
+
+    def __getitem__(self, digest: str) -> bytes:
+        held = self._held.get(digest)
+        if held is not None:
+            return held
+        if digest not in self._sizes:
+            raise KeyError(digest)
+        return self._held.setdefault(digest, self._read(digest))
+
+    def __contains__(self, digest: object) -> bool:
+        return digest in self._sizes
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._sizes)
+
+    def __len__(self) -> int:
+        return len(self._sizes)
 
 
 @dataclass(frozen=True)

@@ -51,6 +51,7 @@ from ._entry import (
     PrunePlan,
     RemoteScan,
     StoredEntry,
+    VerifiedBlobs,
     VerifyReport,
 )
 from ._errors import (
@@ -111,12 +112,19 @@ def _signed_digest(document: Mapping[str, Any]) -> bytes:
     return bytes.fromhex(sha256_hex(text.encode()))
 
 
-def _stored(key: str, document: Mapping[str, Any], blobs: Mapping[str, bytes]) -> StoredEntry:
+def _stored(
+    key: str,
+    document: Mapping[str, Any],
+    blobs: Mapping[str, bytes],
+    payloads: VerifiedBlobs | None = None,
+) -> StoredEntry:
     aux_digests = set(document["aux"].values())
     return StoredEntry(
         key=key,
         document=document.get("document"),
-        blobs={d: blobs[d] for d in document["blobs"] if d not in aux_digests},
+        blobs=payloads
+        if payloads is not None
+        else {d: blobs[d] for d in document["blobs"] if d not in aux_digests},
         aux={name: blobs[d] for name, d in document["aux"].items()},
         factors=document.get("factors", {}),
     )
@@ -267,7 +275,8 @@ class ArtifactCache:
         if "signature" in document:
             signature = Signature.from_json(document["signature"], f"cache entry {key[:12]}")
         where = f"cache entry {key[:12]}"
-        signing.check(_signed_digest(document), signature, self.trusted_keys, where)
+        if self.trusted_keys is not None:  # else nothing is checked: no digest to compute
+            signing.check(_signed_digest(document), signature, self.trusted_keys, where)
         checked: dict[str, Any] = document
         return checked
 
@@ -302,6 +311,31 @@ class ArtifactCache:
                 os.replace(path, target)
             raise
 
+    def _lazily(self, key: str, document: dict[str, Any], aux: set[str]) -> StoredEntry:
+        """``get(lazy=True)``'s entry: its aux blobs read, the others on first use."""
+        sizes: Mapping[str, int] = document["blobs"]
+        for digest in sizes:
+            os.lstat(self._blob_path(digest))  # FileNotFoundError: handled as get's
+        read = self._read_blobs({d: sizes[d] for d in aux}, key)
+
+        def read_later(digest: str) -> bytes:
+            try:
+                return self._read_blob(digest, sizes[digest], key)
+            except FileNotFoundError:
+                raise CorruptArtifactError(
+                    f"cache blob {digest[:12]} of entry {key[:12]} was removed after the "
+                    "entry was read (evicted or deleted): load the entry again"
+                ) from None
+            except CorruptArtifactError as exc:
+                self._quarantine(key, str(exc))
+                raise
+
+        payloads = VerifiedBlobs({d: n for d, n in sizes.items() if d not in aux}, read_later)
+        with contextlib.suppress(OSError):  # approximate LRU: last use is the entry's mtime
+            os.utime(self.entry_path(key))
+        self._count("hits")
+        return _stored(key, document, read, payloads)
+
     def _read_blobs(self, sizes: Mapping[str, int], key: str) -> dict[str, bytes]:
         """Every blob of an entry, verified. Several large blobs are read in threads
         (decompression and hashing release the GIL): a GPU model's four variants load
@@ -312,17 +346,26 @@ class ArtifactCache:
             read = pool.map(lambda item: self._read_blob(item[0], item[1], key), sizes.items())
             return dict(zip(sizes, read, strict=True))
 
-    def get(self, key: str) -> StoredEntry | None:
+    def get(self, key: str, *, lazy: bool = False) -> StoredEntry | None:
         """The entry under ``key`` with every blob verified, or None on a miss (a corrupt
         entry is quarantined first). Raises ``UntrustedArtifactError`` where trusted keys
         are configured and the entry is not signed by one, ``UnsafeCacheError`` where
-        another user could have written it."""
+        another user could have written it.
+
+        ``lazy``: every blob is checked to be there, and read and verified when the
+        entry's ``blobs`` are first indexed by it (``VerifiedBlobs``): a serving process
+        reads the code it runs, not every variant's fallback. A blob found corrupt then
+        raises ``CorruptArtifactError`` (the entry is quarantined); one removed since,
+        ``CorruptArtifactError`` too."""
         document = self._read_document(key)
         if document is None:
             fetched = self._fetch(key) if self.remote is not None else None
             self._count("misses" if fetched is None else "hits")
             return fetched
+        aux = set(document["aux"].values())
         try:
+            if lazy:
+                return self._lazily(key, document, aux)
             blobs = self._read_blobs(document["blobs"], key)
         except FileNotFoundError:
             if os.path.exists(self.entry_path(key)):

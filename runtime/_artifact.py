@@ -43,7 +43,7 @@ from ._errors import ArtifactNotFoundError, CorruptArtifactError, InvalidOptionE
 from ._execution import DirectExecutor, Executor
 from ._lean import lean_enabled, load_lean
 from ._manifest import Calibration, Manifest, Symbol, Variant
-from ._payloads import MemoryPayloads, PayloadStore
+from ._payloads import LazyPayloads, PayloadStore
 from ._process_groups import check_groups
 from ._unpacked_format import read_unpacked, write_unpacked
 
@@ -794,6 +794,8 @@ def artifact_from_entry(entry: StoredEntry) -> CompiledArtifact:
     if missing:
         raise CorruptArtifactError(f"{where} lacks payload {missing[0][:12]}")
     check_compatible(manifest.environment, where)
-    artifact = CompiledArtifact(manifest, MemoryPayloads(entry.blobs))
+    # read (and verified by the cache) when a variant loads: see ArtifactCache.get(lazy=)
+    blobs = entry.blobs
+    artifact = CompiledArtifact(manifest, LazyPayloads(blobs.__getitem__, holds=blobs.__contains__))
     artifact.cache_key = entry.key
     return artifact

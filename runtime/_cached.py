@@ -22,7 +22,7 @@ from ._errors import InvalidOptionError
 
 def load_cached(cache: ArtifactCache, key: str) -> tuple[CompiledArtifact, dict[str, bytes]] | None:
     """The artifact stored under ``key`` and its auxiliary blobs, or None on a miss."""
-    entry = cache.get(key)
+    entry = cache.get(key, lazy=True)
     if entry is None:
         return None
     return artifact_from_entry(entry), dict(entry.aux)
@@ -31,7 +31,7 @@ def load_cached(cache: ArtifactCache, key: str) -> tuple[CompiledArtifact, dict[
 def load_cached_model(cache: ArtifactCache | None, key: str) -> tuple[CompiledArtifact, Any] | None:
     """The compiled graph and the raw model plan stored under ``key``, or None."""
 
-    entry = cache_to_read(cache).get(key)
+    entry = cache_to_read(cache).get(key, lazy=True)  # payloads read as variants load
     if entry is None:
         return None
     document = entry.document

@@ -112,12 +112,47 @@ def test_corrupt_entries_are_quarantined_misses(
         data = bytearray(b'{"key": "not this one"}')
     with open(target, "wb") as handle:
         handle.write(bytes(data))
-    assert get(store, key_of(1)) is None
+    assert store.get(key_of(1)) is None
     assert not os.path.exists(entry)
     assert os.listdir(os.path.join(str(tmp_path), "v2", "quarantine"))
     assert store.stats().corrupt == 1
     put(store, key_of(1), fake_artifact(1), {})  # a miss can be refilled
     assert get(store, key_of(1)) is not None
+
+
+def test_a_lazy_get_reads_a_blob_when_it_is_used_and_checks_it_then(tmp_path: object) -> None:
+    """What serving loads use (``get(lazy=True)``): the entry's payloads are read when a
+    variant needs them, verified then; a corrupt one is refused and its entry quarantined
+    (a later compile refills it), a missing one at the get is a miss, one removed after
+    it an error naming what happened."""
+    from cache import CorruptArtifactError, VerifiedBlobs
+
+    store = ArtifactCache(str(tmp_path))
+    art = fake_artifact(1)
+    digest = art.variants[0].payload
+    put(store, key_of(1), art, {}, {"aux": b"extra"})
+    entry = store.get(key_of(1), lazy=True)
+    assert entry is not None and isinstance(entry.blobs, VerifiedBlobs)
+    assert entry.aux == {"aux": b"extra"} and list(entry.blobs) == [digest]
+    (payload_blob,) = [f for f in _blob_files(str(tmp_path)) if os.path.basename(f) == digest]
+    with open(payload_blob, "rb") as handle:
+        good = handle.read()
+    with open(payload_blob, "wb") as handle:
+        handle.write(good[: len(good) // 2])
+    with pytest.raises(CorruptArtifactError, match=digest[:12]):
+        entry.blobs[digest]
+    assert store.get(key_of(1)) is None and store.stats().corrupt == 1  # quarantined
+    put(store, key_of(1), art, {}, {"aux": b"extra"})
+    entry = store.get(key_of(1), lazy=True)
+    assert entry is not None
+    (payload_blob,) = [f for f in _blob_files(str(tmp_path)) if os.path.basename(f) == digest]
+    os.remove(payload_blob)
+    with pytest.raises(CorruptArtifactError, match="removed after the entry was read"):
+        entry.blobs[digest]
+    assert store.get(key_of(1), lazy=True) is None  # missing at the get: a miss
+    put(store, key_of(1), art, {}, {"aux": b"extra"})
+    loaded, _ = get(store, key_of(1))  # type: ignore[misc]
+    assert loaded.payload_bytes(digest) == art.payload_bytes(digest)
 
 
 def test_a_payload_limit_below_an_entry_refuses_it_and_loses_nothing(
