@@ -21,7 +21,7 @@ from __future__ import annotations
 import logging
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,6 +35,7 @@ from . import _torch_adapter as adapter
 from ._artifact import CompiledArtifact
 from ._binary_format import read_binary_with_model, write_binary
 from ._cached import load_cached_model
+from ._decode_loop import decode_loop
 from ._environment import check_compatible
 from ._errors import (
     ArtifactNotFoundError,
@@ -574,6 +575,41 @@ class CompiledModel:
                 table, name = self._weights[index]
                 flat.append(table[name])
         return flat
+
+    # -- the decode loop ---------------------------------------------------------------
+    def generate(
+        self,
+        input_ids: torch.Tensor,
+        past_key_values: Any,
+        *,
+        max_new_tokens: int,
+        do_sample: bool = False,
+        temperature: float = 1.0,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        generator: torch.Generator | None = None,
+        eos_token_id: int | Sequence[int] | None = None,
+        pad_token_id: int | None = None,
+    ) -> torch.Tensor:
+        """Prefill the prompts, then decode up to ``max_new_tokens`` tokens per row, every
+        step served by this compiled model (compiled for a keyword call of ``input_ids``
+        and a ``StaticCache`` ``past_key_values``; see ``_decode_loop``). Returns the
+        prompts followed by the new tokens, ``[batch, length + new]``, as transformers'
+        ``generate`` returns its sequences: greedy by default; ``do_sample=True`` samples
+        after ``temperature``, ``top_k`` and ``top_p`` (none applied unless given) from
+        ``generator`` (else torch's default one). Rows stop at ``eos_token_id`` and are
+        filled with ``pad_token_id`` after; the loop ends when every row has. The prompts
+        of one call have one length (no padding). The cache is written in place: pass a
+        fresh (or ``reset()``) one, large enough for the prompt and the new tokens."""
+        names = [n for n in dict.fromkeys(self._names) if n]
+        constants = {self._names[i]: v for i, v in self.plan.constants.items()}
+        with torch.no_grad():
+            return decode_loop(
+                self, names, constants, input_ids, past_key_values,
+                max_new_tokens=max_new_tokens,
+                do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p,
+                generator=generator, eos_token_id=eos_token_id, pad_token_id=pad_token_id,
+            )  # fmt: skip
 
     # -- warm-up ---------------------------------------------------------------------
     def warmup(self, *, background: bool = False) -> CompiledModel:

@@ -362,3 +362,74 @@ def test_generate_with_cudagraphs_matches_without(
                 outputs.append(model.generate(prompt, **options))
             assert served.calls == STEPS
     assert torch.equal(outputs[0], outputs[1])
+
+
+def _reference(model: torch.nn.Module, prompt: torch.Tensor, **options: Any) -> torch.Tensor:
+    """transformers' own ``generate`` (a dynamic cache, eager)."""
+    with torch.no_grad():
+        out: torch.Tensor = model.generate(prompt, pad_token_id=0, **options)
+    return out
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_generate_gives_transformers_tokens(llama: tuple[Any, Any], batch: int) -> None:
+    """``CompiledModel.generate``, the public decode loop: greedy tokens, rows stopping at
+    EOS, and sampled tokens (temperature, top-k, top-p, torch's default generator seeded
+    alike) identical to transformers' ``generate`` on the same model."""
+    model, compiled = llama
+    torch.manual_seed(10 + batch)
+    prompt = torch.randint(0, VOCAB, (batch, 6))
+    want = _reference(model, prompt, max_new_tokens=20, do_sample=False)
+    got = compiled.generate(prompt, new_cache(model), max_new_tokens=20)
+    assert torch.equal(got, want)
+    eos = int(want[0, 6 + 3])  # a token row 0 emits early: it stops there, others go on
+    want = _reference(model, prompt, max_new_tokens=20, do_sample=False, eos_token_id=eos)
+    got = compiled.generate(prompt, new_cache(model), max_new_tokens=20, eos_token_id=eos,
+                            pad_token_id=0)  # fmt: skip
+    assert torch.equal(got, want) and got.shape[1] <= 6 + 20
+    sampling = dict(max_new_tokens=12, temperature=0.7, top_k=20, top_p=0.9)
+    torch.manual_seed(7)
+    want = _reference(model, prompt, do_sample=True, **sampling)  # type: ignore[arg-type]
+    torch.manual_seed(7)
+    got = compiled.generate(prompt, new_cache(model), do_sample=True, **sampling)  # type: ignore[arg-type]
+    assert torch.equal(got, want)
+
+
+def test_generate_samples_from_its_generator_alone(llama: tuple[Any, Any]) -> None:
+    """One seed, one sequence: a ``torch.Generator`` given is all the loop draws from (the
+    default generator is not advanced)."""
+    model, compiled = llama
+    prompt = torch.randint(0, VOCAB, (2, 5))
+    runs = []
+    for _ in range(2):
+        before = torch.random.get_rng_state()
+        generator = torch.Generator().manual_seed(123)
+        runs.append(compiled.generate(prompt, new_cache(model), max_new_tokens=10,
+                                      do_sample=True, generator=generator))  # fmt: skip
+        assert torch.equal(torch.random.get_rng_state(), before)
+    assert torch.equal(runs[0], runs[1])
+
+
+def test_generate_refuses_bad_requests_by_name(llama: tuple[Any, Any]) -> None:
+    model, compiled = llama
+    prompt = torch.randint(0, VOCAB, (1, 5))
+    bad: list[tuple[dict[str, Any], str]] = [
+        ({"max_new_tokens": 0}, "max_new_tokens must be an int >= 1"),
+        ({"max_new_tokens": 4, "do_sample": True, "temperature": 0.0}, "temperature must be"),
+        ({"max_new_tokens": 4, "do_sample": True, "top_p": 1.5}, "top_p must be"),
+        ({"max_new_tokens": 4, "do_sample": True, "top_k": 0}, "top_k must be"),
+        ({"max_new_tokens": 4, "eos_token_id": 3}, "pad_token_id .* is needed"),
+        ({"max_new_tokens": 4, "eos_token_id": -1, "pad_token_id": 0}, "eos_token_id must be"),
+        ({"max_new_tokens": MAX_CACHE}, f"the cache holds {MAX_CACHE} tokens"),
+    ]
+    for options, message in bad:
+        with pytest.raises(precompile.InvalidOptionError, match=message):
+            compiled.generate(prompt, new_cache(model), **options)
+    with pytest.raises(precompile.InvalidOptionError, match="input_ids must be"):
+        compiled.generate(prompt.float(), new_cache(model), max_new_tokens=4)
+    with pytest.raises(precompile.InvalidOptionError, match="past_key_values must be"):
+        compiled.generate(prompt, {"not": "a cache"}, max_new_tokens=4)
+    used = new_cache(model)
+    compiled.generate(prompt, used, max_new_tokens=MAX_CACHE - 10)  # the cache is now full
+    with pytest.raises(precompile.InputMismatchError, match="past_key_values holds"):
+        compiled.generate(prompt, used, max_new_tokens=20)

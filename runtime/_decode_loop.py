@@ -1,0 +1,191 @@
+"""``CompiledModel.generate``: prefill, then one token per step against a static KV cache,
+every forward call served by the compiled model (no Dynamo, no compile, no transformers
+``generate`` machinery in between).
+
+What it drives is what the model was compiled for: a keyword call of ``input_ids`` and
+``past_key_values`` (a ``StaticCache``), with ``use_cache`` and ``cache_position`` where the
+compiled call has them. Prompts of one batch have one length: left padding needs an
+attention mask and position ids in the compiled call, and ``compile_model`` with a dynamic
+2-d attention mask does not work yet (see the README's Limits). Tokens stay on
+the device; choosing them follows transformers' ``generate`` (greedy: the argmax; sampling:
+temperature, then top-k, then top-p, then ``torch.multinomial``), so greedy tokens equal
+its own. Stopping at EOS reads the device once per step on the CPU and once every
+``_SYNC_EVERY`` steps on a GPU (the steps after every row finished are cut from the output,
+so it is the same either way).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Collection, Mapping, Sequence
+from typing import Any
+
+import torch
+
+from ._errors import InvalidOptionError
+from ._kv_cache import is_kv_cache
+
+_DRIVEN = ("input_ids", "past_key_values", "use_cache", "cache_position")
+_SYNC_EVERY = 8  # GPU steps between reads of "has every row finished"
+
+
+def check_sampling(
+    do_sample: bool, temperature: float, top_k: int | None, top_p: float | None
+) -> None:
+    if not isinstance(do_sample, bool):
+        raise InvalidOptionError(f"do_sample must be True or False, got {do_sample!r}")
+    if (
+        isinstance(temperature, bool)
+        or not isinstance(temperature, (int, float))
+        or not (temperature > 0)
+    ):
+        raise InvalidOptionError(f"temperature must be a number > 0, got {temperature!r}")
+    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
+        raise InvalidOptionError(f"top_k must be an int >= 1 or None, got {top_k!r}")
+    if top_p is not None and (
+        isinstance(top_p, bool) or not isinstance(top_p, (int, float)) or not 0 < top_p <= 1
+    ):
+        raise InvalidOptionError(f"top_p must be a number in (0, 1] or None, got {top_p!r}")
+
+
+def next_tokens(
+    logits: torch.Tensor,
+    *,
+    do_sample: bool,
+    temperature: float,
+    top_k: int | None,
+    top_p: float | None,
+    generator: torch.Generator | None,
+) -> torch.Tensor:
+    """One token per row from the last position's logits, as transformers chooses it."""
+    scores = logits[:, -1, :].to(dtype=torch.float32, copy=True)
+    if not do_sample:
+        return scores.argmax(dim=-1)
+    if temperature != 1.0:
+        scores = scores / temperature
+    if top_k is not None:
+        kth = torch.topk(scores, min(top_k, scores.shape[-1]))[0][..., -1, None]
+        scores = scores.masked_fill(scores < kth, -float("inf"))
+    if top_p is not None and top_p < 1.0:
+        ordered, order = torch.sort(scores, descending=False)
+        remove = ordered.softmax(dim=-1).cumsum(dim=-1) <= (1 - top_p)
+        remove[..., -1:] = False  # the likeliest token is always kept
+        scores = scores.masked_fill(remove.scatter(1, order, remove), -float("inf"))
+    probabilities = scores.softmax(dim=-1)
+    return torch.multinomial(probabilities, num_samples=1, generator=generator).squeeze(1)
+
+
+def _eos_tensor(eos_token_id: int | Sequence[int] | None, device: torch.device) -> torch.Tensor:
+    ids = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id or ())
+    for value in ids:
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise InvalidOptionError(
+                f"eos_token_id must be a token id (an int >= 0) or a list of them, got "
+                f"{eos_token_id!r}"
+            )
+    return torch.tensor(ids, dtype=torch.long, device=device)
+
+
+def decode_loop(
+    call: Callable[..., Any],
+    names: Collection[str],
+    constants: Mapping[str, Any],
+    input_ids: torch.Tensor,
+    cache: Any,
+    *,
+    max_new_tokens: int,
+    do_sample: bool,
+    temperature: float,
+    top_k: int | None,
+    top_p: float | None,
+    generator: torch.Generator | None,
+    eos_token_id: int | Sequence[int] | None,
+    pad_token_id: int | None,
+) -> torch.Tensor:
+    """The prompt followed by up to ``max_new_tokens`` tokens per row (``[batch, prompt +
+    new]``, on the prompt's device). ``call`` is the compiled model, compiled for a
+    keyword call of ``names`` (``constants``: the plain values it was compiled with)."""
+    unknown = sorted(set(names) - set(_DRIVEN))
+    if unknown or "input_ids" not in names or "past_key_values" not in names:
+        raise InvalidOptionError(
+            "generate drives keyword calls of input_ids and past_key_values (and use_cache "
+            "and cache_position where compiled with them); this model was compiled for "
+            f"{sorted(names)}; compile it for such a call"
+        )
+    if (
+        not isinstance(input_ids, torch.Tensor)
+        or input_ids.dim() != 2
+        or (input_ids.dtype != torch.long)
+    ):
+        raise InvalidOptionError(
+            "input_ids must be a [batch, length] int64 tensor, got "
+            f"{getattr(input_ids, 'shape', type(input_ids).__name__)}"
+        )
+    batch, length = input_ids.shape
+    if batch < 1 or length < 1:
+        raise InvalidOptionError(f"input_ids must hold a prompt, got shape {list(input_ids.shape)}")
+    if not is_kv_cache(cache):
+        raise InvalidOptionError(
+            f"past_key_values must be a transformers StaticCache, got {type(cache).__name__}"
+        )
+    if (
+        isinstance(max_new_tokens, bool)
+        or not isinstance(max_new_tokens, int)
+        or (max_new_tokens < 1)
+    ):
+        raise InvalidOptionError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
+    check_sampling(do_sample, temperature, top_k, top_p)
+    device = input_ids.device
+    eos = _eos_tensor(eos_token_id, device)
+    if eos.numel() and (
+        pad_token_id is None
+        or isinstance(pad_token_id, bool)
+        or not isinstance(pad_token_id, int)
+        or pad_token_id < 0
+    ):
+        raise InvalidOptionError(
+            "pad_token_id (a token id, an int >= 0) is needed with eos_token_id: rows that "
+            f"finished are filled with it; got {pad_token_id!r}"
+        )
+    total = length + max_new_tokens
+    lengths = [getattr(layer, "max_cache_len", None) for layer in getattr(cache, "layers", ())]
+    capacity = min((n for n in lengths if isinstance(n, int)), default=None)
+    if capacity is not None and total - 1 > capacity:
+        raise InvalidOptionError(
+            f"the cache holds {capacity} tokens, and a prompt of {length} with "
+            f"max_new_tokens={max_new_tokens} writes {total - 1}; pass a larger cache or "
+            "ask for fewer tokens"
+        )
+    tokens = torch.empty(batch, total, dtype=torch.long, device=device)
+    tokens[:, :length] = input_ids
+    unfinished = torch.ones(batch, dtype=torch.bool, device=device)
+    sync_every = 1 if device.type == "cpu" else _SYNC_EVERY
+    start, written = 0, length
+    step_ids = input_ids
+    for step in range(max_new_tokens):
+        end = start + step_ids.shape[1]
+        arguments: dict[str, Any] = {"input_ids": step_ids, "past_key_values": cache}
+        if "use_cache" in names:
+            arguments["use_cache"] = constants.get("use_cache", True)
+        if "cache_position" in names:
+            arguments["cache_position"] = torch.arange(start, end, device=device)
+        out = call(**arguments)
+        chosen = next_tokens(out.logits, do_sample=do_sample, temperature=temperature,
+                             top_k=top_k, top_p=top_p, generator=generator)  # fmt: skip
+        if eos.numel():
+            chosen = torch.where(unfinished, chosen, torch.full_like(chosen, pad_token_id or 0))
+            unfinished &= ~torch.isin(chosen, eos)
+        tokens[:, written] = chosen
+        written += 1
+        start, step_ids = end, chosen[:, None]
+        last = step == max_new_tokens - 1
+        if eos.numel() and not last and (step + 1) % sync_every == 0 and not bool(unfinished.any()):
+            break
+    out_tokens = tokens[:, :written]
+    if eos.numel() and sync_every > 1:
+        # Steps run after every row had finished (between two reads) are cut: the output
+        # ends where transformers' would, at the step the last row finished.
+        finished_at = (out_tokens[:, length:][..., None] == eos).any(-1).long()
+        done = finished_at.cummax(dim=-1).values.all(dim=0).nonzero()
+        if done.numel():
+            out_tokens = out_tokens[:, : length + int(done[0]) + 1]
+    return out_tokens
