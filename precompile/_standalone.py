@@ -273,6 +273,12 @@ def _size_one_requests(
     return added
 
 
+def _first_line(exc: BaseException, limit: int) -> str:
+    """What an inductor failure says, for a log line or an error: its first line."""
+    text = str(exc).strip()
+    return text.splitlines()[0][:limit] if text else ""
+
+
 def _compile_variant(
     gm: torch.fx.GraphModule,
     graph: GraphDescription,
@@ -292,7 +298,7 @@ def _compile_variant(
         except PrecompileError:
             raise
         except Exception as exc:  # inductor's own failure, whatever its type
-            reason = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else ""
+            reason = _first_line(exc, 200)
             log.info(
                 "variant %d: Triton GEMM templates failed (%s: %s); compiling with inductor's "
                 "default GEMMs",
@@ -335,7 +341,7 @@ def _compile_all(
             raise
         except Exception as exc:  # inductor's own failure, whatever its type
             where = ", ".join(f"{n}={v}" for n, v in zip(names, request.point, strict=True))
-            reason = str(exc).strip().splitlines()[0][:500] if str(exc).strip() else ""
+            reason = _first_line(exc, 500)
             if min(request.point, default=2) < 2 and len(queue) > 1:
                 # Below the range the graph was traced for (a slice of s // 2 is empty
                 # at 1): such a point was asked for by default or added here; leave it
