@@ -101,6 +101,24 @@ def _dynamic(kwargs: Mapping[str, Any], dynamic_batch: bool) -> dict[int | str, 
     return dims
 
 
+def _static_sizes(kwargs: Mapping[str, Any], dynamic_batch: bool) -> tuple[Any, ...]:
+    """The sizes a call's compiled model holds fixed: every tensor dim not made dynamic,
+    and each cache's max_cache_len. A call differing in one of them (another cache length,
+    say: ``generate`` sizes its static cache to prompt + new tokens) is another compiled
+    model, never a call the first one refuses."""
+    dims = _dynamic(kwargs, dynamic_batch)
+    sizes: list[Any] = []
+    for name, value in sorted(kwargs.items()):
+        if isinstance(value, torch.Tensor):
+            fixed = set(range(value.dim())) - set(dims.get(name, ()))
+            sizes.append((name, tuple(int(n) if d in fixed else None
+                                      for d, n in enumerate(value.shape))))  # fmt: skip
+        elif is_kv_cache(value):
+            layers = getattr(value, "layers", None) or []
+            sizes.append((name, tuple(getattr(layer, "max_cache_len", None) for layer in layers)))
+    return tuple(sizes)
+
+
 def _pad_mask_to_cache(kwargs: dict[str, Any]) -> None:
     """A 2-d attention mask (batch, tokens so far), which grows by one every decode step,
     padded with zeros to the static cache's length: what transformers' mask code does to
@@ -172,7 +190,7 @@ class GenerateServer:
     # -- serving -----------------------------------------------------------------------
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         _pad_mask_to_cache(kwargs)
-        key = _structure(args, kwargs)
+        key = (*_structure(args, kwargs), _static_sizes(kwargs, self.dynamic_batch))
         compiled = self.compiled.get(key)
         if compiled is None:
             compiled = self._compile(key, kwargs)

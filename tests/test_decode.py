@@ -253,12 +253,17 @@ def test_generate_is_served_by_compiled_models(arch: str, cache_dir: str) -> Non
             other = torch.randint(0, VOCAB, (1, 7))
             second = model.generate(other, **options)
             served_inner = len(inner)
+            # another output length, in the same block: generate sizes its static cache to
+            # prompt + new tokens, so this is a cache of another length (another compile)
+            longer = model.generate(other, **{**options, "max_new_tokens": STEPS + 6})
         assert "forward" not in vars(model)  # the hook is gone after the block
         expected = model.generate(other, **options)
-    assert eager_calls == STEPS and served.calls == 2 * STEPS
+        expected_longer = model.generate(other, **{**options, "max_new_tokens": STEPS + 6})
+    assert torch.equal(longer, expected_longer)
+    assert eager_calls == STEPS and served.calls == 2 * STEPS + STEPS + 6
     assert torch.equal(first, eager) and torch.equal(second, expected)
     assert served_inner == 0  # no eager forward ran inside the second generate
-    assert 1 <= len(served.compiled) <= 2  # prefill, and decode where it differs
+    assert 2 <= len(served.compiled) <= 4  # prefill and decode, per cache length
 
 
 # -- CUDA graphs ---------------------------------------------------------------------------
