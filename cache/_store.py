@@ -59,6 +59,7 @@ from ._errors import (
     CorruptArtifactError,
     InvalidOptionError,
     PayloadLimitError,
+    UnsafeCacheError,
     UntrustedArtifactError,
 )
 from ._json import decode_json
@@ -301,15 +302,28 @@ class ArtifactCache:
 
     def _read_blob(self, digest: str, raw_size: int, key: str) -> bytes:
         path = self._blob_path(digest)
-        stored = files.read_checked(path, max(raw_size, 1 << 20) * 2 + 4096, self.trust_foreign)
         try:
+            stored = files.read_checked(path, max(raw_size, 1 << 20) * 2 + 4096, self.trust_foreign)
             return decompress(stored, raw_size, digest, f"cache blob {digest[:12]}")
+        except PayloadLimitError:
+            raise  # a limit set below a healthy blob: nothing is damaged
         except CorruptArtifactError:
-            # Content-addressed: a bad blob must go, or the next write would keep it.
-            target = os.path.join(self._dirs["quarantine"], f"blob-{digest}.{time.time_ns()}")
-            with contextlib.suppress(OSError):
-                os.replace(path, target)
+            # Content-addressed: a bad blob (altered, oversized, not a regular file) must
+            # go, or the write refilling its entry would keep it.
+            self._quarantine_blob(path, digest)
             raise
+        except UnsafeCacheError:
+            if not os.path.islink(path):
+                raise  # another user's file, or one others may write: refused as it is
+            self._quarantine_blob(path, digest)  # the link itself moves; nothing is followed
+            raise CorruptArtifactError(
+                f"cache blob {digest[:12]} was a symbolic link (moved to quarantine)"
+            ) from None
+
+    def _quarantine_blob(self, path: str, digest: str) -> None:
+        target = os.path.join(self._dirs["quarantine"], f"blob-{digest}.{time.time_ns()}")
+        with contextlib.suppress(OSError):
+            os.replace(path, target)
 
     def _lazily(self, key: str, document: dict[str, Any], aux: set[str]) -> StoredEntry:
         """``get(lazy=True)``'s entry: its aux blobs read, the others on first use."""

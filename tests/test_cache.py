@@ -574,3 +574,38 @@ def test_tags_name_entries_for_servers(tmp_path: object) -> None:
         store.tag("model", "not-a-key")
     out = _cli("--root", str(tmp_path), "tags", "--json").stdout
     assert json.loads(out) == {"model": key_of(2)}
+
+
+@pytest.mark.parametrize("damage", ["fifo", "directory", "symlink", "oversized"])
+def test_a_blob_that_is_no_blob_is_moved_away_so_a_refill_heals(
+    tmp_path: object, damage: str
+) -> None:
+    """A blob path holding a FIFO, a directory, a link (even to the right bytes) or a
+    file past its bound is refused and moved to quarantine with its entry: the compile
+    that refills the entry writes the blob again, and the next load is whole."""
+    store = ArtifactCache(str(tmp_path))
+    art = fake_artifact(1)
+    put(store, key_of(1), art, {})
+    (blob,) = _blob_files(str(tmp_path))
+    with open(blob, "rb") as handle:
+        good = handle.read()
+    os.remove(blob)
+    if damage == "fifo":
+        os.mkfifo(blob)
+    elif damage == "directory":
+        os.mkdir(blob)
+    elif damage == "symlink":
+        copy = os.path.join(str(tmp_path), "copy")
+        with open(copy, "wb") as handle:
+            handle.write(good)
+        os.symlink(copy, blob)
+    else:
+        with open(blob, "wb") as handle:
+            handle.write(good)
+        os.truncate(blob, 64 << 20)
+    assert store.get(key_of(1)) is None  # a miss, the entry quarantined
+    assert not os.path.lexists(blob)
+    put(store, key_of(1), art, {})
+    loaded, _ = get(store, key_of(1))  # type: ignore[misc]
+    digest = art.variants[0].payload
+    assert loaded.payload_bytes(digest) == art.payload_bytes(digest)
