@@ -11,8 +11,9 @@ tensors, the plain values) gets one ``compile_model`` (found in the cache withou
 tracing where it was compiled before), and ``get_compiled_call`` (generate's hook for
 ``torch.compile``) returns the same router, so no step is compiled by torch.compile.
 
-Dynamic dims: the prompt's sequence dim (``input_ids`` last dim, and ``position_ids``'s
-last dim of that size) when it is longer than 1, with the given ``hints``; a 2-d
+Dynamic dims: the prompt's sequence dim (``input_ids`` last dim, ``position_ids``'s
+last dim of that size, and the query dim of the 4-d mask generate makes for a padded
+prefill) when it is longer than 1, with the given ``hints``; a 2-d
 attention mask is padded with zeros to the static cache's length (as transformers' mask
 code pads it), so it has one shape; with ``dynamic_batch=True`` also dim 0 of every
 tensor argument (and the cache's batch) where the call's batch is over 1, so batch sizes
@@ -87,6 +88,10 @@ def _dynamic(kwargs: Mapping[str, Any], dynamic_batch: bool) -> dict[int | str, 
                     and int(value.shape[-1]) == sequence
                 ):
                     wanted.append(value.dim() - 1)
+                elif name == "attention_mask" and value.dim() == 4 and (
+                    int(value.shape[2]) == sequence
+                ):  # the 4-d mask generate makes: [batch, 1, query (the prompt), key]
+                    wanted.append(2)
                 elif name == "inputs_embeds":
                     wanted.append(1)
         elif (

@@ -438,3 +438,23 @@ def test_generate_refuses_bad_requests_by_name(llama: tuple[Any, Any]) -> None:
     compiled.generate(prompt, used, max_new_tokens=MAX_CACHE - 10)  # the cache is now full
     with pytest.raises(precompile.InputMismatchError, match="past_key_values holds"):
         compiled.generate(prompt, used, max_new_tokens=20)
+
+
+def test_generate_serves_left_padded_batches(cache_dir: str) -> None:
+    """A batch of prompts of different lengths, left-padded with an attention mask: the
+    prefill's 4-d mask follows the prompt's length (its query dim is dynamic with it), so
+    the tokens are eager's, with and without the batch dynamic."""
+    model = build("llama")
+    torch.manual_seed(6)
+    prompt = torch.randint(1, VOCAB, (2, 7))
+    mask = torch.ones(2, 7, dtype=torch.long)
+    prompt[0, :3], mask[0, :3] = 0, 0
+    options = dict(attention_mask=mask, max_new_tokens=8, do_sample=False,
+                   cache_implementation="static", pad_token_id=0)  # fmt: skip
+    with torch.no_grad():
+        eager = model.generate(prompt, **options)
+        for dynamic_batch in (False, True):
+            with precompile.serve_generate(model, hints=[8], cache=cache_dir,
+                                           dynamic_batch=dynamic_batch) as served:  # fmt: skip
+                assert torch.equal(model.generate(prompt, **options), eager)
+            assert served.calls == 8
