@@ -763,7 +763,7 @@ class CompiledArtifact:
             if key is None:
                 raise ArtifactNotFoundError(f"no entry is tagged {tag!r} in {store.root}")
         assert key is not None
-        entry = store.get(key)
+        entry = store.get(key, lazy=True)  # payloads read as variants load
         if entry is None:
             raise ArtifactNotFoundError(
                 f"cache {store.root} has no intact entry {key[:12]}"
