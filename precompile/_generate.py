@@ -88,8 +88,10 @@ def _dynamic(kwargs: Mapping[str, Any], dynamic_batch: bool) -> dict[int | str, 
                     and int(value.shape[-1]) == sequence
                 ):
                     wanted.append(value.dim() - 1)
-                elif name == "attention_mask" and value.dim() == 4 and (
-                    int(value.shape[2]) == sequence
+                elif (
+                    name == "attention_mask"
+                    and value.dim() == 4
+                    and (int(value.shape[2]) == sequence)
                 ):  # the 4-d mask generate makes: [batch, 1, query (the prompt), key]
                     wanted.append(2)
                 elif name == "inputs_embeds":
