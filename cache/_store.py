@@ -331,16 +331,23 @@ class ArtifactCache:
         for digest in sizes:
             os.lstat(self._blob_path(digest))  # FileNotFoundError: handled as get's
         read = self._read_blobs({d: sizes[d] for d in aux}, key)
+        found_corrupt: list[str] = []  # what this entry's earlier reads found
 
         def read_later(digest: str) -> bytes:
             try:
                 return self._read_blob(digest, sizes[digest], key)
             except FileNotFoundError:
+                if found_corrupt:
+                    raise CorruptArtifactError(
+                        f"cache entry {key[:12]} was quarantined when a read of it found "
+                        f"{found_corrupt[0]}; load it again (a compile refills it)"
+                    ) from None
                 raise CorruptArtifactError(
                     f"cache blob {digest[:12]} of entry {key[:12]} was removed after the "
                     "entry was read (evicted or deleted): load the entry again"
                 ) from None
             except CorruptArtifactError as exc:
+                found_corrupt.append(str(exc))
                 self._quarantine(key, str(exc))
                 raise
 

@@ -141,6 +141,8 @@ def test_a_lazy_get_reads_a_blob_when_it_is_used_and_checks_it_then(tmp_path: ob
         handle.write(good[: len(good) // 2])
     with pytest.raises(CorruptArtifactError, match=digest[:12]):
         entry.blobs[digest]
+    with pytest.raises(CorruptArtifactError, match="was quarantined when a read of it found"):
+        entry.blobs[digest]  # asked again: the blob is gone, and the error says why
     assert store.get(key_of(1)) is None and store.stats().corrupt == 1  # quarantined
     put(store, key_of(1), art, {}, {"aux": b"extra"})
     entry = store.get(key_of(1), lazy=True)
