@@ -481,6 +481,25 @@ def _unused_because(store: ArtifactCache, key: str, model: torch.nn.Module) -> s
     return None
 
 
+def _graph_ops_accept(gm: Any, flat: Sequence[Any], written: set[int]) -> None:
+    """Run the traced graph's own operations (eager, on copies of the inputs it writes)
+    before its compiled code first runs: where they refuse the inputs (an index out of
+    range), compiled C++ kernels check the same bound inside a parallel region, where the
+    failure ends the process (std::terminate) instead of raising. Seen on a trace at
+    lengths at 1 that no call of the model's own makes (an attention mask's batch at 1
+    beside input_ids' at 2): the trace is refused, its calls then NoVariantError."""
+    inputs = [x.clone() if i in written and isinstance(x, torch.Tensor) else x
+              for i, x in enumerate(flat)]  # fmt: skip
+    try:
+        with torch.no_grad():
+            gm(*inputs)
+    except (IndexError, RuntimeError, ValueError) as exc:
+        raise UnsupportedGraphError(
+            f"the traced graph's own operations refuse these inputs ({type(exc).__name__}: "
+            f"{str(exc).strip()[:300]}); its compiled code is not run on them"
+        ) from None
+
+
 def _trace_and_compile(
     model: torch.nn.Module,
     args: tuple[Any, ...],
@@ -528,10 +547,12 @@ def _trace_and_compile(
             cache=store if store is not None and this_rank() is not None else False,
         )
 
-    def keep_written(artifact: Any, flat: Sequence[Any]) -> None:
+    def keep_written(gm: Any, artifact: Any, flat: Sequence[Any]) -> None:
         # The traced run writes exactly the inputs its manifest says the graph writes.
-        state.keep(flat[i] for i, spec in enumerate(artifact.manifest.inputs)
-                   if isinstance(spec, TensorInput) and spec.mutation != "none")  # fmt: skip
+        written = {i for i, spec in enumerate(artifact.manifest.inputs)
+                   if isinstance(spec, TensorInput) and spec.mutation != "none"}  # fmt: skip
+        _graph_ops_accept(gm, flat, written)
+        state.keep(flat[i] for i in sorted(written))
 
     caches = {i: leaf for i, leaf in enumerate(leaves) if is_kv_cache(leaf)}
     before = {i: counter_values([layer.cumulative_length for layer in c.layers])

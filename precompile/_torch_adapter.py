@@ -1123,14 +1123,14 @@ def trace_model(
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
     compile_graph: Any,
-    before_run: Callable[[Any, Sequence[Any]], None] | None = None,
+    before_run: Callable[[Any, Any, Sequence[Any]], None] | None = None,
 ) -> ModelTrace:
     """Trace the call once with Dynamo (``fullgraph``: a graph break is an
     ``UnsupportedGraphError`` quoting Dynamo's explanation), compile its graph with
     ``compile_graph(gm, example_inputs)`` inside the backend, and run it once (with its
     collectives, if any, made local: ranks trace at different times, or not at all).
-    ``before_run(artifact, flat_inputs)`` is called just before that run: the compiled
-    artifact's manifest says which of those inputs the graph writes."""
+    ``before_run(gm, artifact, flat_inputs)`` is called just before that run: the
+    compiled artifact's manifest says which of those inputs the graph writes."""
     from torch._guards import TracingContext
 
     seen: list[dict[str, Any]] = []
@@ -1157,7 +1157,7 @@ def trace_model(
 
         def run(*flat: Any) -> Any:
             if before_run is not None:
-                before_run(record["artifact"], flat)
+                before_run(gm, record["artifact"], flat)
             with _LocalCollectives() if collectives else contextlib.nullcontext():
                 outputs = record["artifact"](*flat)
             record["outputs"] = list(outputs) if isinstance(outputs, (list, tuple)) else [outputs]

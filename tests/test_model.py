@@ -481,3 +481,34 @@ def test_a_kv_cache_output_is_refused_clearly(tmp_path: Any) -> None:
     ids = torch.randint(0, VOCAB, (1, 5))
     with torch.no_grad(), pytest.raises(precompile.UnsupportedGraphError, match="DynamicCache"):
         precompile.compile_model(model, (ids,), {"use_cache": True}, cache=str(tmp_path))
+
+
+def test_a_trace_its_own_operations_refuse_is_never_run_compiled(tmp_path: object) -> None:
+    """A trace at lengths at 1 that no call of the model's own makes (here the table's
+    rows at 1 beside two rows of x, which index it): its graph's operations raise an
+    IndexError in eager, and its compiled C++ kernel checks the same bound inside an
+    OpenMP region, where a failure ends the process (std::terminate, exit 134). The
+    trace is refused before its compiled code runs; the model is served elsewhere, and
+    calls at those lengths are refused. Run in a child, so a crash fails this test."""
+    out = run_python(
+        """
+        import torch, precompile
+
+        class Gather(torch.nn.Module):
+            def forward(self, x, table):
+                return x * table[torch.arange(x.shape[0])].sum(-1, keepdim=True)
+
+        model = Gather()
+        x, table = torch.randn(2, 65536), torch.randn(3, 65536)
+        with torch.no_grad():
+            compiled = precompile.compile_model(model, (x, table), dynamic={0: [0], 1: [0]})
+            # (a sum of 65536 floats in another order: rounding apart)
+            torch.testing.assert_close(compiled(x, table), model(x, table), rtol=1e-4, atol=1e-2)
+            try:
+                compiled(x, table[:1])
+            except precompile.NoVariantError as exc:
+                print("refused:", exc)
+        """,
+        env={"PRECOMPILE_CACHE_DIR": str(tmp_path)},
+    )
+    assert "refused:" in out
