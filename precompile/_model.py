@@ -551,7 +551,8 @@ def _trace_and_compile(
         # The traced run writes exactly the inputs its manifest says the graph writes.
         written = {i for i, spec in enumerate(artifact.manifest.inputs)
                    if isinstance(spec, TensorInput) and spec.mutation != "none"}  # fmt: skip
-        _graph_ops_accept(gm, flat, written)
+        if not artifact.manifest.process_groups:  # collectives run only where all ranks do
+            _graph_ops_accept(gm, flat, written)
         state.keep(flat[i] for i in sorted(written))
 
     caches = {i: leaf for i, leaf in enumerate(leaves) if is_kv_cache(leaf)}
