@@ -490,8 +490,10 @@ def _graph_ops_accept(gm: Any, flat: Sequence[Any], written: set[int]) -> None:
     beside input_ids' at 2): the trace is refused, its calls then NoVariantError."""
     inputs = [x.clone() if i in written and isinstance(x, torch.Tensor) else x
               for i, x in enumerate(flat)]  # fmt: skip
-    try:
-        with torch.no_grad():
+    devices = sorted({x.device.index or 0 for x in flat
+                      if isinstance(x, torch.Tensor) and x.device.type == "cuda"})  # fmt: skip
+    try:  # random ops here draw from forked generators: the caller's state is untouched
+        with torch.no_grad(), torch.random.fork_rng(devices=devices):
             gm(*inputs)
     except (IndexError, RuntimeError, ValueError) as exc:
         raise UnsupportedGraphError(
