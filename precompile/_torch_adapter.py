@@ -32,13 +32,14 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from cache._bytes import sha256_hex
-from cache._settings import env_flag
 from runtime import _torch_adapter as runtime_adapter
 from runtime._build_dir import build_dir
 from runtime._errors import InvalidOptionError, UnsupportedGraphError
 from runtime._manifest import LeanCall, NativeKernel, TritonLaunch
 from runtime._native_kernels import cpu_features_for_flags, find_cpp_kernels, kernel_key
 
+from ._attention_policy import key_factor as attention_key_factor
+from ._attention_policy import sdpa_backends
 from ._graph import GraphDescription, GraphInput
 
 log = logging.getLogger("precompile.compile")
@@ -509,30 +510,61 @@ def _compile_context(fake_mode: Any, size_oblivious: bool) -> Iterator[None]:
         yield
 
 
-# cuDNN's fused attention builds an execution plan per input shape at the first call with
-# that shape (on an H100, 45-55 ms for the 4 attention calls of a 4-layer Llama at each new
-# sequence length), so a hint variant, which serves every size near its hint, would pay it
-# at each new size. Hint variants are compiled with cuDNN attention off (flash or
-# memory-efficient attention need no plan); an exact-size variant sees one shape, whose
-# plan the warm-up builds. PRECOMPILE_CUDNN_ATTENTION=1 keeps cuDNN in hint variants too
-# (faster at long sequences once each size has been seen: see README).
-CUDNN_ATTENTION_ENV = "PRECOMPILE_CUDNN_ATTENTION"
-
-
-def sdpa_settings(dynamic: bool) -> dict[str, bool]:
-    """The scaled-dot-product-attention backends a variant is compiled with: the user's
-    ``torch.backends.cuda`` switches, with cuDNN off in hint variants (``dynamic``)."""
+def sdpa_switches() -> dict[str, bool]:
+    """The caller's scaled-dot-product-attention backend switches (``torch.backends.cuda``)."""
     backends = torch.backends.cuda
-    settings = {
+    return {
         "flash": backends.flash_sdp_enabled(),
         "mem_efficient": backends.mem_efficient_sdp_enabled(),
         "math": backends.math_sdp_enabled(),
         "cudnn": backends.cudnn_sdp_enabled(),
     }
-    others = settings["flash"] or settings["mem_efficient"] or settings["math"]
-    if dynamic and others and not env_flag(CUDNN_ATTENTION_ENV, default=False):
-        settings["cudnn"] = False
-    return settings
+
+
+_SDPA_TARGETS = (
+    torch._C._nn.scaled_dot_product_attention,
+    torch.nn.functional.scaled_dot_product_attention,
+    torch.ops.aten.scaled_dot_product_attention.default,
+)
+
+
+def attention_lengths(gm: torch.fx.GraphModule) -> tuple[sympy.Expr, ...] | None:
+    """The query and key lengths (dim -2) of every scaled-dot-product-attention call in
+    ``gm``, in the trace's symbols; None where one cannot be read."""
+    lengths: list[sympy.Expr] = []
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or node.target not in _SDPA_TARGETS:
+            continue
+        for index, name in ((0, "query"), (1, "key")):
+            arg = node.args[index] if len(node.args) > index else node.kwargs.get(name)
+            value = arg.meta.get("example_value") if isinstance(arg, torch.fx.Node) else None
+            if not isinstance(value, torch.Tensor) or value.dim() < 2:
+                return None
+            size = value.shape[-2]
+            symbolic = isinstance(size, torch.SymInt)
+            lengths.append(size.node.expr if symbolic else sympy.Integer(size))
+    return tuple(lengths)
+
+
+def graph_on_cuda(graph: GraphDescription) -> bool:
+    """Whether a graph takes a CUDA tensor (where the attention backend matters)."""
+    return any(item.device is not None and item.device.type == "cuda" for item in graph.inputs)
+
+
+def _lengths_pinned(
+    shape_env: Any, reverse: Mapping[sympy.Symbol, sympy.Symbol], lengths: Sequence[sympy.Expr]
+) -> bool:
+    """Whether a variant's guards (its ``shape_env``) hold each of ``lengths`` (in the
+    trace's symbols; ``reverse`` maps the variant's symbols to those) to one value."""
+    forward = {caller: own for own, caller in reverse.items()}
+    for length in lengths:
+        expr = sympy.sympify(length).xreplace(forward)
+        if expr.free_symbols - set(forward.values()):
+            return False
+        bounds = shape_env.bound_sympy(shape_env.replace(expr))
+        if not (bounds.lower.is_Integer and bounds.lower == bounds.upper):
+            return False
+    return True
 
 
 @contextmanager
@@ -649,15 +681,17 @@ def _compile_once(
     dynamic: bool,
     options: Mapping[str, Any],
     size_oblivious: bool,
+    attention: Mapping[str, bool],
 ) -> tuple[Any, ...]:
-    """One compile of a variant from fresh inputs: their fake mode, the map
-    back to the caller's symbols, the payload, its built kernels and input uses."""
+    """One compile of a variant from fresh inputs, its attention backends switched as
+    ``attention`` says: their fake mode, the map back to the caller's symbols, the
+    payload, its built kernels and input uses."""
     from torch._inductor.compile_fx import compile_fx
 
     inputs, fake_mode, reverse = _fresh_inputs(graph, point, dynamic)
     with (
         _compile_context(fake_mode, size_oblivious),
-        _attention_backends(sdpa_settings(dynamic)),
+        _attention_backends(attention),
         _short_kernel_names(),
     ):
         compiled = compile_fx(copy.deepcopy(gm), inputs, **dict(options))
@@ -700,9 +734,22 @@ def compile_variant(
     # graph raised KeyError 'unbacked_bindings'), the variant is compiled with 0/1 guards
     # instead, which keep it away from the sizes it was not traced for.
     size_oblivious = dynamic and all(int(v) >= 2 for v in point.values())
+    switches = sdpa_switches()
+    lengths = attention_lengths(gm) if dynamic else ()
+    # cuDNN attention is allowed where every attention length can be fixed in this
+    # variant (each symbol in them at 0 or 1, which a size-oblivious compile never has);
+    # the compile's guards confirm it below.
+    may_fix = (
+        graph_on_cuda(graph)
+        and lengths is not None
+        and all(
+            int(point.get(symbol, 2)) <= 1 for length in lengths for symbol in length.free_symbols
+        )
+    )
+    attention = sdpa_backends(switches, dynamic=dynamic, lengths_fixed=may_fix)
     retry: str | None = None
     try:
-        result = _compile_once(gm, graph, point, dynamic, options, size_oblivious)
+        result = _compile_once(gm, graph, point, dynamic, options, size_oblivious, attention)
     except UnsupportedGraphError:
         raise
     except Exception as exc:
@@ -717,7 +764,13 @@ def compile_variant(
             retry = "size-oblivious compile held a dynamic dim to one size"
     if retry is not None:
         log.info("%s; compiling with 0/1 guards", retry)
-        result = _compile_once(gm, graph, point, dynamic, options, False)
+        result = _compile_once(gm, graph, point, dynamic, options, False, attention)
+    unfixed = sdpa_backends(switches, dynamic=dynamic, lengths_fixed=False)
+    if attention != unfixed and not _lengths_pinned(result[0].shape_env, result[1], lengths or ()):
+        log.info("an attention length stays free in this variant; compiling it without cuDNN")
+        result = _compile_once(gm, graph, point, dynamic, options, False, unfixed)
+    elif attention != unfixed and lengths:
+        log.info("variant at %s: attention lengths fixed, compiled with cuDNN allowed", point)
     fake_mode, reverse, payload, kernels, uses, training = result
     shape_env = fake_mode.shape_env
     guards: list[sympy.Expr] = [g.expr for g in shape_env.guards]
@@ -872,8 +925,8 @@ def codegen_config_digest() -> str:
     snapshot = {
         "changed": changed,
         "environment": environment,
-        # the attention kernels hint and exact-size variants are compiled with
-        "sdpa": [sdpa_settings(dynamic=True), sdpa_settings(dynamic=False)],
+        # the attention kernels variants are compiled with
+        "sdpa": attention_key_factor(sdpa_switches()),
     }
     text = json.dumps(snapshot, sort_keys=True, default=repr)
     return hashlib.sha256(text.encode()).hexdigest()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -9,6 +10,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+from typing import Any
 
 import pytest
 import torch
@@ -234,38 +236,113 @@ def test_key_changes_with_what_changes_code(mlp: Compiled, monkeypatch: pytest.M
     assert cache_factors(other.gm, graph, [], {}, "from_graph", "cpu")["graph"] != base["graph"]
 
 
-def test_hint_variants_compile_without_cudnn_attention_unless_asked(
+def test_attention_lengths_are_pinned_only_where_guards_hold_them() -> None:
+    """A length is fixed in a variant where its guards hold it to one value."""
+    import sympy
+    from torch._dynamo.source import ConstantSource
+    from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv
+
+    env = ShapeEnv(specialize_zero_one=False, duck_shape=False)
+    own = [
+        env.create_symbol(1, source=ConstantSource(f"v{i}"), dynamic_dim=DimDynamic.DYNAMIC)
+        for i in range(2)
+    ]
+    caller = [sympy.Symbol("s0", integer=True), sympy.Symbol("s1", integer=True)]
+    reverse = dict(zip(own, caller, strict=True))
+    env.evaluate_expr(sympy.Eq(own[0], 1))
+    assert _torch_adapter._lengths_pinned(env, reverse, [caller[0], sympy.Integer(8)])
+    assert not _torch_adapter._lengths_pinned(env, reverse, [caller[1]])
+    assert not _torch_adapter._lengths_pinned(env, reverse, [sympy.Symbol("u0")])
+
+
+class _CacheAttention(torch.nn.Module):
+    """Attention of x's positions over a fixed-length memory, as a decode step attends
+    over a static KV cache: the key length is fixed, the query length is x's."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(32, 32)
+        self.register_buffer("memory", torch.randn(1, 2, 8, 16))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, seq, width = x.shape
+        q = self.proj(x).reshape(batch, seq, 2, 16).transpose(1, 2)
+        kv = self.memory.expand(batch, 2, 8, 16)
+        out = torch.nn.functional.scaled_dot_product_attention(q, kv, kv)
+        return out.transpose(1, 2).reshape(batch, seq, width)
+
+
+def test_cudnn_attention_only_where_a_variants_attention_lengths_are_fixed(
     mlp: Compiled, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """cuDNN attention builds a plan per shape at its first call: hint variants, which
-    serve many sizes, are compiled with it off (exact-size ones keep the user's switches),
-    the switches are restored after, and PRECOMPILE_CUDNN_ATTENTION=1 (a key factor)
-    keeps it."""
+    """cuDNN attention builds a plan per shape at its first call. A hint variant whose
+    attention lengths vary (prefill) is compiled with it off; one whose lengths are fixed
+    (a decode step: only the batch varies) keeps the caller's switches; a variant that
+    could be fixed but whose guards leave a length free is compiled again without it.
+    The switches are restored after; PRECOMPILE_CUDNN_ATTENTION (auto/1/0) is a key
+    factor."""
     import torch._inductor.compile_fx as compile_fx_module
 
+    from precompile import _attention_policy
+    from runtime import InvalidOptionError
+
+    real = compile_fx_module.compile_fx
     seen: list[bool] = []
+    stop = [True]
 
     class Stop(Exception):
         pass
 
     def spy(*args: object, **kwargs: object) -> object:
         seen.append(torch.backends.cuda.cudnn_sdp_enabled())
-        raise Stop
+        if stop[0]:
+            raise Stop
+        return real(*args, **kwargs)
+
+    def variants(captured: Any, point_of: dict[str, int], dynamic: bool = True) -> list[bool]:
+        seen.clear()
+        graph = _torch_adapter.describe_graph(captured.gm, captured.example_inputs, "g")
+        point = {s: point_of.get(str(s), 16) for s in graph.symbols}
+        with contextlib.suppress(Stop):
+            _torch_adapter.compile_variant(captured.gm, graph, point, dynamic=dynamic, options={})
+        return list(seen)
 
     monkeypatch.setattr(compile_fx_module, "compile_fx", spy)
-    captured = mlp.captured
-    graph = _torch_adapter.describe_graph(captured.gm, captured.example_inputs, "from_graph")
-    point = {symbol: 16 for symbol in graph.symbols}
+    monkeypatch.setattr(_torch_adapter, "graph_on_cuda", lambda graph: True)
     before = torch.backends.cuda.cudnn_sdp_enabled()
-    for dynamic in (True, False):
-        with pytest.raises(Stop):
-            _torch_adapter.compile_variant(captured.gm, graph, point, dynamic=dynamic, options={})
-    assert seen == [False, before]
+    assert before, "cuDNN attention is on by default"
+    from conftest import capture
+
+    decode = capture(_CacheAttention().eval(), torch.randn(2, 1, 32))  # length 1: fixed
+    prefill = capture(_CacheAttention().eval(), torch.randn(2, 4, 32))
+    assert _torch_adapter.attention_lengths(decode.gm) == (1, 8)
+    lengths = _torch_adapter.attention_lengths(prefill.gm)
+    assert lengths is not None
+    (query, key) = lengths
+    assert query.free_symbols and key == 8
+    assert variants(decode, {}) == [True]
+    assert variants(prefill, {}) == [False]  # the query length varies
+    assert variants(prefill, {}, dynamic=False) == [True]  # one shape: the caller's switches
+    stop[0] = False
+    # At length 1 the length can be fixed; the compile's guards hold it there (one
+    # compile), and where they would leave it free the variant is compiled again.
+    assert variants(prefill, {str(query): 1}) == [True]
+    monkeypatch.setattr(_torch_adapter, "_lengths_pinned", lambda *args: False)
+    assert variants(prefill, {str(query): 1}) == [True, False]
+    monkeypatch.undo()
+    monkeypatch.setattr(compile_fx_module, "compile_fx", spy)
+    monkeypatch.setattr(_torch_adapter, "graph_on_cuda", lambda graph: True)
+    stop[0] = True
     assert torch.backends.cuda.cudnn_sdp_enabled() == before
     base = cache_key(_factors(mlp))
-    monkeypatch.setenv(_torch_adapter.CUDNN_ATTENTION_ENV, "1")
-    assert _torch_adapter.sdpa_settings(dynamic=True)["cudnn"] == before
+    monkeypatch.setenv(_attention_policy.CUDNN_ATTENTION_ENV, "1")
+    assert variants(prefill, {}) == [True]
     assert cache_key(_factors(mlp)) != base
+    monkeypatch.setenv(_attention_policy.CUDNN_ATTENTION_ENV, "0")
+    assert variants(decode, {}) == [False]
+    monkeypatch.setenv(_attention_policy.CUDNN_ATTENTION_ENV, "sometimes")
+    with pytest.raises(InvalidOptionError, match="PRECOMPILE_CUDNN_ATTENTION"):
+        variants(decode, {})
 
 
 def test_model_key_changes_with_inductor_config() -> None:

@@ -1,0 +1,67 @@
+"""Which fused attention kernels (SDPA backends) a variant is compiled with.
+
+cuDNN's fused attention is the fastest kernel on an H100 for a decode step against a
+static KV cache (query length 1, key length the cache's): 28 us per call at batch 1
+against 63 us for memory-efficient attention (``benchmarks/decode.py``). But cuDNN builds
+an execution plan on the host for every input shape it has not seen in the calling
+thread: about 50 ms. A hint variant that serves many sequence lengths would pay that at
+each length first seen after the warm-up; flash and memory-efficient attention need no
+plan.
+
+So the choice is per variant, by what its attention sees:
+
+* exact-size variants: the caller's switches (one shape; cuDNN where torch picks it);
+* hint variants whose every attention call has fixed query and key lengths in this
+  variant (a decode step: only the batch varies): the caller's switches, cuDNN included;
+* other hint variants (prefill: the lengths vary): cuDNN off, where another backend is on.
+
+"Fixed in this variant" is read from the variant's own compile: a variant is compiled
+with cuDNN allowed only where its lengths could be fixed (every symbol in them at 0 or 1,
+which the trace specializes), and compiled again without it if its guards leave a length
+free. ``PRECOMPILE_CUDNN_ATTENTION``: ``auto`` (default) as above; ``1`` cuDNN allowed in
+every hint variant; ``0`` in none.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+
+from runtime import InvalidOptionError
+
+CUDNN_ATTENTION_ENV = "PRECOMPILE_CUDNN_ATTENTION"
+_MODES = {"": "auto", "auto": "auto", "1": "on", "true": "on", "on": "on", "yes": "on",
+          "0": "off", "false": "off", "off": "off", "no": "off"}  # fmt: skip
+# In every cache key, with the mode: a build under another policy compiled other code.
+POLICY = "attention 2: cuDNN in hint variants whose attention lengths are fixed"
+
+
+def cudnn_mode() -> str:
+    """``auto``, ``on`` or ``off``, from ``PRECOMPILE_CUDNN_ATTENTION``."""
+    text = os.environ.get(CUDNN_ATTENTION_ENV, "").strip().lower()
+    if text not in _MODES:
+        raise InvalidOptionError(
+            f"{CUDNN_ATTENTION_ENV} must be auto, 1/true/yes/on or 0/false/no/off, "
+            f"got {os.environ[CUDNN_ATTENTION_ENV]!r}"
+        )
+    return _MODES[text]
+
+
+def key_factor(switches: Mapping[str, bool]) -> dict[str, object]:
+    """What of the attention choice goes into cache keys: the caller's switches, the
+    policy and its mode."""
+    return {"switches": dict(switches), "policy": POLICY, "mode": cudnn_mode()}
+
+
+def sdpa_backends(
+    switches: Mapping[str, bool], *, dynamic: bool, lengths_fixed: bool
+) -> dict[str, bool]:
+    """The SDPA switches a variant is compiled with: the caller's ``switches``, with cuDNN
+    off in a hint variant (``dynamic``) whose attention lengths are not fixed, unless the
+    mode says otherwise or no other backend is on (then cuDNN stays: torch would refuse)."""
+    settings = dict(switches)
+    others = settings.get("flash") or settings.get("mem_efficient") or settings.get("math")
+    mode = cudnn_mode()
+    if dynamic and others and (mode == "off" or (mode == "auto" and not lengths_fixed)):
+        settings["cudnn"] = False
+    return settings
