@@ -64,14 +64,23 @@ ROWS = [
     "ours",
     "ours + cudagraphs",
     "ours + cudagraphs, no output copy",
+    "ours + cudagraphs, cuDNN off in hint variants",
+    "ours CompiledModel.generate + cudagraphs",
     "ours generate + cudagraphs",
 ]
+# The attention policy's two settings, built side by side: the default (cuDNN where a
+# variant's attention lengths are fixed) and the previous one (never in hint variants).
+CUDNN_OFF = "ours + cudagraphs, cuDNN off in hint variants"
 BATCH_ONE_ONLY = {"precompile.backend", "transformers generate", "ours generate + cudagraphs"}
 # transformers' own compiled generate runs in a child process of its own: in one run its
 # reduce-overhead graphs hit a device-side assert (an index past the cache), which
 # poisons the CUDA context of every row beside it.
 IN_CHILD = {"transformers generate"}
-GENERATE_ROWS = {"transformers generate", "ours generate + cudagraphs"}
+GENERATE_ROWS = {
+    "transformers generate",
+    "ours generate + cudagraphs",
+    "ours CompiledModel.generate + cudagraphs",
+}
 PROMPT, STEPS = 128, 64
 PREFILLS = [128, 1024]
 
@@ -153,6 +162,28 @@ class HandCaptured:
         return out
 
 
+def compile_ours(model: torch.nn.Module, cache_dir: str, cache_len: int, cudnn: str,
+                 cudagraphs: Any) -> Any:  # fmt: skip
+    """``compile_model`` of the decode model under ``PRECOMPILE_CUDNN_ATTENTION=cudnn``."""
+    import precompile
+
+    example = our_call(model, 2, PROMPT, cache_len)  # sizes 0 and 1 are never dynamic
+    before = os.environ.get("PRECOMPILE_CUDNN_ATTENTION")
+    os.environ["PRECOMPILE_CUDNN_ATTENTION"] = cudnn
+    try:
+        started = time.perf_counter()
+        compiled = precompile.compile_model(model, (), example, cache=cache_dir, warmup=True,
+                                            cudagraphs=cudagraphs, **OUR_OPTIONS)  # fmt: skip
+        print(f"[decode] compile_model (cuDNN attention {cudnn}, cudagraphs {cudagraphs}): "
+              f"{time.perf_counter() - started:.1f} s", flush=True)  # fmt: skip
+    finally:
+        if before is None:
+            del os.environ["PRECOMPILE_CUDNN_ATTENTION"]
+        else:
+            os.environ["PRECOMPILE_CUDNN_ATTENTION"] = before
+    return compiled
+
+
 def make_rows(model: torch.nn.Module, cache_dir: str, cache_len: int) -> dict[str, Any]:
     import precompile
 
@@ -169,24 +200,31 @@ def make_rows(model: torch.nn.Module, cache_dir: str, cache_len: int) -> dict[st
         ),
         "torch.compile + hand-captured graph": HandCaptured(fullgraph),
     }
-    example = our_call(model, 2, PROMPT, cache_len)  # sizes 0 and 1 are never dynamic
-    started = time.perf_counter()
-    ours = precompile.compile_model(model, (), example, cache=cache_dir, warmup=True,
-                                    **OUR_OPTIONS)  # fmt: skip
-    print(f"[decode] compile_model: {time.perf_counter() - started:.1f} s", flush=True)
-    graphs = precompile.compile_model(model, (), example, cache=cache_dir, warmup=True,
-                                      cudagraphs=True, **OUR_OPTIONS)  # fmt: skip
-    no_copy = {"copy_outputs": False}
-    shared = precompile.compile_model(model, (), example, cache=cache_dir, warmup=True,
-                                      cudagraphs=no_copy, **OUR_OPTIONS)  # fmt: skip
+    ours = compile_ours(model, cache_dir, cache_len, "auto", False)
+    graphs = compile_ours(model, cache_dir, cache_len, "auto", True)
+    shared = compile_ours(model, cache_dir, cache_len, "auto", {"copy_outputs": False})
+    off = compile_ours(model, cache_dir, cache_len, "0", True) if CUDNN_OFF in ROWS else None
     rows["ours"] = lambda ids, cache: ours(input_ids=ids, past_key_values=cache,
                                            use_cache=True).logits  # fmt: skip
     rows["ours + cudagraphs, no output copy"] = lambda ids, cache: shared(
         input_ids=ids, past_key_values=cache, use_cache=True).logits  # fmt: skip
     rows["ours + cudagraphs"] = lambda ids, cache: graphs(input_ids=ids, past_key_values=cache,
                                                           use_cache=True).logits  # fmt: skip
+    rows[CUDNN_OFF] = lambda ids, cache: off(input_ids=ids, past_key_values=cache,
+                                             use_cache=True).logits  # fmt: skip
+    rows["ours CompiledModel.generate + cudagraphs"] = graphs
     rows["_artifacts"] = {"ours": ours, "ours + cudagraphs": graphs}
+    if off is not None:
+        rows["_artifacts"][CUDNN_OFF] = off
     return rows
+
+
+def driver(name: str, rows: dict[str, Any], served: Any) -> Any:
+    """What a generate row runs: our CompiledModel's own loop, transformers' generate
+    under ``serve_generate`` (``served``), or transformers' own (None)."""
+    if name == "ours CompiledModel.generate + cudagraphs":
+        return rows[name]
+    return served if name.startswith("ours") else None
 
 
 def decode_run(
@@ -207,6 +245,30 @@ def decode_run(
     return (time.perf_counter() - began) * 1e3 / STEPS, torch.cat(tokens, dim=1)
 
 
+def new_batch_first_calls(row: Callable[..., Any], model: torch.nn.Module, cache_len: int,
+                          batches: list[int]) -> dict[str, dict[str, float]]:  # fmt: skip
+    """A batch size first seen after the warm-up (its own new cache): ms of its prefill,
+    of its first decode step and of its second (median of the next 8)."""
+    import transformers
+
+    found: dict[str, dict[str, float]] = {}
+    for batch in batches:
+        cache = transformers.StaticCache(config=model.config, max_cache_len=cache_len)
+        prompt = torch.randint(0, model.config.vocab_size, (batch, PROMPT), device="cuda")
+        times = []
+        ids = prompt
+        for _ in range(10):
+            torch.cuda.synchronize()
+            began = time.perf_counter()
+            ids = row(ids, cache)[:, -1:].argmax(-1)
+            torch.cuda.synchronize()
+            times.append((time.perf_counter() - began) * 1e3)
+        found[str(batch)] = {"prefill_ms": times[0], "first_step_ms": times[1],
+                             "steady_step_ms": statistics.median(times[2:])}  # fmt: skip
+    print(f"[decode] new batch sizes: {found}", flush=True)
+    return found
+
+
 def generate_run(model: torch.nn.Module, prompt: torch.Tensor, cache: Any,
                  served: Any = None) -> float:  # fmt: skip
     """transformers' generate on a static cache the caller keeps (``reset()`` before each
@@ -224,7 +286,9 @@ def generate_run(model: torch.nn.Module, prompt: torch.Tensor, cache: Any,
             options["past_key_values"] = cache
         torch.cuda.synchronize()
         began = time.perf_counter()
-        if served is not None:
+        if hasattr(served, "generate"):  # our CompiledModel: its own decode loop
+            served.generate(prompt, cache, max_new_tokens=new)
+        elif served is not None:
             with served:
                 model.generate(prompt, **options)
         else:
@@ -273,7 +337,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                 for _ in range(2):  # graphs that write their inputs capture at a 2nd call
                     if name in GENERATE_ROWS:
                         generate_run(model, prompts[batch], caches[(name, batch)],
-                                     served if name.startswith("ours") else None)  # fmt: skip
+                                     driver(name, rows, served))  # fmt: skip
                     else:
                         decode_run(rows[name], prompts[batch], caches[(name, batch)])
             torch.cuda.synchronize()
@@ -291,7 +355,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                         continue
                     if name in GENERATE_ROWS:
                         ms = generate_run(model, prompts[batch], caches[(name, batch)],
-                                          served if name.startswith("ours") else None)  # fmt: skip
+                                          driver(name, rows, served))  # fmt: skip
                     else:
                         ms, tokens[(name, batch)] = decode_run(
                             rows[name], prompts[batch], caches[(name, batch)]
@@ -309,6 +373,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         same = {
             str(b): bool(torch.equal(tokens[("ours", b)], tokens[("ours + cudagraphs", b)]))
             for b in batches
+            if ("ours", b) in tokens and ("ours + cudagraphs", b) in tokens
         }
         print(f"[decode] ours + cudagraphs tokens identical to ours: {same}", flush=True)
         # The same question for torch.compile's step and its hand-captured graph, and
@@ -317,12 +382,14 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             str(b): bool(torch.equal(tokens[("torch.compile fullgraph", b)],
                                      tokens[("torch.compile + hand-captured graph", b)]))
             for b in batches
+            if ("torch.compile fullgraph", b) in tokens
+            and ("torch.compile + hand-captured graph", b) in tokens
         }  # fmt: skip
         print(f"[decode] hand-captured graph tokens identical to its step: {same_hand}")
         parting = {str(b): first_difference(rows["ours"], rows["ours + cudagraphs"],
-                                            prompts[b], caches[("ours", b)], model.config,
+                                            prompts[b], shared[b], model.config,
                                             args.cache_len)
-                   for b in batches if not same[str(b)]}  # fmt: skip
+                   for b in batches if not same.get(str(b), True)}  # fmt: skip
         print(f"[decode] where ours and ours + cudagraphs part: {parting}", flush=True)
         prefill: dict[str, dict[str, float]] = {name: {} for name in ROWS}
         for length in PREFILLS:
@@ -343,15 +410,31 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             print(f"[decode] prefill {length}: " + "  ".join(
                 f"{n}={v[str(length)]:.2f}" for n, v in prefill.items() if str(length) in v),
                 flush=True)  # fmt: skip
+        # cuDNN keeps its plans per thread and shape: each row of the default policy gets
+        # batch sizes no row ran before it.
+        new_batch = {
+            name: new_batch_first_calls(rows[name], model, args.cache_len, sizes)
+            for name, sizes in (
+                ("ours", [3, 6]),
+                ("ours + cudagraphs", [5, 7]),
+                (CUDNN_OFF, [3, 6]),
+            )
+            if name in ROWS
+        }
         captured = {k: [list(s) for s in v.artifact.captured_sizes] for k, v in artifacts.items()}
-        host = host_profile(rows["ours + cudagraphs"], prompts[1], caches[("ours", 1)])
-        host_generate = generate_profile(model, prompts[1], caches[("ours", 1)], served)
-    generate = generate_child(args.smoke, args.cache_len, args.rounds)
-    if "ms_per_token" in generate:
-        decode["transformers generate"]["1"] = generate
-        ready_s["transformers generate"] = generate.pop("ready_s")
-    else:
-        decode["transformers generate"]["error"] = generate
+        host = host_profile(rows["ours + cudagraphs"], prompts[1], shared[1])
+        host_generate = (
+            generate_profile(model, prompts[1], shared[1], served)
+            if "ours generate + cudagraphs" in ROWS
+            else ""
+        )
+    if "transformers generate" in ROWS:
+        generate = generate_child(args.smoke, args.cache_len, args.rounds)
+        if "ms_per_token" in generate:
+            decode["transformers generate"]["1"] = generate
+            ready_s["transformers generate"] = generate.pop("ready_s")
+        else:
+            decode["transformers generate"]["error"] = generate
     return {
         "environment": environment("cuda"),
         "transformers": transformers.__version__,
@@ -369,6 +452,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         "hand_captured_tokens_identical_to_fullgraph": same_hand,
         "ours_cudagraphs_first_difference": parting,
         "captured_sizes": captured,
+        "new_batch_first_call_ms": new_batch,
         "host_profile_ours_cudagraphs": host,
         "host_profile_ours_generate": host_generate,
         "warm_start": warm_start(args.smoke, cache_dir, args.cache_len),
@@ -637,7 +721,41 @@ def main() -> None:
         action="store_true",
         help="compile once into the cache, then only the fresh-process rows (JSON to --out)",
     )
+    parser.add_argument("--rows", help="only these rows, ';'-separated (default: every row)")
+    parser.add_argument(
+        "--build-only",
+        metavar="WHAT",
+        help="only compile into --cache: 'auto', '0' (compile_model under that "
+        "PRECOMPILE_CUDNN_ATTENTION), 'serve' (serve_generate's models); ';'-separated",
+    )
     args = parser.parse_args()
+    if args.rows:
+        chosen = [r.strip() for r in args.rows.split(";") if r.strip()]
+        unknown = [r for r in chosen if r not in ROWS]
+        if unknown:
+            parser.error(f"unknown rows {unknown}; the rows are {ROWS}")
+        ROWS[:] = [r for r in ROWS if r in chosen]
+    if args.build_only:
+        if not args.cache:
+            parser.error("--build-only needs --cache")
+        model = build(args.smoke)
+        with torch.no_grad():
+            for what in args.build_only.split(";"):
+                if what == "serve":
+                    import precompile
+
+                    served = precompile.serve_generate(model, cache=args.cache, cudagraphs=True,
+                                                       hints=[PROMPT], warmup=True)  # fmt: skip
+                    prompt = torch.randint(0, model.config.vocab_size, (1, PROMPT), device="cuda")
+                    cache = __import__("transformers").StaticCache(
+                        config=model.config, max_cache_len=args.cache_len
+                    )
+                    generate_run(model, prompt, cache, served)
+                elif what in ("auto", "0"):
+                    compile_ours(model, args.cache, args.cache_len, what, False)
+                else:
+                    parser.error(f"--build-only takes auto, 0 or serve, got {what!r}")
+        return
     if args.plot:
         plot(args.plot)
         return

@@ -369,6 +369,58 @@ def test_generate_with_cudagraphs_matches_without(
     assert torch.equal(outputs[0], outputs[1])
 
 
+@pytest.mark.gpu
+def test_served_decode_steps_never_wait_for_the_gpu(cuda_llama: tuple[Any, Any, Any]) -> None:
+    """32 decode steps, plain and replayed from CUDA graphs, and a whole greedy
+    ``generate`` with graphs run under ``set_sync_debug_mode("error")``: no call (the
+    cache's position checks included) waits for the GPU."""
+    model, plain, graphs = cuda_llama
+    prompt = torch.randint(0, VOCAB, (2, 7), device="cuda")
+    with torch.no_grad():
+        for compiled in (plain, graphs):
+            cache = new_cache(model)
+            tokens = compiled(input_ids=prompt, past_key_values=cache,
+                              use_cache=True).logits[:, -1:].argmax(-1)  # fmt: skip
+            for _ in range(3):  # a graph that writes its inputs is captured at a 2nd call
+                tokens = compiled(input_ids=tokens, past_key_values=cache,
+                                  use_cache=True).logits[:, -1:].argmax(-1)  # fmt: skip
+            torch.cuda.synchronize()
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                for _ in range(STEPS):
+                    tokens = compiled(input_ids=tokens, past_key_values=cache,
+                                      use_cache=True).logits[:, -1:].argmax(-1)  # fmt: skip
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        graphs.generate(prompt, new_cache(model), max_new_tokens=4)  # captures
+        # A new cache is initialized outside: transformers' own initialization copies its
+        # length counter to the GPU, which waits (once per cache, not per call).
+        fresh = new_cache(model, 2, dtype=torch.bfloat16, device="cuda")
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            graphs.generate(prompt, fresh, max_new_tokens=STEPS)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+
+
+@pytest.mark.gpu
+def test_compiled_generate_with_cudagraphs_matches_without(
+    cuda_llama: tuple[Any, Any, Any],
+) -> None:
+    """Greedy and seeded sampled tokens of ``CompiledModel.generate`` are identical with
+    and without CUDA graphs (bf16 on the GPU)."""
+    model, plain, graphs = cuda_llama
+    prompt = torch.randint(0, VOCAB, (3, 7), device="cuda")
+    for options in ({}, {"do_sample": True, "temperature": 0.8, "top_k": 20, "top_p": 0.9}):
+        outputs = []
+        for compiled in (plain, graphs):
+            generator = torch.Generator(device="cuda").manual_seed(11)
+            outputs.append(compiled.generate(prompt, new_cache(model), max_new_tokens=STEPS,
+                                             generator=generator, **options))  # fmt: skip
+        assert torch.equal(outputs[0], outputs[1]), options
+
+
 def _reference(model: torch.nn.Module, prompt: torch.Tensor, **options: Any) -> torch.Tensor:
     """transformers' own ``generate`` (a dynamic cache, eager)."""
     with torch.no_grad():
