@@ -29,6 +29,8 @@ class GraphInput:
     scalar: float | None = None
     scalar_symbol: Any = None
     static_address: bool = False  # Dynamo marked it static (a module parameter or buffer)
+    # It indexes a table of this many rows (an embedding): its values must lie in [0, rows)
+    index_rows: int | None = None
 
 
 @dataclass(frozen=True)

@@ -109,6 +109,7 @@ def _input_specs(
                 value=item.scalar,
                 static_address=item.static_address,
                 grad_unused=grad_proven_unused and item.requires_grad,
+                index_rows=item.index_rows,
             )
         )
     return tuple(specs)

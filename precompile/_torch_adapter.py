@@ -188,6 +188,7 @@ def describe_graph(
     else:
         values = _placeholder_values(gm, example_inputs)
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    table_rows = _embedding_rows(gm, placeholders)
     inputs: list[GraphInput] = []
     for index, value in enumerate(values):
         if isinstance(value, torch.Tensor):
@@ -214,6 +215,7 @@ def describe_graph(
                     scalar=scalar,
                     scalar_symbol=scalar_symbol,
                     static_address=static_address,
+                    index_rows=table_rows.get(index),
                 )
             )
         elif isinstance(value, (int, torch.SymInt)) and not isinstance(value, bool):
@@ -508,6 +510,33 @@ def _compile_context(fake_mode: Any, size_oblivious: bool) -> Iterator[None]:
         if size_oblivious:
             stack.enter_context(shape_config.patch(backed_size_oblivious=True))
         yield
+
+
+def _embedding_rows(gm: torch.fx.GraphModule, placeholders: Sequence[Any]) -> dict[int, int]:
+    """Per placeholder (by position) used directly as an embedding's indices, the rows of
+    the smallest table it indexes (a static size), whose range a call's values must keep."""
+    position = {node: index for index, node in enumerate(placeholders)}
+    rows: dict[int, int] = {}
+    for node in gm.graph.nodes:
+        if node.op != "call_function":
+            continue
+        if node.target is torch.nn.functional.embedding:
+            indices = node.args[0] if node.args else node.kwargs.get("input")
+            weight = node.args[1] if len(node.args) > 1 else node.kwargs.get("weight")
+        elif node.target is torch.ops.aten.embedding.default:
+            weight, indices = node.args[0], node.args[1]
+        else:
+            continue
+        if indices not in position or not isinstance(weight, torch.fx.Node):
+            continue
+        table = weight.meta.get("example_value", weight.meta.get("val"))
+        if not isinstance(table, torch.Tensor) or table.dim() != 2:
+            continue
+        size = table.shape[0]
+        if isinstance(size, int):
+            index = position[indices]
+            rows[index] = min(size, rows.get(index, size))
+    return rows
 
 
 def sdpa_switches() -> dict[str, bool]:

@@ -29,7 +29,7 @@ from ._calibration import (
     normalize_sizes,
     synthesize_inputs,
 )
-from ._contract import InputContract, Prepared
+from ._contract import InputContract, Prepared, check_indices, index_checks
 from ._cudagraphs import (
     CAPTURE_LOCK,
     CudaGraphExecutor,
@@ -204,6 +204,7 @@ class CompiledArtifact:
         self._foreground_lock = threading.Lock()
         # the process groups of its collectives, checked before its first run here
         self._groups_checked = not manifest.process_groups
+        self._index_checks = index_checks(manifest)
         _live.add(self)
         self.set_cudagraphs(manifest.cudagraphs if cudagraphs is None else cudagraphs)
 
@@ -314,6 +315,8 @@ class CompiledArtifact:
                         forward_source=self._payloads.edited_source(variant.payload),
                         rewrite=native_kernels.redirect_cpp_kernels,
                     )
+                if self._index_checks:
+                    function = _with_index_checks(function, self._index_checks)
                 self._callables[variant.payload] = function
             return function
 
@@ -799,3 +802,15 @@ def artifact_from_entry(entry: StoredEntry) -> CompiledArtifact:
     artifact = CompiledArtifact(manifest, LazyPayloads(blobs.__getitem__, holds=blobs.__contains__))
     artifact.cache_key = entry.key
     return artifact
+
+
+def _with_index_checks(
+    function: Callable[..., Any], checks: tuple[tuple[int, int], ...]
+) -> Callable[..., Any]:
+    """``function`` refusing calls whose index inputs leave their tables (``_contract``)."""
+
+    def checked(*args: Any) -> Any:
+        check_indices(args, checks)
+        return function(*args)
+
+    return checked

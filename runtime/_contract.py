@@ -32,7 +32,7 @@ import torch
 
 from . import _torch_adapter as adapter
 from ._dtypes import device_of, dtype_name, dtype_of
-from ._errors import CorruptArtifactError, InputMismatchError
+from ._errors import CorruptArtifactError, IndexOutOfRangeError, InputMismatchError
 from ._expressions import NAMESPACE, SYMBOL_PREFIX, compile_function, to_python
 from ._manifest import IntInput, Manifest, TensorInput
 
@@ -527,3 +527,33 @@ def may_overlap(shape: Sequence[int], stride: Sequence[int]) -> bool:
 
 def _shape_text(shape: Sequence[int | str]) -> str:
     return "(" + ", ".join(str(s) for s in shape) + ")"
+
+
+def index_checks(manifest: Manifest) -> tuple[tuple[int, int], ...]:
+    """(input, rows) per CPU input whose values index a table of that many rows. A CUDA
+    input is not checked: that would wait for the GPU at every call, and eager's own
+    out-of-range read there is a device-side assert too."""
+    return tuple(
+        (index, spec.index_rows)
+        for index, spec in enumerate(manifest.inputs)
+        if isinstance(spec, TensorInput)
+        and spec.index_rows is not None
+        and device_of(spec.device).type == "cpu"
+    )
+
+
+def check_indices(args: Sequence[Any], checks: Sequence[tuple[int, int]]) -> None:
+    """Refuse a call whose index inputs hold a value outside their table, before a
+    compiled kernel reads past it (or ends the process in its own bounds check, which
+    it makes inside an OpenMP region)."""
+    for index, rows in checks:
+        indices = args[index]
+        if not isinstance(indices, torch.Tensor) or indices.numel() == 0:
+            continue
+        low, high = (int(v) for v in torch.aminmax(indices))
+        if low < 0 or high >= rows:
+            bad = low if low < 0 else high
+            raise IndexOutOfRangeError(
+                f"input {index} holds {bad}, outside the embedding's {rows} rows (its values "
+                f"must lie in [0, {rows}))"
+            )

@@ -23,6 +23,11 @@ class InputMismatchError(PrecompileError, ValueError):
     """A call's inputs break the graph's contract (count, rank, dtype, device, static dims)."""
 
 
+class IndexOutOfRangeError(InputMismatchError, IndexError):
+    """An input used as indices into a table (an embedding's rows) holds a value outside
+    it: refused before any compiled kernel reads it, as eager raises IndexError."""
+
+
 class NoVariantError(PrecompileError, ValueError):
     """No compiled variant's guards admit the call's sizes; nothing is compiled instead."""
 

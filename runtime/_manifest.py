@@ -118,6 +118,9 @@ class TensorInput:
     # grad (e.g. the graph runs under ``torch.no_grad()``), so a call may pass it requiring
     # grad to inference variants: eager's result would not be connected to autograd either
     grad_unused: bool = False
+    # Its values index a table of this many rows (an embedding): outside [0, rows) a
+    # compiled kernel would read out of bounds (or abort the process in its own check)
+    index_rows: int | None = None
 
     def __post_init__(self) -> None:
         if self.stride is None:
@@ -468,6 +471,7 @@ def _input_to_json(spec: InputSpec) -> dict[str, Any]:
         "value": spec.value,
         "static_address": spec.static_address,
         "grad_unused": spec.grad_unused,
+        **({} if spec.index_rows is None else {"index_rows": spec.index_rows}),
     }
 
 
@@ -753,6 +757,9 @@ class _Reader:
                 entry.get("static_address", False), f"{where}.static_address"
             ),
             grad_unused=self.boolean(entry.get("grad_unused", False), f"{where}.grad_unused"),
+            index_rows=None
+            if entry.get("index_rows") is None
+            else self.integer(entry.get("index_rows"), f"{where}.index_rows", high=2**62),
         )
 
     def variants(self, value: Any, names: Sequence[str], input_count: int) -> tuple[Variant, ...]:

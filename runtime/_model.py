@@ -526,7 +526,7 @@ class CompiledModel:
         try:
             return self.artifact(*self._graph_inputs(leaves))
         except InputMismatchError as exc:
-            raise InputMismatchError(self._named(exc, leaves)) from None
+            raise type(exc)(self._named(exc, leaves)) from None
 
     def _named(self, exc: InputMismatchError, leaves: list[Any]) -> str:
         """The artifact's message with each graph input it names said as the model's

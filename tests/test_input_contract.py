@@ -131,3 +131,50 @@ def test_explain_judges_sizes_not_grad_mode(projection: tuple[Projection, Captur
     assert art.sizes_of(*captured.flat(needs_grad)) == {art.symbols[0].name: 7}
     with pytest.raises(precompile.InputMismatchError, match="dtype float32"):
         art.explain(*captured.flat(needs_grad.detach().double()))
+
+
+class _Lookup(torch.nn.Module):
+    """Token ids through an embedding table, then a projection."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.table = torch.nn.Embedding(50, 8)
+        self.out = torch.nn.Linear(8, 4)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.out(self.table(ids))
+
+
+def test_index_inputs_outside_their_table_are_refused_in_this_and_a_fresh_process(
+    tmp_path: Any,
+) -> None:
+    """An input used as an embedding's indices is recorded with the table's rows; a call
+    holding a value outside [0, rows) raises IndexOutOfRangeError (an IndexError, as
+    eager raises) naming the input and the value, before any compiled kernel reads it,
+    after a good call too and in a fresh process loading the saved artifact."""
+    model = _Lookup().eval()
+    ids = torch.randint(0, 50, (2, 6))
+    captured, art = _compile(model, ids)
+    (index,) = [i for i, user in captured.user_positions.items() if user == 0]
+    assert art.manifest.inputs[index].index_rows == 50
+    with torch.no_grad():
+        torch.testing.assert_close(art(*captured.flat(ids))[0], model(ids))
+        for bad, shown in ((torch.tensor([[3, 50]]), "50"), (torch.tensor([[-2, 4, 5]]), "-2")):
+            with pytest.raises(IndexError, match=f"input {index} holds {shown}, outside the "
+                                                 "embedding's 50 rows"):  # fmt: skip
+                art(*captured.flat(bad))
+    path, inputs = str(tmp_path / "lookup.pt2c"), str(tmp_path / "inputs.pt")
+    art.save(path=path)
+    torch.save(captured.flat(torch.tensor([[7, 999]])), inputs)
+    out = run_python(
+        "import torch, precompile\n"
+        f"art = precompile.CompiledArtifact.load(path={path!r})\n"
+        f"print(art.manifest.inputs[{index}].index_rows)\n"
+        "try:\n"
+        "    with torch.no_grad():\n"
+        f"        art(*torch.load({inputs!r}))\n"
+        "except precompile.IndexOutOfRangeError as exc:\n"
+        "    print(exc)\n"
+    )
+    assert out.splitlines()[0] == "50", out
+    assert f"input {index} holds 999" in out, out

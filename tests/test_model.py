@@ -166,6 +166,68 @@ def test_save_and_load_model_in_a_fresh_process(
         precompile.load_model(other, path=path)
 
 
+HOSTILE = """
+import sys, torch, precompile
+sys.path.insert(0, "tests")
+from test_real_models import VOCAB, tiny_llama
+model = tiny_llama()
+compiled = precompile.load_model(model, path={path!r}, warmup=False)
+good = torch.randint(0, VOCAB, (1, 7))
+
+
+def outcome(ids):
+    try:
+        with torch.no_grad():
+            ours = compiled(ids, use_cache=False).logits
+    except Exception as exc:  # the process lives on: what was raised
+        return type(exc).__name__ + ": " + str(exc).splitlines()[0]
+    with torch.no_grad():
+        eager = model(ids, use_cache=False).logits
+    same = ours.shape == eager.shape and torch.allclose(ours, eager, atol=1e-4, equal_nan=True)
+    return "served, equal to eager" if same else "served, DIFFERENT from eager"
+
+
+cases = {{
+    "above": torch.tensor([[1, 2, VOCAB + 172]]),
+    "negative": torch.tensor([[-1, 2, 3]]),
+    "good after": good,
+    "empty batch": torch.zeros(0, 5, dtype=torch.long),
+    "empty sequence": torch.zeros(1, 0, dtype=torch.long),
+    "float ids": good.float(),
+    "int32 ids": good.int(),
+    "long": torch.randint(0, VOCAB, (1, 2048)),
+    "huge value": torch.tensor([[2**62]]),
+}}
+for name, ids in cases.items():
+    print(name, "->", outcome(ids), flush=True)
+"""
+
+
+def test_hostile_requests_never_end_a_serving_process(
+    compiled_llama: tuple[Any, Any], tmp_path: Any
+) -> None:
+    """A loaded model in a fresh process, fed token ids outside the vocabulary (above and
+    negative: eager raises IndexError, where the compiled C++ kernel's own bounds check,
+    inside an OpenMP region, had ended the process with SIGABRT), empty batches and
+    sequences, the wrong dtype, a long sequence and a huge value: each call is served as
+    eager serves it or refused with an exception, and the process lives to the end."""
+    _, compiled = compiled_llama
+    path = os.path.join(str(tmp_path), "llama.pt2c")
+    compiled.save(path)
+    out = run_python(HOSTILE.format(path=path))
+    lines = dict(line.split(" -> ", 1) for line in out.splitlines() if " -> " in line)
+    assert len(lines) == 9, out  # the process reached its last case
+    for name in ("above", "negative", "huge value"):
+        assert re.match(r"IndexOutOfRangeError: input \d+ \(argument 0\) holds", lines[name]), out
+        assert f"outside the embedding's {VOCAB} rows" in lines[name], out
+    assert issubclass(precompile.IndexOutOfRangeError, IndexError)  # as eager raises
+    assert "holds 300" in lines["above"] and "holds -1" in lines["negative"], out
+    assert lines["good after"] == "served, equal to eager", out
+    assert lines["long"] == "served, equal to eager", out
+    assert lines["float ids"].startswith("InputMismatchError"), out
+    assert "DIFFERENT" not in out, out
+
+
 def test_a_compiled_model_binds_only_to_the_model_it_was_compiled_from(
     compiled_llama: tuple[Any, Any], llama_cache: str, tmp_path: Any
 ) -> None:
