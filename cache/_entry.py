@@ -103,6 +103,7 @@ class RemoteScan:
 
     keys: tuple[str, ...]
     skipped: tuple[tuple[str, str], ...] = ()
+    error: str | None = None  # the listing failed (and ``keys`` is empty): why
 
 
 @dataclass(frozen=True)

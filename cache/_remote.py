@@ -80,7 +80,11 @@ class RemoteTier:
         except ImportError:  # pragma: no cover - fsspec comes with torch
             raise InvalidOptionError("a remote cache needs fsspec: pip install fsspec") from None
         if not isinstance(url, str) or "://" not in url:
-            raise InvalidOptionError(f"remote must be a URL such as s3://bucket/path, got {url!r}")
+            hint = f" (a directory: file://{os.path.abspath(url)})" if isinstance(url, str) else ""
+            raise InvalidOptionError(
+                f"remote must be a URL such as s3://bucket/path or file:///shared/dir, got "
+                f"{url!r}{hint}"
+            )
         protocol = url.split("::")[-1].split("://")[0]
         known = known_implementations.get(protocol)
         if protocol not in registry:
@@ -185,7 +189,10 @@ class RemoteTier:
         try:
             names = self.fs.ls(f"{self.root}/entries", detail=False)
         except FileNotFoundError:
-            return []
+            base = self.root.rsplit("/", 1)[0]
+            if self.protocol in ("file", "local") and not self.fs.exists(base):
+                raise FileNotFoundError(f"remote directory {base} does not exist") from None
+            return []  # a remote nothing was pushed to yet
         found = [str(n).rsplit("/", 1)[-1] for n in names]
         return sorted(name[:-5] for name in found if name.endswith(".json"))
 

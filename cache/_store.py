@@ -367,7 +367,7 @@ class ArtifactCache:
             read = pool.map(lambda item: self._read_blob(item[0], item[1], key), sizes.items())
             return dict(zip(sizes, read, strict=True))
 
-    def get(self, key: str, *, lazy: bool = False) -> StoredEntry | None:
+    def get(self, key: str, *, lazy: bool = False, touch: bool = True) -> StoredEntry | None:
         """The entry under ``key`` with every blob verified, or None on a miss (a corrupt
         entry is quarantined first). Raises ``UntrustedArtifactError`` where trusted keys
         are configured and the entry is not signed by one, ``UnsafeCacheError`` where
@@ -377,13 +377,18 @@ class ArtifactCache:
         entry's ``blobs`` are first indexed by it (``VerifiedBlobs``): a serving process
         reads the code it runs, not every variant's fallback. A blob found corrupt then
         raises ``CorruptArtifactError`` (the entry is quarantined); one removed since,
-        ``CorruptArtifactError`` too."""
+        ``CorruptArtifactError`` too.
+
+        ``touch=False``: a check, not a use: the entry's last use and the hit and miss
+        counts stay as they were, and the remote tier is not asked."""
         document = self._read_document(key)
         if document is None:
-            fetched = self._fetch(key) if self.remote is not None else None
-            self._count("misses" if fetched is None else "hits")
+            fetched = self._fetch(key) if self.remote is not None and touch else None
+            if touch:
+                self._count("misses" if fetched is None else "hits")
             return fetched
         aux = set(document["aux"].values())
+        count = self._count if touch else (lambda field, amount=1: None)
         try:
             if lazy:
                 return self._lazily(key, document, aux)
@@ -391,15 +396,16 @@ class ArtifactCache:
         except FileNotFoundError:
             if os.path.exists(self.entry_path(key)):
                 self._quarantine(key, "a blob it references is missing")
-            self._count("misses")  # else evicted while we read: a plain miss
+            count("misses")  # else evicted while we read: a plain miss
             return None
         except CorruptArtifactError as exc:
             self._quarantine(key, str(exc))
-            self._count("misses")
+            count("misses")
             return None
-        with contextlib.suppress(OSError):  # approximate LRU: last use is the entry's mtime
-            os.utime(self.entry_path(key))
-        self._count("hits")
+        if touch:
+            with contextlib.suppress(OSError):  # approximate LRU: last use is the mtime
+                os.utime(self.entry_path(key))
+        count("hits")
         return _stored(key, document, blobs)
 
     def contains(self, key: str) -> bool:
@@ -491,8 +497,12 @@ class ArtifactCache:
         document = decode_json(raw, f"cache entry {key[:12]}")
         self._validate(key, document)
         document["signature"] = signing.sign(_signed_digest(document), signing_key).to_json()
-        with self._gc_lock(exclusive=False), atomic_file(path) as handle:
-            handle.write(json.dumps(document, indent=1, allow_nan=False).encode())
+        used = os.stat(path)
+        with self._gc_lock(exclusive=False):
+            with atomic_file(path) as handle:
+                handle.write(json.dumps(document, indent=1, allow_nan=False).encode())
+            with contextlib.suppress(OSError):  # signing is not a use: keep the LRU order
+                os.utime(path, ns=(used.st_atime_ns, used.st_mtime_ns))
 
     # -- the remote tier -------------------------------------------------------------
     def _remote(
@@ -503,10 +513,12 @@ class ArtifactCache:
         *,
         seconds: float | None = None,
         on_late: Callable[[Any], Any] | None = None,
+        failures: list[str] | None = None,
     ) -> Any:
         """Run a remote operation under its deadline (``remote_timeout`` unless
         ``seconds`` is given); any failure (network, permissions, throttling, a vanished
-        or silent server) is logged, counted, and answered with ``default``."""
+        or silent server) is logged, counted, added to ``failures`` (where given: for a
+        caller that reports it) and answered with ``default``."""
         limit = self.remote_timeout if seconds is None else seconds
         try:
             return deadline.call(action, limit, what, on_late)
@@ -515,11 +527,15 @@ class ArtifactCache:
                         what, exc)  # fmt: skip
             self._count("remote_timeouts")
             self._count("remote_errors")
+            if failures is not None:
+                failures.append(f"timed out: {exc}")
             return default
         except Exception as exc:  # a remote must never fail a call we can serve locally
             log.warning("remote cache %s: %s failed: %s: %s", self.remote, what,
                         type(exc).__name__, str(exc)[:200])  # fmt: skip
             self._count("remote_errors")
+            if failures is not None:
+                failures.append(f"{type(exc).__name__}: {str(exc)[:200]}")
             return default
 
     def _remote_refusal(self, blobs: Mapping[str, int]) -> str | None:
@@ -672,11 +688,13 @@ class ArtifactCache:
         remote = self.remote
         if remote is None:
             raise InvalidOptionError("this cache has no remote tier")
-        names: list[str] = self._remote("listing", remote.entries, default=[])
+        failures: list[str] = []
+        names: list[str] = self._remote("listing", remote.entries, default=[], failures=failures)
         skipped = [(n, "not a cache key (a sha256 hex digest)") for n in names if not _is_digest(n)]
         for name, reason in skipped:
             log.warning("remote entry %r skipped: %s", name, reason)
-        return RemoteScan(tuple(n for n in names if _is_digest(n)), tuple(skipped))
+        error = failures[0] if failures else None
+        return RemoteScan(tuple(n for n in names if _is_digest(n)), tuple(skipped), error)
 
     def remote_entries(self) -> list[str]:
         """The keys the remote holds (see ``remote_scan`` for the names skipped)."""
@@ -874,7 +892,7 @@ class ArtifactCache:
             unreadable = list(scan.unreadable)
             for entry in scan.entries:
                 try:
-                    found = self.get(entry.key)
+                    found = self.get(entry.key, touch=False)
                 except (UntrustedArtifactError, OSError) as exc:
                     unreadable.append((entry.path, f"{type(exc).__name__}: {exc}"))
                     continue

@@ -6,7 +6,9 @@
     precompile verify [--key PUB ...] PATH    check a saved artifact's digests and signature
 
 It imports the cache and the artifact formats only: no Dynamo, no inductor compile
-modules. Errors are one line on stderr (exit 2); a failed check exits 1.
+modules. Errors are one line on stderr (exit 2); a failed check exits 1. The commands
+that read (``ls``, ``info``, ``explain``, ``verify``, ``stats``, ``tags``) change no
+entry's last use and no count.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import os
 import sys
 import time
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 from cache import ArtifactCache, CacheEntry
 from cache import _signing as signing
@@ -40,6 +42,12 @@ def _ago(timestamp: float) -> str:
         if seconds >= width:
             return f"{seconds / width:.0f}{unit} ago"
     return f"{seconds:.0f}s ago"
+
+
+def _fail(message: str) -> NoReturn:
+    """An error: one line on stderr, exit 2."""
+    print(f"precompile: {message}", file=sys.stderr)
+    raise SystemExit(2)
 
 
 def _emit(data: Any, as_json: bool, text: str) -> None:
@@ -166,6 +174,8 @@ def _sync_command(store: ArtifactCache, args: argparse.Namespace) -> int:
     (stderr, and ``skipped`` in --json) and the rest goes on; the exit status is 1 only
     where an entry that could be copied was not (or there was nothing to copy)."""
     skipped: list[tuple[str, str]] = []
+    if args.tag and store.tagged(args.tag) is None:
+        _fail(f"no tag {args.tag!r} in {store.root} (see 'cache tags')")
     if args.action == "push":
         if args.tag:
             keys = [store.tagged(args.tag)]
@@ -187,6 +197,8 @@ def _sync_command(store: ArtifactCache, args: argparse.Namespace) -> int:
             keys = [store.tagged(args.tag)]
         else:
             listing = store.remote_scan()
+            if listing.error is not None:
+                _fail(f"listing {args.remote} failed: {listing.error}")
             keys = list(listing.keys)
             skipped += listing.skipped
         done = store.pull([k for k in keys if k is not None])
@@ -246,6 +258,8 @@ def _cache_command(args: argparse.Namespace) -> int:
         return _sync_command(store, args)
     if args.action == "ls" and remote:
         listing = store.remote_scan()
+        if listing.error is not None:
+            _fail(f"listing {remote} failed: {listing.error}")
         _report_skipped(listing.skipped)
         keys = list(listing.keys)
         _emit(
@@ -277,11 +291,18 @@ def _cache_command(args: argparse.Namespace) -> int:
     elif args.action == "verify":
         report = store.verify()
         problems = [f"  could not check {path}: {reason}" for path, reason in report.unreadable]
+        intact = report.checked - len(report.corrupt) - len(report.unreadable)
         text = f"checked {report.checked} entries: " + (
             "all intact"
-            if not report.corrupt
-            else f"{len(report.corrupt)} corrupt, moved to quarantine: "
-            + ", ".join(k[:12] for k in report.corrupt)
+            if report.ok
+            else f"{max(intact, 0)} intact"
+            + (
+                f", {len(report.corrupt)} corrupt, moved to quarantine: "
+                + ", ".join(k[:12] for k in report.corrupt)
+                if report.corrupt
+                else ""
+            )
+            + (f", {len(report.unreadable)} could not be checked" if report.unreadable else "")
         )
         _emit(dataclasses.asdict(report), args.json, "\n".join([text, *problems]))
         return 0 if report.ok else 1

@@ -504,3 +504,36 @@ def test_cli_skips_and_reports_names_that_are_not_keys(tmp_path: Any) -> None:
     assert sorted(report["pushed"]) == sorted([key_of(2), key_of(3)]), report
     assert [s["name"] for s in report["skipped"]] == [key_of(1) + ".json"], report
     assert "UnsafeCacheError" in report["skipped"][0]["reason"] and key_of(1) in pushed.stderr
+
+
+def test_cli_failures_exit_non_zero_naming_their_cause(tmp_path: Any) -> None:
+    """A remote that cannot be listed (a missing directory, an unreachable store), a tag
+    that does not exist and a remote given as a plain path: each exits non-zero with one
+    line saying why, never "0 entries" and exit 0."""
+    root = str(tmp_path / "here")
+    store = ArtifactCache(root)
+    put(store, key_of(1), fake_artifact(1), {})
+    missing = f"file://{tmp_path / 'nowhere'}"
+    for args in (["ls", "--remote", missing], ["pull", missing]):
+        done = _cli("--root", root, *args)
+        assert done.returncode == 2, (args, done.stdout, done.stderr)
+        assert "does not exist" in done.stderr and "0 entries" not in done.stdout, done.stderr
+    # an unreachable store: nothing listens on this port
+    options = json.dumps({"client_kwargs": {"endpoint_url": "http://127.0.0.1:9"},
+                          "key": "x", "secret": "y", "config_kwargs": {
+                              "connect_timeout": 1, "retries": {"max_attempts": 1}}})  # fmt: skip
+    done = _cli("--root", root, "ls", "--remote", "s3://nonexistent-bucket/x",
+                "--remote-options", options)  # fmt: skip
+    assert done.returncode == 2 and "listing s3://nonexistent-bucket/x failed" in done.stderr, (
+        done.stdout,
+        done.stderr,
+    )
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    done = _cli("--root", root, "push", f"file://{shared}", "--tag", "no-such-tag")
+    assert done.returncode == 2 and "no tag 'no-such-tag'" in done.stderr, done.stderr
+    done = _cli("--root", root, "push", str(shared))
+    assert done.returncode == 2 and f"file://{shared}" in done.stderr, done.stderr
+    # an empty remote that exists is not an error
+    done = _cli("--root", root, "ls", "--remote", f"file://{shared}")
+    assert done.returncode == 0 and "0 entries" in done.stdout, done.stderr

@@ -8,6 +8,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from typing import Any
 
 import pytest
@@ -161,3 +162,32 @@ def test_cache_entries_are_signed_and_checked(keys: dict[str, str], tmp_path: An
     assert get(reader, key_of(2)) is not None
     listing = _cli("cache", "--root", root, "ls")
     assert "signed" in listing.stdout
+
+
+def test_cache_commands_that_read_change_no_last_use_and_no_count(
+    keys: dict[str, str], tmp_path: Any
+) -> None:
+    """``ls``, ``info``, ``explain``, ``verify``, ``stats`` and ``tags`` leave every
+    entry's last use (the LRU order prune evicts by) and the hit and miss counts as they
+    were; ``sign`` writes the signature and keeps the last use."""
+    from test_cache import fake_artifact, key_of, put
+
+    root = str(tmp_path / "cache")
+    store = ArtifactCache(root)
+    for n in (1, 2):
+        put(store, key_of(n), fake_artifact(n), {"graph": str(n), "device": "cpu"})
+    store.tag("first", key_of(1))
+    old = time.time() - 3600
+    for n, when in ((1, old), (2, old + 60)):
+        os.utime(store.entry_path(key_of(n)), (when, when))
+    before = {n: os.stat(store.entry_path(key_of(n))).st_mtime_ns for n in (1, 2)}
+    counts = store.stats()
+    for args in (["ls"], ["info", key_of(1)[:10]], ["explain", key_of(1)[:10]], ["verify"],
+                 ["stats"], ["tags"], ["sign", "--key", keys["ours"]]):  # fmt: skip
+        done = _cli("cache", "--root", root, *args)
+        assert done.returncode == 0, (args, done.stderr)
+        after = {n: os.stat(store.entry_path(key_of(n))).st_mtime_ns for n in (1, 2)}
+        assert after == before, args
+        now = store.stats()
+        assert (now.hits, now.misses) == (counts.hits, counts.misses), args
+    assert all(e.signed for e in store.entries())
