@@ -18,6 +18,7 @@ from ._entry import (
 )
 from ._errors import (
     ArtifactAccessError,
+    CacheRootError,
     CacheWriteError,
     CorruptArtifactError,
     InvalidOptionError,
@@ -36,6 +37,7 @@ __all__ = [
     "ArtifactCache",
     "CacheEntry",
     "CacheOption",
+    "CacheRootError",
     "CacheScan",
     "CacheStats",
     "CacheWriteError",

@@ -16,6 +16,11 @@ class InvalidOptionError(PrecompileError, ValueError):
     """An argument (hints, sizes, format, path...) is not what the API accepts."""
 
 
+class CacheRootError(InvalidOptionError, NotADirectoryError):
+    """The cache root cannot hold a cache: it is a file (or another thing that is not a
+    directory), or the cache's layout cannot be made in it."""
+
+
 class CorruptArtifactError(PrecompileError, ValueError):
     """An artifact is truncated, altered, foreign, or fails its checksum."""
 

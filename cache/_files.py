@@ -12,7 +12,7 @@ import os
 import stat
 
 from ._bytes import read_fd
-from ._errors import CorruptArtifactError, UnsafeCacheError
+from ._errors import CacheRootError, CorruptArtifactError, UnsafeCacheError
 
 FOREIGN_HINT = "fix its ownership, or pass trust_foreign=True"
 
@@ -45,7 +45,10 @@ def check_root(path: str, trust_foreign: bool) -> None:
     never rename or remove ours, and every directory of the layout is checked too)."""
     info = os.stat(path)
     if not stat.S_ISDIR(info.st_mode):
-        raise UnsafeCacheError(f"cache root {path} is not a directory")
+        raise CacheRootError(
+            f"cache root {path} is not a directory; a cache root must be one (a new path is "
+            "made into one)"
+        )
     ours_and_sticky = info.st_uid == os.getuid() and info.st_mode & stat.S_ISVTX
     if not trust_foreign and not ours_and_sticky:
         check_owner(info, f"cache root {path}")

@@ -55,6 +55,7 @@ from ._entry import (
     VerifyReport,
 )
 from ._errors import (
+    CacheRootError,
     CacheWriteError,
     CorruptArtifactError,
     InvalidOptionError,
@@ -176,7 +177,7 @@ class ArtifactCache:
             files.check_root(self.root, trust_foreign)
         self._dirs, self.writable = prepare(self.root)
         if not os.path.isdir(self._dirs["entries"]):
-            raise InvalidOptionError(
+            raise CacheRootError(
                 f"cache root {self.root} has no {LAYOUT} layout and cannot be created here"
             )
         files.check_root(self.root, trust_foreign)

@@ -27,6 +27,7 @@ from cache import (
 from runtime import (
     ArtifactAccessError,
     ArtifactNotFoundError,
+    CacheRootError,
     CacheWriteError,
     Calibration,
     CalibrationEntry,
@@ -86,6 +87,7 @@ __all__ = [
     "CacheEntry",
     "CacheScan",
     "CacheStats",
+    "CacheRootError",
     "CacheWriteError",
     "Calibration",
     "CalibrationEntry",

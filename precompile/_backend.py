@@ -6,16 +6,22 @@ traces, but no inductor compile runs.
 
 from __future__ import annotations
 
+import logging
+import os
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 
-from cache import CacheOption
+from cache import CacheOption, CacheRootError
+from runtime import CompiledArtifact
 from runtime._cudagraphs import CudaGraphsOption
 
+from ._offline import is_offline
 from ._standalone import CalibrateOption, standalone_compile
 from ._variant_plan import DEFAULT_MAX_VARIANTS, Hints, Sizes
+
+log = logging.getLogger("precompile.compile")
 
 
 def backend(
@@ -43,19 +49,35 @@ def backend(
     """
 
     def compile_graph(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
-        artifact = standalone_compile(
-            gm,
-            example_inputs,
-            dynamic_shapes="from_tracing_context",
-            options=options,
-            hints=hints,
-            sizes=sizes,
-            max_variants=max_variants,
-            cache=cache,
-            calibrate=calibrate,
-            cudagraphs=cudagraphs,
-            compile=compile,
-        )
+        def compiled(store: CacheOption) -> CompiledArtifact:
+            return standalone_compile(
+                gm,
+                example_inputs,
+                dynamic_shapes="from_tracing_context",
+                options=options,
+                hints=hints,
+                sizes=sizes,
+                max_variants=max_variants,
+                cache=store,
+                calibrate=calibrate,
+                cudagraphs=cudagraphs,
+                compile=compile,
+            )
+
+        try:
+            artifact = compiled(cache)
+        except CacheRootError as exc:
+            if is_offline(compile):
+                raise  # nothing may compile, and nothing can be found: say why
+            # Inside torch.compile a bad cache setting costs the cache, not the model
+            # (as a read-only disk does): compile, uncached, and say which setting.
+            setting = (
+                f"PRECOMPILE_CACHE_DIR={os.environ.get('PRECOMPILE_CACHE_DIR')!r}"
+                if cache is None or cache is True
+                else f"precompile.backend(cache={cache!r})"
+            )  # fmt: skip
+            log.warning("%s (set by %s); compiling without a cache", exc, setting)
+            artifact = compiled(False)
         return artifact.trusting_caller()
 
     return compile_graph

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 from ._errors import (
     ArtifactAccessError,
     ArtifactNotFoundError,
+    CacheRootError,
     CacheWriteError,
     CorruptArtifactError,
     IncompatibleArtifactError,
@@ -64,6 +65,7 @@ __all__ = [
     "ArtifactAccessError",
     "ArtifactFormat",
     "ArtifactNotFoundError",
+    "CacheRootError",
     "CacheWriteError",
     "Calibration",
     "CalibrationEntry",

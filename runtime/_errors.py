@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from cache._errors import (
     ArtifactAccessError,
+    CacheRootError,
     CacheWriteError,
     CorruptArtifactError,
     InvalidOptionError,
@@ -47,6 +48,7 @@ class ArtifactNotFoundError(PrecompileError, FileNotFoundError):
 __all__ = [
     "ArtifactAccessError",
     "ArtifactNotFoundError",
+    "CacheRootError",
     "CacheWriteError",
     "CorruptArtifactError",
     "PayloadLimitError",

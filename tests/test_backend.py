@@ -91,3 +91,40 @@ def test_common_guard_false_at_a_static_size_is_not_propagated() -> None:
     before = len(env.guards)
     _propagate_common_guards(graph, _common_guards(graph, requests, guards))
     assert len(env.guards) == before  # the static variant serves 5000: Dynamo must call us
+
+
+def test_a_cache_root_that_is_a_file(tmp_path: Any, monkeypatch: Any, caplog: Any) -> None:
+    """A cache root that cannot be a cache is refused when the cache is opened, saying
+    what is wrong (not "unsafe"). Inside torch.compile the model still compiles, uncached,
+    with a warning naming the setting (``backend(cache=...)`` or $PRECOMPILE_CACHE_DIR);
+    with ``compile=False`` nothing could be found or built, and the error says why."""
+    import logging
+
+    import pytest
+
+    from cache import ArtifactCache
+
+    path = tmp_path / "a-file"
+    path.write_text("not a cache")
+    with pytest.raises(precompile.CacheRootError, match="is not a directory") as caught:
+        ArtifactCache(str(path))
+    assert isinstance(caught.value, NotADirectoryError)
+    torch.manual_seed(0)
+    model = MLP(width=8, hidden=16).eval()
+    x = torch.randn(3, 8)
+    for cache, setting in ((str(path), "precompile.backend(cache="),
+                           (None, "PRECOMPILE_CACHE_DIR=")):  # fmt: skip
+        if cache is None:
+            monkeypatch.setenv("PRECOMPILE_CACHE_DIR", str(path))
+        torch._dynamo.reset()
+        caplog.clear()
+        compiled = torch.compile(model, backend=precompile.backend(cache=cache))
+        with caplog.at_level(logging.WARNING, logger="precompile"), torch.no_grad():
+            torch.testing.assert_close(compiled(x), model(x))
+        assert any(setting in r.getMessage() and "without a cache" in r.getMessage()
+                   for r in caplog.records), caplog.text  # fmt: skip
+    torch._dynamo.reset()
+    offline = torch.compile(model, backend=precompile.backend(cache=str(path), compile=False))
+    with pytest.raises(Exception, match="is not a directory"), torch.no_grad():
+        offline(x)
+    torch._dynamo.reset()
