@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from cache import CacheOption, CacheRootError
-from runtime import CompiledArtifact
+from runtime import ArtifactNotFoundError, CompiledArtifact
 from runtime._cudagraphs import CudaGraphsOption
 
 from ._offline import is_offline
@@ -64,8 +64,15 @@ def backend(
                 compile=compile,
             )
 
+        static = hints is not None and _static_graph(example_inputs)
+        if static:
+            _warn_static_once()
         try:
             artifact = compiled(cache)
+        except ArtifactNotFoundError as exc:
+            if static:
+                raise ArtifactNotFoundError(f"{exc}. {ORDER_HINT}") from None
+            raise
         except CacheRootError as exc:
             if is_offline(compile):
                 raise  # nothing may compile, and nothing can be found: say why
@@ -81,3 +88,33 @@ def backend(
         return artifact.trusting_caller()
 
     return compile_graph
+
+
+# Dynamo's first trace of a frame is static (automatic dynamic marks a dim dynamic only
+# once a second size is seen): which sizes that graph holds depends on the first call.
+ORDER_HINT = (
+    "Dynamo handed this backend a static graph (its first trace of the frame, at the first "
+    "call's sizes): a build and a server whose first calls have other sizes trace other "
+    "graphs. Pass dynamic=True to torch.compile (or torch._dynamo.mark_dynamic the "
+    "inputs' varying dims) so that the graphs do not depend on the order of requests"
+)
+_warned_static = False
+
+
+def _static_graph(example_inputs: list[Any]) -> bool:
+    """Whether Dynamo traced this graph with every size fixed."""
+    for value in example_inputs:
+        if isinstance(value, torch.SymInt):
+            return False
+        if isinstance(value, torch.Tensor) and any(
+            isinstance(s, torch.SymInt) for s in (*value.shape, *value.stride())
+        ):
+            return False
+    return True
+
+
+def _warn_static_once() -> None:
+    global _warned_static
+    if not _warned_static:
+        _warned_static = True
+        log.warning("precompile.backend was given hints, but: %s", ORDER_HINT)

@@ -128,3 +128,46 @@ def test_a_cache_root_that_is_a_file(tmp_path: Any, monkeypatch: Any, caplog: An
     with pytest.raises(Exception, match="is not a directory"), torch.no_grad():
         offline(x)
     torch._dynamo.reset()
+
+
+def _serve(
+    model: Any, cache: str, order: list[int], *, compile: bool, dynamic: bool | None
+) -> None:
+    torch._dynamo.reset()
+    compiled = torch.compile(model, dynamic=dynamic,
+                             backend=precompile.backend(hints=[4, 64], cache=cache,
+                                                        compile=compile))  # fmt: skip
+    with torch.no_grad():
+        for batch in order:
+            x = torch.randn(batch, 8)
+            torch.testing.assert_close(compiled(x), model(x))
+
+
+def test_a_warm_start_does_not_depend_on_the_order_of_requests(tmp_path: Any, caplog: Any) -> None:
+    """With ``torch.compile(dynamic=True)`` a server finds what the build compiled
+    whatever sizes come first (both orders, ``compile=False``). With Dynamo's default
+    (the first trace static, at the first call's sizes) the build warns, and a server's
+    miss says what to pass."""
+    import logging
+
+    import pytest
+
+    import precompile._backend as backend_module
+
+    torch.manual_seed(0)
+    model = MLP(width=8, hidden=16).eval()
+    for build, served in (([1, 4], [5, 1, 7]), ([5, 1], [1, 4, 9])):
+        cache = str(tmp_path / f"dynamic-{build[0]}")
+        _serve(model, cache, build, compile=True, dynamic=True)
+        _serve(model, cache, served, compile=False, dynamic=True)
+    cache = str(tmp_path / "default")
+    backend_module._warned_static = False
+    with caplog.at_level(logging.WARNING, logger="precompile"):
+        _serve(model, cache, [1, 4], compile=True, dynamic=None)
+    assert "dynamic=True" in caplog.text, caplog.text
+    with pytest.raises(Exception, match="dynamic=True") as caught:
+        _serve(model, cache, [5], compile=False, dynamic=None)
+    assert "ArtifactNotFoundError" in repr(caught.value) or isinstance(
+        caught.value.__cause__, precompile.ArtifactNotFoundError
+    ), repr(caught.value)
+    torch._dynamo.reset()
