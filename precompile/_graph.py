@@ -31,6 +31,9 @@ class GraphInput:
     static_address: bool = False  # Dynamo marked it static (a module parameter or buffer)
     # It indexes a table of this many rows (an embedding): its values must lie in [0, rows)
     index_rows: int | None = None
+    # Where the caller's value comes from (Dynamo's source, ``L['x']``, or the
+    # placeholder's name): what errors and ``CompiledArtifact.inputs`` call it
+    name: str | None = None
 
 
 @dataclass(frozen=True)

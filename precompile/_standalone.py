@@ -86,7 +86,7 @@ def _input_specs(
     specs: list[InputSpec] = []
     for index, (item, use) in enumerate(zip(graph.inputs, uses, strict=True)):
         if item.kind == "int":
-            specs.append(IntInput(_size_text(item.value)))
+            specs.append(IntInput(_size_text(item.value), name=item.name))
             continue
         assert item.dtype is not None and item.device is not None
         for stride in item.stride:
@@ -110,6 +110,7 @@ def _input_specs(
                 static_address=item.static_address,
                 grad_unused=grad_proven_unused and item.requires_grad,
                 index_rows=item.index_rows,
+                name=item.name,
             )
         )
     return tuple(specs)

@@ -216,13 +216,16 @@ def describe_graph(
                     scalar_symbol=scalar_symbol,
                     static_address=static_address,
                     index_rows=table_rows.get(index),
+                    name=_input_name(placeholders, index),
                 )
             )
         elif isinstance(value, (int, torch.SymInt)) and not isinstance(value, bool):
+            name = _input_name(placeholders, index)
             if dynamic_shapes == "from_example_inputs":
-                inputs.append(GraphInput("int", value=sympy.Integer(int(value))))
+                inputs.append(GraphInput("int", value=sympy.Integer(int(value)), name=name))
             else:
-                inputs.append(GraphInput("int", value=_expr(value, shape_env or _env_of(value))))
+                size = _expr(value, shape_env or _env_of(value))
+                inputs.append(GraphInput("int", value=size, name=name))
         else:
             raise UnsupportedGraphError(
                 f"graph input {index} is a {type(value).__name__}; precompile supports tensor "
@@ -296,6 +299,20 @@ def with_static_mark(original: torch.Tensor, copied: torch.Tensor) -> torch.Tens
     if mark is not None:
         copied._dynamo_static_input_type = mark  # type: ignore[attr-defined]
     return copied
+
+
+def _input_name(placeholders: Sequence[Any], index: int) -> str | None:
+    """What input ``index`` is in the caller's code: Dynamo's source of it (``L['x']``,
+    ``L['self']._modules['fc']._parameters['weight']``), else the placeholder's name."""
+    if index >= len(placeholders):
+        return None
+    node = placeholders[index]
+    source = getattr(node.meta.get("grapharg"), "source", None)
+    name = getattr(source, "name", None)
+    if callable(name):
+        name = name()
+    text = name if isinstance(name, str) and name else str(node.target)
+    return text[:200]
 
 
 def _static_address(placeholders: Sequence[Any], index: int, examples: Sequence[Any]) -> bool:

@@ -29,7 +29,7 @@ from ._calibration import (
     normalize_sizes,
     synthesize_inputs,
 )
-from ._contract import InputContract, Prepared, check_indices, index_checks
+from ._contract import InputContract, Prepared, check_indices, index_checks, name_inputs
 from ._cudagraphs import (
     CAPTURE_LOCK,
     CudaGraphExecutor,
@@ -39,7 +39,12 @@ from ._cudagraphs import (
 )
 from ._dispatch import Dispatcher, Explanation
 from ._environment import check_compatible, current_environment
-from ._errors import ArtifactNotFoundError, CorruptArtifactError, InvalidOptionError
+from ._errors import (
+    ArtifactNotFoundError,
+    CorruptArtifactError,
+    IndexOutOfRangeError,
+    InvalidOptionError,
+)
 from ._execution import DirectExecutor, Executor
 from ._lean import lean_enabled, load_lean
 from ._manifest import Calibration, Manifest, Symbol, Variant
@@ -316,7 +321,7 @@ class CompiledArtifact:
                         rewrite=native_kernels.redirect_cpp_kernels,
                     )
                 if self._index_checks:
-                    function = _with_index_checks(function, self._index_checks)
+                    function = _with_index_checks(function, self._index_checks, self.inputs)
                 self._callables[variant.payload] = function
             return function
 
@@ -650,6 +655,15 @@ class CompiledArtifact:
         return self._manifest
 
     @property
+    def inputs(self) -> tuple[str, ...]:
+        """What each flat input is in the caller's code, in call order (``L['x']``,
+        ``L['self']._modules['fc']._parameters['weight']``; ``input N`` where the
+        artifact records no name: one compiled before names were recorded)."""
+        return tuple(
+            spec.name or f"input {index}" for index, spec in enumerate(self._manifest.inputs)
+        )
+
+    @property
     def symbols(self) -> tuple[Symbol, ...]:
         return self._manifest.symbols
 
@@ -805,12 +819,15 @@ def artifact_from_entry(entry: StoredEntry) -> CompiledArtifact:
 
 
 def _with_index_checks(
-    function: Callable[..., Any], checks: tuple[tuple[int, int], ...]
+    function: Callable[..., Any], checks: tuple[tuple[int, int], ...], names: Sequence[str]
 ) -> Callable[..., Any]:
     """``function`` refusing calls whose index inputs leave their tables (``_contract``)."""
 
     def checked(*args: Any) -> Any:
-        check_indices(args, checks)
+        try:
+            check_indices(args, checks)
+        except IndexOutOfRangeError as exc:
+            raise IndexOutOfRangeError(name_inputs(str(exc), names)) from None
         return function(*args)
 
     return checked

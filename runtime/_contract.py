@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import math
+import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -75,6 +76,7 @@ class InputContract:
     def __init__(self, manifest: Manifest) -> None:
         self.symbols = manifest.symbol_names
         self.inputs = manifest.inputs
+        self.names = tuple(spec.name for spec in manifest.inputs)
         self.training = manifest.training
         self._tensors = {
             i: spec for i, spec in enumerate(self.inputs) if isinstance(spec, TensorInput)
@@ -334,12 +336,22 @@ class InputContract:
     # -- slow path -------------------------------------------------------------------
     def coerce(self, args: Sequence[Any], *, copy: bool = True) -> Prepared:
         """Accept ``args`` (copying inputs whose layout differs into the compiled layout)
-        or raise :class:`InputMismatchError` saying which input is wrong and how.
-        ``copy=False`` only checks (for ``explain``): the returned args are the given ones."""
+        or raise :class:`InputMismatchError` saying which input is wrong and how, by
+        index and by name. ``copy=False`` only checks (for ``explain``): the returned
+        args are the given ones."""
+        try:
+            return self._coerce(args, copy)
+        except InputMismatchError as exc:
+            raise type(exc)(name_inputs(str(exc), self.names)) from None
+
+    def _coerce(self, args: Sequence[Any], copy: bool) -> Prepared:
         if len(args) != len(self.inputs):
+            listed = ", ".join(f"{i}: {name or '?'}" for i, name in enumerate(self.names[:40])) + (
+                ", ..." if len(self.names) > 40 else ""
+            )
             raise InputMismatchError(
                 f"expected {len(self.inputs)} flat inputs (the graph's placeholders, "
-                f"SymInt placeholders as ints), got {len(args)}"
+                f"SymInt placeholders as ints), got {len(args)}; the inputs are {listed}"
             )
         values: dict[str, tuple[int, str]] = {}
         deferred: list[tuple[str, int, str]] = []
@@ -557,3 +569,18 @@ def check_indices(args: Sequence[Any], checks: Sequence[tuple[int, int]]) -> Non
                 f"input {index} holds {bad}, outside the embedding's {rows} rows (its values "
                 f"must lie in [0, {rows}))"
             )
+
+
+_INPUT_INDEX = re.compile(r"\binput (\d+)\b(?! \()")
+
+
+def name_inputs(message: str, names: Sequence[str | None]) -> str:
+    """``message`` with each ``input N`` it says followed by that input's name, where the
+    manifest has one (and the message does not name it already)."""
+
+    def named(match: re.Match[str]) -> str:
+        index = int(match.group(1))
+        name = names[index] if index < len(names) else None
+        return f"{match.group(0)} ({name})" if name else match.group(0)
+
+    return _INPUT_INDEX.sub(named, message)

@@ -121,6 +121,9 @@ class TensorInput:
     # Its values index a table of this many rows (an embedding): outside [0, rows) a
     # compiled kernel would read out of bounds (or abort the process in its own check)
     index_rows: int | None = None
+    # What the input is in the caller's code (``L['x']``): said in errors and listed by
+    # ``CompiledArtifact.inputs``
+    name: str | None = None
 
     def __post_init__(self) -> None:
         if self.stride is None:
@@ -147,6 +150,7 @@ class ProcessGroupSpec:
 @dataclass(frozen=True)
 class IntInput:
     value: int | str
+    name: str | None = None  # as TensorInput.name
 
 
 InputSpec = TensorInput | IntInput
@@ -456,9 +460,11 @@ def _triton_to_json(launch: TritonLaunch) -> dict[str, Any]:
 
 
 def _input_to_json(spec: InputSpec) -> dict[str, Any]:
+    named = {} if spec.name is None else {"name": spec.name}
     if isinstance(spec, IntInput):
-        return {"kind": "int", "value": spec.value}
+        return {"kind": "int", "value": spec.value, **named}
     return {
+        **named,
         "kind": "tensor",
         "dtype": spec.dtype,
         "device": spec.device,
@@ -515,6 +521,15 @@ class _Reader:
 
     def optional_text(self, value: Any, where: str) -> str | None:
         return None if value is None else self.text(value, where)
+
+    def input_name(self, value: Any, where: str) -> str | None:
+        """An input's name: printable text of at most 200 characters (it is shown)."""
+        if value is None:
+            return None
+        text = self.expect(value, str, where)
+        if len(text) > 200 or not text.isprintable():
+            raise CorruptArtifactError(f"manifest field {where} is not a short printable name")
+        return str(text)
 
     def integer(self, value: Any, where: str, *, low: int = 0, high: int = _MAX_INT) -> int:
         number = self.expect(value, int, where)
@@ -723,8 +738,9 @@ class _Reader:
     def input(self, entry: Any, names: Sequence[str], where: str) -> InputSpec:
         self.expect(entry, dict, where)
         kind = entry.get("kind")
+        name = self.input_name(entry.get("name"), f"{where}.name")
         if kind == "int":
-            return IntInput(self.size(entry.get("value"), names, f"{where}.value"))
+            return IntInput(self.size(entry.get("value"), names, f"{where}.value"), name=name)
         if kind != "tensor":
             raise CorruptArtifactError(f"manifest field {where}.kind is unknown")
         dtype = self.text(entry.get("dtype"), f"{where}.dtype")
@@ -757,6 +773,7 @@ class _Reader:
                 entry.get("static_address", False), f"{where}.static_address"
             ),
             grad_unused=self.boolean(entry.get("grad_unused", False), f"{where}.grad_unused"),
+            name=name,
             index_rows=None
             if entry.get("index_rows") is None
             else self.integer(entry.get("index_rows"), f"{where}.index_rows", high=2**62),

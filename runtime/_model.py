@@ -532,8 +532,8 @@ class CompiledModel:
         """The artifact's message with each graph input it names said as the model's
         argument, parameter or cache tensor, and a cache's difference in cache terms."""
         names = [self._input_name(index) for index in range(len(self.plan.bindings))]
-        text = re.sub(
-            r"\binput (\d+)\b",
+        text = re.sub(  # the artifact's own name for an input, if it said one, is replaced
+            r"\binput (\d+)\b(?: \((?:[^()]|\([^()]*\))*\))?",
             lambda m: (
                 f"input {m.group(1)} ({names[int(m.group(1))]})"
                 if int(m.group(1)) < len(names)

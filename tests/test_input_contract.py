@@ -160,8 +160,8 @@ def test_index_inputs_outside_their_table_are_refused_in_this_and_a_fresh_proces
     with torch.no_grad():
         torch.testing.assert_close(art(*captured.flat(ids))[0], model(ids))
         for bad, shown in ((torch.tensor([[3, 50]]), "50"), (torch.tensor([[-2, 4, 5]]), "-2")):
-            with pytest.raises(IndexError, match=f"input {index} holds {shown}, outside the "
-                                                 "embedding's 50 rows"):  # fmt: skip
+            with pytest.raises(IndexError, match=f"input {index} \\(L_ids_\\) holds {shown}, "
+                                                 "outside the embedding's 50 rows"):  # fmt: skip
                 art(*captured.flat(bad))
     path, inputs = str(tmp_path / "lookup.pt2c"), str(tmp_path / "inputs.pt")
     art.save(path=path)
@@ -177,4 +177,37 @@ def test_index_inputs_outside_their_table_are_refused_in_this_and_a_fresh_proces
         "    print(exc)\n"
     )
     assert out.splitlines()[0] == "50", out
-    assert f"input {index} holds 999" in out, out
+    assert f"input {index} (L_ids_) holds 999" in out, out
+
+
+def test_inputs_have_names_in_the_manifest_errors_and_art_inputs(tmp_path: Any) -> None:
+    """Each flat input's origin in the caller's code is recorded: ``art.inputs`` lists
+    them in call order, errors say them beside the index, a wrong count lists them, and
+    a saved artifact keeps them (a name that is not short printable text is refused)."""
+    import json
+
+    model = _Lookup().eval()
+    captured, art = _compile(model, torch.randint(0, 50, (2, 6)))
+    names = art.inputs
+    assert len(names) == len(captured.example_inputs)
+    assert "L_ids_" in names and any("table" in n for n in names), names
+    index = names.index("L_ids_")
+    args = captured.flat(torch.randint(0, 50, (2, 6)))
+    args[index] = args[index].float()
+    with torch.no_grad():
+        with pytest.raises(precompile.InputMismatchError,
+                           match=rf"input {index} \(L_ids_\) should have dtype int64"):  # fmt: skip
+            art(*args)
+        with pytest.raises(precompile.InputMismatchError, match=r"the inputs are 0: .*L_ids_"):
+            art(*args[:-1])
+    path = str(tmp_path / "lookup")
+    art.save(path=path, format="unpacked")
+    assert precompile.CompiledArtifact.load(path=path, format="unpacked").inputs == names
+    manifest = os.path.join(path, "manifest.json")
+    with open(manifest, encoding="utf-8") as handle:
+        document = json.load(handle)
+    document["inputs"][index]["name"] = "\x1b[31mred"
+    with open(manifest, "w", encoding="utf-8") as handle:
+        json.dump(document, handle)
+    with pytest.raises(precompile.CorruptArtifactError, match="name"):
+        precompile.CompiledArtifact.load(path=path, format="unpacked")
