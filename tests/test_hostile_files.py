@@ -363,3 +363,69 @@ def test_bad_sizes_in_the_payload_table_are_corrupt(saved: dict[str, str], tmp_p
         json.dump(document, handle)
     with pytest.raises(precompile.PayloadLimitError, match=r"over the \d+-byte maximum"):
         precompile.CompiledArtifact.load(path=target, format="unpacked")
+
+
+HOSTILE_VALUES = """
+import sys, torch, precompile
+sys.path.insert(0, "tests")
+from conftest import MLP
+torch.manual_seed(0)
+model = MLP(width=32, hidden=64).eval()
+model.load_state_dict(torch.load({state!r}))
+art = precompile.CompiledArtifact.load(path={path!r})
+cases = torch.load({cases!r})
+
+
+def outcome(x, args):
+    try:
+        with torch.no_grad():
+            ours = art(*args)[0]
+    except Exception as exc:  # the process lives on: what was raised
+        return type(exc).__name__
+    with torch.no_grad():
+        eager = model(x)
+    same = ours.shape == eager.shape and torch.allclose(ours, eager, atol=1e-5, equal_nan=True)
+    return "served, equal to eager" if same else "served, DIFFERENT from eager"
+
+
+for name, (x, args) in cases.items():
+    print(name, "->", outcome(x, args), flush=True)
+"""
+
+
+def test_hostile_values_never_end_a_process(
+    mlp: Compiled, saved: dict[str, str], tmp_path: Any
+) -> None:
+    """A saved artifact loaded in a fresh process, fed NaN, inf, huge values, an empty
+    batch, a large batch, a wrong width and a wrong dtype: each call is served as eager
+    serves it (NaN where eager has NaN) or refused with an exception, and the process
+    lives to its last case."""
+    inputs = {
+        "nan": torch.full((4, 32), float("nan")),
+        "inf": torch.full((4, 32), float("inf")),
+        "-inf and huge": torch.tensor([[-float("inf"), 3e38] * 16] * 3),
+        "empty batch": torch.zeros(0, 32),
+        "large batch": torch.randn(20000, 32),
+        "wrong width": torch.randn(4, 33),
+        "int": torch.ones(4, 32, dtype=torch.long),
+    }
+    good = mlp.captured.flat(torch.randn(4, 32))
+    (position,) = [i for i, user in mlp.captured.user_positions.items() if user == 0]
+    cases = {}
+    for name, x in inputs.items():
+        try:
+            args = mlp.captured.flat(x)
+        except AssertionError:  # no dim carries a size of x's: the good call's, x in place
+            args = [x if i == position else a for i, a in enumerate(good)]
+        cases[name] = (x, args)
+    state, path = str(tmp_path / "state.pt"), str(tmp_path / "cases.pt")
+    torch.save(mlp.captured.model.state_dict(), state)
+    torch.save(cases, path)
+    out = run_python(HOSTILE_VALUES.format(state=state, path=saved["binary"], cases=path))
+    lines = dict(line.split(" -> ", 1) for line in out.splitlines() if " -> " in line)
+    assert len(lines) == 7, out
+    for name in ("nan", "inf", "-inf and huge", "large batch"):
+        assert lines[name] == "served, equal to eager", out
+    assert lines["wrong width"] == "InputMismatchError" and lines["int"] == "InputMismatchError"
+    assert lines["empty batch"] in ("served, equal to eager", "NoVariantError"), out
+    assert "DIFFERENT" not in out, out
