@@ -169,6 +169,7 @@ def _prepare_caches(
     anything runs. Their tensors are watched from then on."""
     caches = {i: leaf for i, leaf in enumerate(leaves) if is_kv_cache(leaf)}
     if not caches:
+        _refuse_a_cache_the_model_makes(model, kwargs)
         return {}
     for index, cache in caches.items():
         describe_cache(cache, _argument_name(paths[index]), initialized=False)
@@ -403,6 +404,29 @@ def _compiled_model(
     finally:
         lock.__exit__(None, None, None)
     return compiled
+
+
+def _refuse_a_cache_the_model_makes(model: torch.nn.Module, kwargs: Mapping[str, Any]) -> None:
+    """Refuse, before tracing, a call of a transformers model that will make a KV cache
+    itself (``use_cache`` on in its config, not turned off by the call, and no cache
+    passed): its output holds a ``DynamicCache``, which the trace would find only at
+    its end, after minutes of tracing a large model."""
+    config = getattr(model, "config", None)
+    forward = inspect.signature(model.forward).parameters
+    # transformers names the cache argument past_key_values (``cache`` from version 5.2x)
+    slots = [name for name in ("past_key_values", "cache") if name in forward]
+    if "use_cache" not in forward or not slots:
+        return
+    wanted = kwargs.get("use_cache")
+    if wanted is None:
+        wanted = getattr(config, "use_cache", None)
+    if wanted is True and all(kwargs.get(name) is None for name in slots):
+        raise UnsupportedGraphError(
+            f"this call of {type(model).__name__} makes a KV cache itself (use_cache is on "
+            "in its config and the call passes no cache): a DynamicCache, which compile_model "
+            f"cannot serve; pass use_cache=False, or {slots[0]}=StaticCache("
+            "config=model.config, max_cache_len=N)"
+        )
 
 
 def _refuse_grad_into_caches(

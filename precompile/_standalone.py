@@ -601,6 +601,13 @@ def standalone_compile(
     requests = plan_variants(
         names, dims, default_point, hints=hints, sizes=sizes, max_variants=max_variants
     )
+    if not symbols and (hints or sizes) and dynamic_shapes != "from_tracing_context":
+        # (inside a backend, Dynamo's static first trace is routine: the backend says so)
+        log.warning(
+            "hints/sizes given, but the graph has no dynamic dims (every size is fixed in "
+            "it: traced static, or a size was read as an int, int(symint) say, before the "
+            "compile): one static variant is compiled"
+        )
     graphs = cudagraph_options(cudagraphs)  # validated before any compile
     calibration = _calibrate_arguments(calibrate)
     if calibration is not None and not symbols:

@@ -405,3 +405,19 @@ def test_a_hint_variant_with_a_backward_graph_serves_other_sizes(
     for length in (5, 12, 40):
         x = torch.randn(1, length, 32)
         torch.testing.assert_close(compiled(x), block(x), rtol=1e-5, atol=1e-5)
+
+
+def test_hints_for_a_graph_with_no_dynamic_dims_say_so(caplog: Any) -> None:
+    """int() of a SymInt fixes that size in the caller's graph (Dynamo's ShapeEnv records
+    it): the graph is then static, and hints given for it are said to be unused, not
+    silently dropped."""
+    import logging
+
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8)).eval()
+    x = torch.randn(4, 8)
+    gm, example_inputs = precompile.capture_graph(model, x, dynamic=True)
+    assert [int(v) for v in example_inputs if isinstance(v, torch.SymInt)] == [4]
+    with caplog.at_level(logging.WARNING, logger="precompile"), torch.no_grad():
+        art = precompile.standalone_compile(gm, example_inputs, hints=[1, 16], cache=False)
+    assert len(art.variants) == 1 and not art.symbols
+    assert "no dynamic dims" in caplog.text, caplog.text
