@@ -830,4 +830,5 @@ def _with_index_checks(
             raise IndexOutOfRangeError(name_inputs(str(exc), names)) from None
         return function(*args)
 
+    checked.__dict__.update(getattr(function, "__dict__", {}))  # what it says of itself (lean)
     return checked

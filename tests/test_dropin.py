@@ -131,8 +131,9 @@ def test_a_failing_size_oblivious_compile_falls_back_to_guarded_code(
     attempts: list[bool] = []
 
     def failing_when_oblivious(*args: Any) -> Any:
-        attempts.append(args[-1])
-        if args[-1]:
+        oblivious = args[5]  # (gm, graph, point, dynamic, options, size_oblivious, attention)
+        attempts.append(oblivious)
+        if oblivious:
             from torch._inductor.exc import InductorError
 
             raise InductorError(KeyError("unbacked_bindings"), None)
