@@ -555,7 +555,7 @@ def standalone_compile(
     the result is a single variant, like upstream's, but with its guards checked.
     ``aot``, ``donate_graph_module`` and ``fake_mode`` are accepted where the installed
     torch's ``standalone_compile`` takes them (elsewhere they are a ``TypeError``, as
-    there); README "Drop-in" says what each means here: every artifact is already
+    there); docs/drop-in.md says what each means here: every artifact is already
     self-contained as upstream's ``aot=True`` ones, the caller's graph is never mutated,
     and ``fake_mode`` is checked as upstream checks it.
     ``cache``: None uses the default cache, False none, a path or ArtifactCache that one.

@@ -6,7 +6,7 @@ What it drives is what the model was compiled for: a keyword call of ``input_ids
 ``past_key_values`` (a ``StaticCache``), with ``use_cache`` and ``cache_position`` where the
 compiled call has them. Prompts of one batch have one length: left padding needs an
 attention mask and position ids in the compiled call, and ``compile_model`` with a dynamic
-2-d attention mask does not work yet (see the README's Limits). Tokens stay on
+2-d attention mask does not work yet (see docs/limits.md). Tokens stay on
 the device; choosing them follows transformers' ``generate`` (greedy: the argmax; sampling:
 temperature, then top-k, then top-p, then ``torch.multinomial``), so greedy tokens equal
 its own. Stopping at EOS reads the device once per step on the CPU and once every

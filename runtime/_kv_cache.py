@@ -2,7 +2,7 @@
 tensors a compiled graph reads and writes in place, checked before every call, and its
 length tracked on the host.
 
-**Flattening** (the one order, documented in the README): a ``StaticCache`` of N layers
+**Flattening** (the one order, documented in docs/decode.md): a ``StaticCache`` of N layers
 is, per layer i, ``layers[i].keys`` and ``layers[i].values`` (``[batch, kv_heads,
 max_cache_len, head_dim]``) and ``layers[i].cumulative_length`` (a 0-d int64 tensor: the
 tokens the layer holds). The graph writes all three in place, as eager does: a call's

@@ -7,7 +7,7 @@ calls, inputs and assertions, written here in pytest's terms and calling
 ``precompile.standalone_compile`` / ``precompile.CompiledArtifact`` where upstream calls
 ``torch._inductor``'s. Upstream passes all of them on torch 2.13.
 
-The deliberate divergences (the README's "Drop-in" section lists them), each marked
+The deliberate divergences (docs/drop-in.md lists them), each marked
 "Divergence" where it applies:
 - inductor's and AOTAutograd's cache counters are not asserted: they count inductor's own
   caches, which precompile neither uses for its artifacts nor promises anything about;
