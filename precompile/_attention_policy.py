@@ -2,7 +2,8 @@
 
 cuDNN's fused attention is the fastest kernel on an H100 for a decode step against a
 static KV cache (query length 1, key length the cache's): 28 us per call at batch 1
-against 63 us for memory-efficient attention (``benchmarks/decode.py``). But cuDNN builds
+against 63 us for memory-efficient attention (measured alone; the model-level effect is
+in ``benchmarks/decode.py`` and docs/decode.md). But cuDNN builds
 an execution plan on the host for every input shape it has not seen in the calling
 thread: about 50 ms. A hint variant that serves many sequence lengths would pay that at
 each length first seen after the warm-up; flash and memory-efficient attention need no
@@ -27,24 +28,26 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 
+from cache._settings import env_flag
 from runtime import InvalidOptionError
 
 CUDNN_ATTENTION_ENV = "PRECOMPILE_CUDNN_ATTENTION"
-_MODES = {"": "auto", "auto": "auto", "1": "on", "true": "on", "on": "on", "yes": "on",
-          "0": "off", "false": "off", "off": "off", "no": "off"}  # fmt: skip
 # In every cache key, with the mode: a build under another policy compiled other code.
 POLICY = "attention 2: cuDNN in hint variants whose attention lengths are fixed"
 
 
 def cudnn_mode() -> str:
-    """``auto``, ``on`` or ``off``, from ``PRECOMPILE_CUDNN_ATTENTION``."""
-    text = os.environ.get(CUDNN_ATTENTION_ENV, "").strip().lower()
-    if text not in _MODES:
+    """``auto``, ``on`` or ``off``, from ``PRECOMPILE_CUDNN_ATTENTION`` (a switch as
+    every ``PRECOMPILE_*`` switch is read, or ``auto``)."""
+    if os.environ.get(CUDNN_ATTENTION_ENV, "").strip().lower() in ("", "auto"):
+        return "auto"
+    try:
+        return "on" if env_flag(CUDNN_ATTENTION_ENV, default=False) else "off"
+    except InvalidOptionError:
         raise InvalidOptionError(
             f"{CUDNN_ATTENTION_ENV} must be auto, 1/true/yes/on or 0/false/no/off, "
             f"got {os.environ[CUDNN_ATTENTION_ENV]!r}"
-        )
-    return _MODES[text]
+        ) from None
 
 
 def key_factor(switches: Mapping[str, bool]) -> dict[str, object]:
