@@ -518,26 +518,32 @@ class ArtifactCache:
     ) -> Any:
         """Run a remote operation under its deadline (``remote_timeout`` unless
         ``seconds`` is given); any failure (network, permissions, throttling, a vanished
-        or silent server) is logged, counted, added to ``failures`` (where given: for a
-        caller that reports it) and answered with ``default``."""
+        or silent server) is logged and answered with ``default``. It is counted in the
+        local stats, unless ``failures`` is given: a caller that takes the failure and
+        reports it (a listing, which is read-only) leaves the local cache unchanged."""
         limit = self.remote_timeout if seconds is None else seconds
         try:
             return deadline.call(action, limit, what, on_late)
         except deadline.RemoteTimeout as exc:
             log.warning("remote cache %s: %s timed out: %s; going on locally", self.remote,
                         what, exc)  # fmt: skip
-            self._count("remote_timeouts")
-            self._count("remote_errors")
-            if failures is not None:
-                failures.append(f"timed out: {exc}")
+            self._remote_failed(f"timed out: {exc}", failures, timed_out=True)
             return default
         except Exception as exc:  # a remote must never fail a call we can serve locally
             log.warning("remote cache %s: %s failed: %s: %s", self.remote, what,
                         type(exc).__name__, str(exc)[:200])  # fmt: skip
-            self._count("remote_errors")
-            if failures is not None:
-                failures.append(f"{type(exc).__name__}: {str(exc)[:200]}")
+            self._remote_failed(f"{type(exc).__name__}: {str(exc)[:200]}", failures)
             return default
+
+    def _remote_failed(
+        self, reason: str, failures: list[str] | None, timed_out: bool = False
+    ) -> None:
+        if failures is not None:
+            failures.append(reason)
+            return
+        if timed_out:
+            self._count("remote_timeouts")
+        self._count("remote_errors")
 
     def _remote_refusal(self, blobs: Mapping[str, int]) -> str | None:
         """Why an entry is too large to move through the remote, before any request."""

@@ -509,10 +509,12 @@ def test_cli_skips_and_reports_names_that_are_not_keys(tmp_path: Any) -> None:
 def test_cli_failures_exit_non_zero_naming_their_cause(tmp_path: Any) -> None:
     """A remote that cannot be listed (a missing directory, an unreachable store), a tag
     that does not exist and a remote given as a plain path: each exits non-zero with one
-    line saying why, never "0 entries" and exit 0."""
+    line saying why, never "0 entries" and exit 0. A failed listing changes nothing in
+    the local cache (``ls`` is read-only): its stats count no remote error."""
     root = str(tmp_path / "here")
     store = ArtifactCache(root)
     put(store, key_of(1), fake_artifact(1), {})
+    stats = ArtifactCache(root).stats()
     missing = f"file://{tmp_path / 'nowhere'}"
     for args in (["ls", "--remote", missing], ["pull", missing]):
         done = _cli("--root", root, *args)
@@ -528,6 +530,7 @@ def test_cli_failures_exit_non_zero_naming_their_cause(tmp_path: Any) -> None:
         done.stdout,
         done.stderr,
     )
+    assert ArtifactCache(root).stats() == stats
     shared = tmp_path / "shared"
     shared.mkdir()
     done = _cli("--root", root, "push", f"file://{shared}", "--tag", "no-such-tag")
