@@ -131,7 +131,7 @@ def _log_to(path):
 
 
 def _autotuners(art):
-    from runtime import _torch_adapter as ra
+    from precompile.runtime import _torch_adapter as ra
 
     rows = []
     for v in art.variants:
@@ -204,7 +204,7 @@ def build(out: str, setting: str) -> None:
     import torch
 
     import precompile
-    from runtime import _torch_adapter as ra
+    from precompile.runtime import _torch_adapter as ra
 
     _set(setting)
     _log_to(os.path.join(out, f"build-{setting}-torchlog.txt"))
@@ -279,7 +279,7 @@ def build(out: str, setting: str) -> None:
             again[n] = (time.perf_counter() - t) * 1e3
         result["call_ms_after_steady (333,1500 new)"] = again
         result["autotuners"] = _autotuners(compiled.artifact)
-        from runtime._build_dir import build_dir
+        from precompile.runtime._build_dir import build_dir
 
         best = []
         for root, _, files in os.walk(build_dir()):

@@ -39,9 +39,9 @@ import torch  # noqa: E402
 import precompile  # noqa: E402
 from precompile import _torch_adapter as compile_adapter  # noqa: E402
 from precompile._standalone import _input_specs, _symbols  # noqa: E402
-from runtime._environment import current_environment  # noqa: E402
-from runtime._manifest import Manifest, Variant  # noqa: E402
-from runtime._payloads import MemoryPayloads  # noqa: E402
+from precompile.runtime._environment import current_environment  # noqa: E402
+from precompile.runtime._manifest import Manifest, Variant  # noqa: E402
+from precompile.runtime._payloads import MemoryPayloads  # noqa: E402
 
 ROUND_S = 0.05  # each timed round runs about this long
 ROUNDS = 15
@@ -123,8 +123,8 @@ def model_checks(model: torch.nn.Module, x: torch.Tensor, dim: int) -> list[Any]
     trace read and the registration counter (us, median of rounds)."""
     from precompile._torch_adapter import _guard_entry
     from precompile._trace_read import trace_read
-    from runtime._global_state import StateCheck
-    from runtime._model_guards import BoundGuards
+    from precompile.runtime._global_state import StateCheck
+    from precompile.runtime._model_guards import BoundGuards
 
     entries: list[Any] = []
     codes: list[Any] = []

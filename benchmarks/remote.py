@@ -47,7 +47,7 @@ def child(local: str, remote: str, options: str) -> dict[str, Any]:
     from _warmstart_model import llama
 
     import precompile
-    from cache import ArtifactCache
+    from precompile.cache import ArtifactCache
 
     frames, compiles = count_tracing_and_compiles()
     model = llama("cpu")

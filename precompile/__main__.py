@@ -22,10 +22,10 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any, NoReturn
 
-from cache import ArtifactCache, CacheEntry
-from cache import _signing as signing
-from runtime._entry_summary import EntrySummary, summarize_entry
-from runtime._errors import PrecompileError
+from precompile.cache import ArtifactCache, CacheEntry
+from precompile.cache import _signing as signing
+from precompile.runtime._entry_summary import EntrySummary, summarize_entry
+from precompile.runtime._errors import PrecompileError
 
 
 def _size(n: float) -> str:
@@ -350,8 +350,8 @@ def _cache_command(args: argparse.Namespace) -> int:
 def _sign_command(args: argparse.Namespace) -> int:
     # Import time: the artifact formats are for sign and verify; ``cache ls`` and the
     # other cache commands start without them.
-    from runtime._binary_format import sign_binary
-    from runtime._unpacked_format import sign_unpacked
+    from precompile.runtime._binary_format import sign_binary
+    from precompile.runtime._unpacked_format import sign_unpacked
 
     path = args.path
     signature = (
@@ -362,8 +362,8 @@ def _sign_command(args: argparse.Namespace) -> int:
 
 
 def _verify_command(args: argparse.Namespace) -> int:
-    from runtime._binary_format import read_binary  # import time: see _sign_command
-    from runtime._unpacked_format import read_unpacked
+    from precompile.runtime._binary_format import read_binary  # import time: see _sign_command
+    from precompile.runtime._unpacked_format import read_unpacked
 
     trusted = signing.trusted_keys(args.key or None)
     path = args.path

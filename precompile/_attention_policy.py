@@ -28,8 +28,8 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 
-from cache._settings import env_flag
-from runtime import InvalidOptionError
+from precompile.cache._settings import env_flag
+from precompile.runtime import InvalidOptionError
 
 CUDNN_ATTENTION_ENV = "PRECOMPILE_CUDNN_ATTENTION"
 # In every cache key, with the mode: a build under another policy compiled other code.

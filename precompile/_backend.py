@@ -13,9 +13,9 @@ from typing import Any
 
 import torch
 
-from cache import CacheOption, CacheRootError
-from runtime import ArtifactNotFoundError, CompiledArtifact
-from runtime._cudagraphs import CudaGraphsOption
+from precompile.cache import CacheOption, CacheRootError
+from precompile.runtime import ArtifactNotFoundError, CompiledArtifact
+from precompile.runtime._cudagraphs import CudaGraphsOption
 
 from ._offline import is_offline
 from ._standalone import CalibrateOption, standalone_compile

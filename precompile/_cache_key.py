@@ -14,12 +14,12 @@ from typing import Any
 
 import torch
 
-from cache import LAYOUT
-from runtime._environment import current_environment
-from runtime._global_state import describe as describe_state
-from runtime._global_state import trace_state
-from runtime._manifest import FORMAT_VERSION
-from runtime._version import __version__
+from precompile.cache import LAYOUT
+from precompile.runtime._environment import current_environment
+from precompile.runtime._global_state import describe as describe_state
+from precompile.runtime._global_state import trace_state
+from precompile.runtime._manifest import FORMAT_VERSION
+from precompile.runtime._version import __version__
 
 from . import _torch_adapter as adapter
 from ._gemm_policy import POLICY as GEMM_POLICY

@@ -20,9 +20,9 @@ from typing import Any
 
 import torch
 
-from runtime._calibration import synthesize_inputs
-from runtime._lean import load_lean
-from runtime._manifest import LeanCall, Manifest, Variant
+from precompile.runtime._calibration import synthesize_inputs
+from precompile.runtime._lean import load_lean
+from precompile.runtime._manifest import LeanCall, Manifest, Variant
 
 from . import _torch_adapter as adapter
 

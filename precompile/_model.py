@@ -26,23 +26,23 @@ from typing import Any
 
 import torch
 
-from cache import ArtifactCache, CacheOption, resolve_cache
-from runtime import _torch_adapter as runtime_adapter
-from runtime._cached import load_cached_model, store_model
-from runtime._cudagraphs import CudaGraphsOption, cudagraph_options
-from runtime._dtypes import dtype_name
-from runtime._entry_summary import ABOUT_CONFIG
-from runtime._environment import current_environment
-from runtime._errors import (
+from precompile.cache import ArtifactCache, CacheOption, resolve_cache
+from precompile.runtime import _torch_adapter as runtime_adapter
+from precompile.runtime._cached import load_cached_model, store_model
+from precompile.runtime._cudagraphs import CudaGraphsOption, cudagraph_options
+from precompile.runtime._dtypes import dtype_name
+from precompile.runtime._entry_summary import ABOUT_CONFIG
+from precompile.runtime._environment import current_environment
+from precompile.runtime._errors import (
     CacheWriteError,
     IncompatibleArtifactError,
     InvalidOptionError,
     UnsupportedGraphError,
     UntrustedArtifactError,
 )
-from runtime._global_state import describe as describe_state
-from runtime._global_state import trace_state
-from runtime._kv_cache import (
+from precompile.runtime._global_state import describe as describe_state
+from precompile.runtime._global_state import trace_state
+from precompile.runtime._kv_cache import (
     CACHE_FIELDS,
     CacheLayout,
     cache_tensors,
@@ -50,12 +50,12 @@ from runtime._kv_cache import (
     describe_cache,
     is_kv_cache,
 )
-from runtime._manifest import FORMAT_VERSION, TensorInput
-from runtime._model import CompiledModel, ModelPlan, hooks_on, stale_reason
-from runtime._model_identity import canonical_digest as _digest
-from runtime._model_identity import class_path, file_digest, model_identity
-from runtime._process_groups import registered_groups, this_rank
-from runtime._version import __version__
+from precompile.runtime._manifest import FORMAT_VERSION, TensorInput
+from precompile.runtime._model import CompiledModel, ModelPlan, hooks_on, stale_reason
+from precompile.runtime._model_identity import canonical_digest as _digest
+from precompile.runtime._model_identity import class_path, file_digest, model_identity
+from precompile.runtime._process_groups import registered_groups, this_rank
+from precompile.runtime._version import __version__
 
 from ._caller_state import CallerState
 from ._gemm_policy import POLICY as GEMM_POLICY

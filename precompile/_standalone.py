@@ -12,22 +12,22 @@ from typing import Any
 import sympy
 import torch
 
-from cache import ArtifactCache, CacheOption, resolve_cache
-from cache._bytes import sha256_hex
-from runtime import CompiledArtifact
-from runtime._cached import load_cached, store_artifact
-from runtime._cudagraphs import CudaGraphsOption, cudagraph_options
-from runtime._dtypes import dtype_name
-from runtime._entry_summary import ABOUT_GRAPH
-from runtime._environment import current_environment
-from runtime._errors import (
+from precompile.cache import ArtifactCache, CacheOption, resolve_cache
+from precompile.cache._bytes import sha256_hex
+from precompile.runtime import CompiledArtifact
+from precompile.runtime._cached import load_cached, store_artifact
+from precompile.runtime._cudagraphs import CudaGraphsOption, cudagraph_options
+from precompile.runtime._dtypes import dtype_name
+from precompile.runtime._entry_summary import ABOUT_GRAPH
+from precompile.runtime._environment import current_environment
+from precompile.runtime._errors import (
     CacheWriteError,
     InvalidOptionError,
     PrecompileError,
     UnsupportedGraphError,
     UntrustedArtifactError,
 )
-from runtime._manifest import (
+from precompile.runtime._manifest import (
     InputSpec,
     IntInput,
     LeanCall,
@@ -38,8 +38,8 @@ from runtime._manifest import (
     TensorInput,
     Variant,
 )
-from runtime._payloads import MemoryPayloads
-from runtime._process_groups import describe_groups
+from precompile.runtime._payloads import MemoryPayloads
+from precompile.runtime._process_groups import describe_groups
 
 from . import _gpu_lean as gpu_lean
 from . import _torch_adapter as adapter

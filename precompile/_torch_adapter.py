@@ -31,12 +31,12 @@ import sympy
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from cache._bytes import sha256_hex
-from runtime import _torch_adapter as runtime_adapter
-from runtime._build_dir import build_dir
-from runtime._errors import InvalidOptionError, UnsupportedGraphError
-from runtime._manifest import LeanCall, NativeKernel, TritonLaunch
-from runtime._native_kernels import cpu_features_for_flags, find_cpp_kernels, kernel_key
+from precompile.cache._bytes import sha256_hex
+from precompile.runtime import _torch_adapter as runtime_adapter
+from precompile.runtime._build_dir import build_dir
+from precompile.runtime._errors import InvalidOptionError, UnsupportedGraphError
+from precompile.runtime._manifest import LeanCall, NativeKernel, TritonLaunch
+from precompile.runtime._native_kernels import cpu_features_for_flags, find_cpp_kernels, kernel_key
 
 from ._attention_policy import key_factor as attention_key_factor
 from ._attention_policy import sdpa_backends
@@ -458,7 +458,8 @@ def _fresh_inputs(
 # Compiling points TORCHINDUCTOR_CACHE_DIR at the build dir through the environment
 # (compile workers read it there); every such swap happens under this lock so that our
 # threads never see another's dir. Loads steer inductor per thread instead (see
-# runtime._torch_adapter.private_inductor_dir); runtime._build_dir owns the directory.
+# precompile.runtime._torch_adapter.private_inductor_dir); precompile.runtime._build_dir
+# owns the directory.
 INDUCTOR_LOCK = threading.RLock()
 
 

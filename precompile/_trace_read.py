@@ -1,5 +1,5 @@
 """Dynamo's guards of a model's trace, turned into the checks a compiled model carries
-(``runtime._model_guards``): what the trace read is what a load checks.
+(``precompile.runtime._model_guards``): what the trace read is what a load checks.
 
 Each guard reads a source, a Python expression over the traced frame's locals (``L``)
 and globals (``G``). Here it is parsed into the runtime's expression schema, with the
@@ -9,7 +9,7 @@ the traced call, so a guard that this translation reads wrongly is never recorde
 it held. What is left, and why:
 - guards on the call's own arguments: the plan checks those per call (structure,
   constants, the input contract of every tensor, a KV cache's layout);
-- the process-wide state guards: ``runtime._global_state`` records and checks them;
+- the process-wide state guards: ``precompile.runtime._global_state`` records and checks them;
 - tensor guards on parameters and buffers: the input contract, per call;
 - Dynamo's symbolic-shape guards: the variants' own guards;
 - guards on Dynamo's and inductor's own modules (its polyfills), which no model sets;
@@ -28,8 +28,8 @@ from typing import Any
 
 import torch
 
-from runtime._global_state import trace_state
-from runtime._model_guards import (
+from precompile.runtime._global_state import trace_state
+from precompile.runtime._model_guards import (
     Guard,
     Roots,
     TraceRead,
@@ -306,6 +306,6 @@ def _said_source(source: str) -> str:
 
 
 def _unsupported(message: str) -> Exception:
-    from runtime._errors import UnsupportedGraphError
+    from precompile.runtime._errors import UnsupportedGraphError
 
     return UnsupportedGraphError(message)

@@ -14,9 +14,9 @@ from typing import Any, Literal
 
 import torch
 
-from cache import StoredEntry, cache_to_read
-from cache import _signing as signing
-from cache._signing import TrustedKeysOption
+from precompile.cache import StoredEntry, cache_to_read
+from precompile.cache import _signing as signing
+from precompile.cache._signing import TrustedKeysOption
 
 from . import _native_kernels as native_kernels
 from . import _torch_adapter as adapter

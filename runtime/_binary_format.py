@@ -21,7 +21,7 @@ import struct
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from cache._bytes import (
+from precompile.cache._bytes import (
     atomic_file,
     check_payload_size,
     compress,
@@ -29,8 +29,8 @@ from cache._bytes import (
     read_bounded,
     sha256_hex,
 )
-from cache._json import decode_json
-from cache._signing import PUBLIC_KEY_BYTES, SIGNATURE_BYTES, Signature, check, sign
+from precompile.cache._json import decode_json
+from precompile.cache._signing import PUBLIC_KEY_BYTES, SIGNATURE_BYTES, Signature, check, sign
 
 from ._errors import CorruptArtifactError, IncompatibleArtifactError, InvalidOptionError
 from ._manifest import Manifest

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from cache import ArtifactCache, StoredEntry, cache_to_read
+from precompile.cache import ArtifactCache, StoredEntry, cache_to_read
 
 from ._artifact import CompiledArtifact, artifact_from_entry
 from ._entry_summary import MODEL_ENTRY

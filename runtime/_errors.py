@@ -1,5 +1,6 @@
 """Exception classes of the runtime; the storage errors it raises too (defined in
-``cache._errors``, re-exported here: one class object each, wherever it is imported from).
+``precompile.cache._errors``, re-exported here: one class object each, wherever it is
+imported from).
 
 Each one subclasses the stdlib exception a caller would already catch for that kind of
 problem, so ``except ValueError`` keeps working around code that moves to precompile.
@@ -7,7 +8,7 @@ problem, so ``except ValueError`` keeps working around code that moves to precom
 
 from __future__ import annotations
 
-from cache._errors import (
+from precompile.cache._errors import (
     ArtifactAccessError,
     CacheRootError,
     CacheWriteError,

@@ -28,8 +28,8 @@ from typing import Any
 import torch
 from torch.nn.modules import module as _modules_of_torch  # its global hooks, read per call
 
-from cache import _signing as signing
-from cache import cache_to_read
+from precompile.cache import _signing as signing
+from precompile.cache import cache_to_read
 
 from . import _torch_adapter as adapter
 from ._artifact import CompiledArtifact
@@ -381,7 +381,7 @@ class CompiledModel:
         return self
 
     def _cache_guard(self, plan: ModelPlan, manifest: Manifest) -> CacheGuard:
-        """The checks of the call's KV cache arguments (see ``runtime._kv_cache``)."""
+        """The checks of the call's KV cache arguments (see ``precompile.runtime._kv_cache``)."""
         slots = []
         for leaf, layout in sorted(plan.caches.items()):
             keys, values = slot_specs(

@@ -333,7 +333,7 @@ class Guard:
 @dataclass(frozen=True)
 class TraceRead:
     """Everything a model's trace read that a plan checks: the guards, the process-wide
-    state (``runtime._global_state``), the traced forward (to find its closure and
+    state (``precompile.runtime._global_state``), the traced forward (to find its closure and
     module), and the guards no check here covers (by path: said, never hidden)."""
 
     guards: tuple[Guard, ...]

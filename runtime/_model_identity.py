@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from cache._bytes import sha256_hex
+from precompile.cache._bytes import sha256_hex
 
 from ._dtypes import dtype_name
 from ._errors import IncompatibleArtifactError
@@ -91,7 +91,7 @@ def settings(model: torch.nn.Module) -> list[Any]:
     """What configures each submodule beyond its weights: ``extra_repr`` (eps, sizes, ...)
     and its public attributes that have a value across processes (``_setting``), the
     process groups it holds (by name), and the model's config. A routing key only: a
-    load checks what the trace read (``runtime._model_guards``)."""
+    load checks what the trace read (``precompile.runtime._model_guards``)."""
     found: list[Any] = []
     groups = _process_group_type()
     for name, module in model.named_modules():
@@ -155,7 +155,7 @@ def check_identity(recorded: Mapping[str, str], model: torch.nn.Module, where: s
             f"{where} is for {recorded.get('model_class')}, this model is {class_path(model)}"
         )
     # the rest of what the model's code read is checked by the trace's own guards
-    # (``runtime._model_guards``); its sources by the traced files' digests
+    # (``precompile.runtime._model_guards``); its sources by the traced files' digests
     differing = [name for name in BIND_FACTORS if recorded.get(name) != current[name]]
     if differing:
         what = "; ".join(f"{name}: {FACTORS[name]}" for name in differing)

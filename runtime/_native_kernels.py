@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from functools import cache
 from typing import Any
 
-from cache._bytes import atomic_file
+from precompile.cache._bytes import atomic_file
 
 from . import _torch_adapter as adapter
 from ._build_dir import build_dir
@@ -39,7 +39,7 @@ log = logging.getLogger("precompile.runtime")
 
 _CALL = re.compile(r"(?m)^([A-Za-z_]\w* = )async_compile\.cpp_pybinding\(")
 _LOADER = "__precompile_cpp_pybinding__"
-_IMPORT = f"from runtime._native_kernels import load_cpp_pybinding as {_LOADER}\n"
+_IMPORT = f"from precompile.runtime._native_kernels import load_cpp_pybinding as {_LOADER}\n"
 # gcc -m flags whose /proc/cpuinfo name is not the flag itself.
 _FLAG_TO_CPUINFO = {
     "avx512bf16": "avx512_bf16",

@@ -1,7 +1,7 @@
 """Payload bytes: where an artifact's payloads come from (memory, a binary file, an
 unpacked dir, the cache). Every store hands out bytes only after checking them against
 their sha256 digest, so nothing is unpickled or loaded from bytes that are not exactly
-what was saved (the checked reads and decompression themselves are ``cache._bytes``).
+what was saved (the checked reads and decompression themselves are ``precompile.cache._bytes``).
 """
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Protocol
 
-from cache._bytes import sha256_hex
+from precompile.cache._bytes import sha256_hex
 
 from ._errors import CorruptArtifactError
 

@@ -26,9 +26,9 @@ import stat
 import tempfile
 from typing import Any
 
-from cache._bytes import check_payload_size, read_bounded, sha256_hex, symlink_refused
-from cache._json import decode_json
-from cache._signing import Signature, check, sign
+from precompile.cache._bytes import check_payload_size, read_bounded, sha256_hex, symlink_refused
+from precompile.cache._json import decode_json
+from precompile.cache._signing import Signature, check, sign
 
 from . import _torch_adapter as adapter
 from ._errors import (

@@ -195,7 +195,7 @@ import json, os, sys, time
 sys.path.insert(0, "tests")
 import torch, precompile
 from precompile import _torch_adapter
-from cache import ArtifactCache
+from precompile.cache import ArtifactCache
 from conftest import MLP, capture
 compiles = []
 original = _torch_adapter.compile_variant

@@ -7,10 +7,10 @@ import hashlib
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from runtime import CompiledArtifact
-from runtime._environment import current_environment
-from runtime._manifest import Manifest, Symbol, SymbolSource, TensorInput, Variant
-from runtime._payloads import MemoryPayloads
+from precompile.runtime import CompiledArtifact
+from precompile.runtime._environment import current_environment
+from precompile.runtime._manifest import Manifest, Symbol, SymbolSource, TensorInput, Variant
+from precompile.runtime._payloads import MemoryPayloads
 
 
 def digest(text: str) -> str:

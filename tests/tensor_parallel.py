@@ -221,7 +221,7 @@ def _groups_of(compiled: Any) -> list[list[Any]]:
 def _time_remote_leases(waits: list[dict[str, Any]]) -> None:
     """Record each wait for a remote lease: how long, and whether this rank got it (to
     compile) or waited for another's entry."""
-    from cache import ArtifactCache
+    from precompile.cache import ArtifactCache
 
     original = ArtifactCache._remote_lease
 

@@ -102,7 +102,7 @@ def test_a_cache_root_that_is_a_file(tmp_path: Any, monkeypatch: Any, caplog: An
 
     import pytest
 
-    from cache import ArtifactCache
+    from precompile.cache import ArtifactCache
 
     path = tmp_path / "a-file"
     path.write_text("not a cache")

@@ -17,15 +17,15 @@ import torch
 from conftest import ROOT, Compiled, assert_close, run_fleet, run_python
 
 import precompile
-from cache import ArtifactCache
-from cache import _store as cache_store
-from cache._bytes import sha256_hex
 from precompile import _torch_adapter
 from precompile._cache_key import cache_factors, cache_key
-from runtime._cached import load_cached, store_artifact
-from runtime._environment import current_environment
-from runtime._manifest import Manifest, Symbol, SymbolSource, TensorInput, Variant
-from runtime._payloads import MemoryPayloads
+from precompile.cache import ArtifactCache
+from precompile.cache import _store as cache_store
+from precompile.cache._bytes import sha256_hex
+from precompile.runtime._cached import load_cached, store_artifact
+from precompile.runtime._environment import current_environment
+from precompile.runtime._manifest import Manifest, Symbol, SymbolSource, TensorInput, Variant
+from precompile.runtime._payloads import MemoryPayloads
 
 put = store_artifact
 get = load_cached
@@ -127,7 +127,7 @@ def test_a_lazy_get_reads_a_blob_when_it_is_used_and_checks_it_then(tmp_path: ob
     variant needs them, verified then; a corrupt one is refused and its entry quarantined
     (a later compile refills it), a missing one at the get is a miss, one removed after
     it an error naming what happened."""
-    from cache import CorruptArtifactError, VerifiedBlobs
+    from precompile.cache import CorruptArtifactError, VerifiedBlobs
 
     store = ArtifactCache(str(tmp_path))
     art = fake_artifact(1)
@@ -284,7 +284,7 @@ def test_cudnn_attention_only_where_a_variants_attention_lengths_are_fixed(
     import torch._inductor.compile_fx as compile_fx_module
 
     from precompile import _attention_policy
-    from runtime import InvalidOptionError
+    from precompile.runtime import InvalidOptionError
 
     real = compile_fx_module.compile_fx
     seen: list[bool] = []
@@ -462,7 +462,7 @@ def test_four_processes_cold_start_one_key_and_exactly_one_compiles(tmp_path: ob
 KILL_SCRIPT = """
     import os, signal, sys
     sys.path.insert(0, "tests")
-    from cache import ArtifactCache, _store
+    from precompile.cache import ArtifactCache, _store
     from test_cache import fake_artifact, key_of, put
     store = ArtifactCache(sys.argv[1])
     original = _store.ArtifactCache._write_blob
@@ -578,7 +578,7 @@ def test_miss_explanation_names_the_differing_factor(tmp_path: object) -> None:
 
 HOLDER_SCRIPT = """
     import os, signal, sys
-    from cache import ArtifactCache
+    from precompile.cache import ArtifactCache
     store = ArtifactCache(sys.argv[1])
     with store.lock(sys.argv[2]):
         print("holding", flush=True)

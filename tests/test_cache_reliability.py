@@ -18,15 +18,15 @@ from conftest import ROOT, Compiled, run_python
 from test_cache import fake_artifact, get, key_of, put
 
 import precompile
-from cache import ArtifactCache
+from precompile.cache import ArtifactCache
 
 
 def random_artifact(size: int) -> precompile.CompiledArtifact:
     """An artifact whose one payload is ``size`` random (incompressible) bytes."""
-    from cache._bytes import sha256_hex
-    from runtime._environment import current_environment
-    from runtime._manifest import Manifest, Symbol, SymbolSource, TensorInput, Variant
-    from runtime._payloads import MemoryPayloads
+    from precompile.cache._bytes import sha256_hex
+    from precompile.runtime._environment import current_environment
+    from precompile.runtime._manifest import Manifest, Symbol, SymbolSource, TensorInput, Variant
+    from precompile.runtime._payloads import MemoryPayloads
 
     payload = os.urandom(size)
     digest = sha256_hex(payload)
@@ -73,7 +73,7 @@ def _in_namespace(shell: str, script: str, *args: str, timeout: int = 300) -> st
 RACER = """
 import random, sys
 sys.path.insert(0, "tests")
-from cache import ArtifactCache
+from precompile.cache import ArtifactCache
 from precompile._standalone import _cached_or_built
 from test_cache import fake_artifact, get, key_of, put
 root, seed, limit = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
@@ -132,7 +132,7 @@ class Keep(logging.Handler):
 logging.getLogger("precompile").addHandler(Keep())
 logging.getLogger("precompile").setLevel(logging.INFO)
 import precompile
-from cache import ArtifactCache
+from precompile.cache import ArtifactCache
 from precompile._standalone import _cached_or_built
 from test_cache import fake_artifact, get, key_of
 store = ArtifactCache(sys.argv[1])
@@ -191,7 +191,7 @@ class Keep(logging.Handler):
     def emit(self, record): records.append(record.getMessage())
 logging.getLogger("precompile").addHandler(Keep())
 import precompile
-from cache import ArtifactCache
+from precompile.cache import ArtifactCache
 from precompile._standalone import _cached_or_built
 from test_cache_reliability import random_artifact
 from test_cache import fake_artifact, key_of, put
@@ -230,7 +230,7 @@ import os, resource, signal, sys
 sys.path.insert(0, "tests")
 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
 import precompile
-from cache import ArtifactCache
+from precompile.cache import ArtifactCache
 from test_cache_reliability import random_artifact
 from test_cache import key_of, put
 store = ArtifactCache(sys.argv[1])
@@ -443,19 +443,19 @@ def test_a_build_dir_under_a_missing_parent_is_refused(tmp_path: Any) -> None:
     missing = os.path.join(str(tmp_path), "missing", "build")
     with pytest.raises(AssertionError, match=r"InvalidOptionError.*parent directory"):
         run_python(
-            "from runtime._build_dir import build_dir\nbuild_dir()\n",
+            "from precompile.runtime._build_dir import build_dir\nbuild_dir()\n",
             env={"PRECOMPILE_BUILD_DIR": missing},
         )
     assert not os.path.exists(os.path.dirname(missing))
     made = os.path.join(str(tmp_path), "build")
-    run_python("from runtime._build_dir import build_dir\nprint(build_dir())\n",
+    run_python("from precompile.runtime._build_dir import build_dir\nprint(build_dir())\n",
                env={"PRECOMPILE_BUILD_DIR": made})  # fmt: skip
     assert stat.S_IMODE(os.stat(made).st_mode) == 0o700
 
 
 FORK = """
 import os, sys, torch, precompile
-from runtime._build_dir import build_dir
+from precompile.runtime._build_dir import build_dir
 art = precompile.CompiledArtifact.load(path=sys.argv[1])
 c = torch.load(sys.argv[2])
 args, expected = c["args"], c["expected"]

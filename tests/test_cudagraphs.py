@@ -20,7 +20,7 @@ cuda = pytest.mark.gpu
 
 # -- everywhere ---------------------------------------------------------------------------
 def test_options_are_validated() -> None:
-    from runtime._cudagraphs import cudagraph_options
+    from precompile.runtime._cudagraphs import cudagraph_options
 
     assert cudagraph_options(None) is None and cudagraph_options(False) is None
     assert cudagraph_options(True) == precompile.CudaGraphs()
@@ -227,7 +227,7 @@ def test_a_failed_capture_after_the_call_ran_does_not_run_it_again() -> None:
     """A graph that writes its inputs is captured at its second call, and the run before
     capture is that call: if capturing then fails, the call's outputs are that run's (a
     KV cache is written once), and the size runs plainly from then on."""
-    from runtime._cudagraphs import CaptureFailed, _capture
+    from precompile.runtime._cudagraphs import CaptureFailed, _capture
 
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")

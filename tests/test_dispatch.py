@@ -10,7 +10,7 @@ import torch
 from synthetic import make_artifact
 
 import precompile
-from runtime import log2_distance
+from precompile.runtime import log2_distance
 
 
 def x(*shape: int) -> torch.Tensor:
@@ -86,7 +86,7 @@ def test_no_variant_error_says_why() -> None:
 
 
 def test_symbol_bounds_are_checked() -> None:
-    from runtime._manifest import Symbol
+    from precompile.runtime._manifest import Symbol
 
     art = make_artifact([("hint", {"s0": 8}, ())])
     manifest = art.manifest

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from precompile import CorruptArtifactError
-from runtime._expressions import compile_function
+from precompile.runtime._expressions import compile_function
 
 
 def test_guard_expressions_evaluate() -> None:

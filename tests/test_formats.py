@@ -12,8 +12,8 @@ import torch
 from conftest import Compiled, assert_close, run_python
 
 import precompile
-from runtime._binary_format import write_binary
-from runtime._payloads import MemoryPayloads
+from precompile.runtime._binary_format import write_binary
+from precompile.runtime._payloads import MemoryPayloads
 
 SWEEP = [1, 2, 3, 7, 16, 100, 256, 1000]
 
@@ -139,7 +139,7 @@ def _damaged_copies(path: str) -> dict[str, bytes]:
         data = handle.read()
     flipped_tail = bytearray(data)
     flipped_tail[-5] ^= 0x40
-    from runtime._binary_format import _HEADER
+    from precompile.runtime._binary_format import _HEADER
 
     flipped_index = bytearray(data)
     flipped_index[_HEADER.size + 20] ^= 0x01

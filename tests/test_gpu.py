@@ -200,7 +200,7 @@ def test_cuda_load_starts_no_process_with_empty_caches(tmp_path: object) -> None
         art = precompile.standalone_compile(
             captured.gm, captured.example_inputs, hints=[8, 1024], cache=False
         )
-    from runtime._torch_adapter import variant_source_code
+    from precompile.runtime._torch_adapter import variant_source_code
 
     names = [
         line.split(" = ", 1)[0]

@@ -19,8 +19,8 @@ import zstandard
 from conftest import ROOT, Compiled, assert_close, run_python
 
 import precompile
-from cache._bytes import sha256_hex
-from runtime._binary_format import _HEADER
+from precompile.cache._bytes import sha256_hex
+from precompile.runtime._binary_format import _HEADER
 
 
 def _read(path: str) -> tuple[tuple[Any, ...], dict[str, Any], bytes]:

@@ -1,4 +1,5 @@
-"""The three packages import in one direction: precompile -> runtime -> cache.
+"""One import name, three layers importing in one direction: precompile ->
+precompile.runtime -> precompile.cache.
 
 Checked twice: by importing every module of a package in a fresh interpreter (what is in
 ``sys.modules`` afterwards is what it really pulled in), and by reading every import
@@ -11,15 +12,32 @@ from __future__ import annotations
 import ast
 import json
 import os
+import re
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
 
+import pytest
 from conftest import ROOT, run_python
 
-# Each package, and the packages it may import (every arrow points down).
+# Each layer, and the layers it may import (every arrow points down).
 LAYERS = {
-    "cache": (),
-    "runtime": ("cache",),
-    "precompile": ("runtime", "cache"),
+    "precompile.cache": (),
+    "precompile.runtime": ("precompile.cache",),
+    "precompile": ("precompile.runtime", "precompile.cache"),
 }
+# Each layer's folder in the repository (installed as the package on the left).
+FOLDERS = {"precompile.cache": "cache", "precompile.runtime": "runtime", "precompile": "precompile"}
+
+
+def layer(module: str) -> str | None:
+    """The layer a dotted module name belongs to (None: not ours)."""
+    for name in ("precompile.cache", "precompile.runtime"):
+        if module == name or module.startswith(name + "."):
+            return name
+    return "precompile" if module.split(".")[0] == "precompile" else None
+
 
 IMPORT_ALL = """
 import importlib, json, pkgutil, sys
@@ -27,13 +45,13 @@ package = importlib.import_module({package!r})
 for info in pkgutil.iter_modules(package.__path__):
     if info.name != "__main__":
         importlib.import_module(f"{package}.{{info.name}}")
-print(json.dumps(sorted(m for m in sys.modules if m.split(".")[0] in {above!r})))
+print(json.dumps(sorted(m for m in sys.modules if m.split(".")[0] == "precompile")))
 """
 
 
 def _modules(package: str) -> dict[str, str]:
     """Every module of ``package`` (dotted name -> file)."""
-    directory = os.path.join(ROOT, package)
+    directory = os.path.join(ROOT, FOLDERS[package])
     found = {}
     for name in sorted(os.listdir(directory)):
         if name.endswith(".py"):
@@ -66,7 +84,7 @@ def _imports(module: str, path: str, known: set[str]) -> list[tuple[str, int]]:
             ]
         else:
             continue
-        found += [(target, node.lineno) for target in targets if target.split(".")[0] in LAYERS]
+        found += [(target, node.lineno) for target in targets if layer(target)]
     return found
 
 
@@ -76,18 +94,20 @@ def _all_imports() -> dict[str, list[tuple[str, int]]]:
 
 
 def _fresh_import(package: str) -> list[str]:
+    """Modules of the layers above ``package`` that importing all of it loads (the
+    ``precompile`` package object itself, whose ``__init__`` imports nothing, excepted)."""
     above = [p for p in LAYERS if p != package and p not in LAYERS[package]]
-    out = run_python(IMPORT_ALL.format(package=package, above=above))
+    out = run_python(IMPORT_ALL.format(package=package))
     loaded: list[str] = json.loads(out.strip().splitlines()[-1])
-    return loaded
+    return [m for m in loaded if m != "precompile" and layer(m) in above]
 
 
 def test_cache_imports_neither_runtime_nor_precompile() -> None:
-    assert _fresh_import("cache") == []
+    assert _fresh_import("precompile.cache") == []
 
 
 def test_runtime_does_not_import_precompile() -> None:
-    assert _fresh_import("runtime") == []
+    assert _fresh_import("precompile.runtime") == []
 
 
 def test_no_import_statement_points_up() -> None:
@@ -95,8 +115,7 @@ def test_no_import_statement_points_up() -> None:
         f"{module}:{line} imports {target}"
         for module, targets in _all_imports().items()
         for target, line in targets
-        if (home := module.split(".")[0]) != (there := target.split(".")[0])
-        and there not in LAYERS[home]
+        if (home := layer(module)) != (there := layer(target)) and there not in LAYERS[home or ""]
     ]
     assert upward == []
 
@@ -114,7 +133,45 @@ def test_no_import_cycle_inside_a_package() -> None:
             for nxt in graph[node]:
                 if nxt == start:
                     cycles.append(" -> ".join([*path, start]))
-                elif nxt not in seen and nxt.split(".")[0] == start.split(".")[0]:
+                elif nxt not in seen and layer(nxt) == layer(start):
                     seen.add(nxt)
                     stack.append((nxt, [*path, nxt]))
     assert cycles == []
+
+
+OLD_NAMES = re.compile(r"^\s*(?:from|import)\s+(?:cache|runtime)\b", re.M)
+
+
+def test_no_file_imports_the_old_top_level_names() -> None:
+    """``cache`` and ``runtime`` are folders, never import names: every file of the
+    repository (code in strings run by subprocesses included) imports
+    ``precompile.cache`` / ``precompile.runtime``."""
+    listed = subprocess.run(
+        ["git", "ls-files", "*.py"], cwd=ROOT, capture_output=True, text=True, check=True
+    ).stdout.split()
+    assert len(listed) > 50, listed
+    old = [
+        f"{name}:{text.count(chr(10), 0, match.start()) + 1}"
+        for name in listed
+        for text in [Path(ROOT, name).read_text(encoding="utf-8")]
+        for match in OLD_NAMES.finditer(text)
+    ]
+    assert old == []
+
+
+@pytest.mark.subprocess
+def test_the_wheel_installs_one_top_level_name(tmp_path: Path) -> None:
+    """A wheel built from the repository holds ``precompile`` (with ``precompile.cache``
+    and ``precompile.runtime``) and its metadata, nothing else at the top level."""
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
+         "-w", str(tmp_path), ROOT],
+        check=True, capture_output=True, timeout=600,
+    )  # fmt: skip
+    (wheel,) = tmp_path.glob("precompile-*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    top = {name.split("/")[0] for name in names}
+    assert {t for t in top if not t.endswith(".dist-info")} == {"precompile"}, top
+    for package in ("precompile", "precompile/cache", "precompile/runtime"):
+        assert f"{package}/__init__.py" in names and f"{package}/py.typed" in names, package
+    assert "precompile/runtime/_artifact.py" in names and "precompile/cache/_store.py" in names

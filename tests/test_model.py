@@ -18,8 +18,8 @@ from test_real_models import VOCAB, tiny_gpt2, tiny_llama
 from test_warm_start import AUDIT, COUNTED
 
 import precompile
-from cache import ArtifactCache
-from runtime._binary_format import write_binary
+from precompile.cache import ArtifactCache
+from precompile.runtime._binary_format import write_binary
 
 SEQUENCES = [1, 2, 7, 33, 100, 300]
 

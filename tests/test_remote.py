@@ -26,9 +26,9 @@ from conftest import ROOT, Compiled, run_fleet, run_python
 from test_cache import fake_artifact, get, key_of, put
 
 import precompile
-from cache import ArtifactCache
-from cache import _deadline as deadline
-from cache._bytes import sha256_hex
+from precompile.cache import ArtifactCache
+from precompile.cache import _deadline as deadline
+from precompile.cache._bytes import sha256_hex
 
 
 def _free_port() -> int:
@@ -109,7 +109,7 @@ def test_a_local_miss_is_served_from_the_remote_and_kept(
 
 def test_a_remote_entry_is_checked_like_a_local_one(tmp_path: Any, remote: dict[str, Any]) -> None:
     pytest.importorskip("cryptography")
-    from cache import _signing
+    from precompile.cache import _signing
 
     keyfile = str(tmp_path / "key.pem")
     public = _signing.generate(keyfile)
@@ -249,8 +249,8 @@ def test_a_remote_is_opened_at_first_use_and_a_bad_url_is_refused_at_once(
     out = run_python(
         f"""
 import sys
-from cache import ArtifactCache
-from runtime._errors import InvalidOptionError
+from precompile.cache import ArtifactCache
+from precompile.runtime._errors import InvalidOptionError
 store = ArtifactCache({str(tmp_path / "a")!r}, remote="s3://bucket/path")
 print("s3fs imported:", "s3fs" in sys.modules)  # a local hit never needs the client
 for bad in ("nosuchprotocol://x", "no-scheme"):
@@ -406,7 +406,7 @@ def test_a_server_that_never_answers_costs_the_deadline_not_minutes(tmp_path: An
         # A process that met the silent server exits at once: no thread it left holds it.
         script = f"""
             import time
-            from cache import ArtifactCache
+            from precompile.cache import ArtifactCache
             cache = ArtifactCache({str(tmp_path / "b")!r}, remote="s3://fleet/x",
                                   remote_options={server.options()!r}, remote_timeout=0.5)
             started = time.monotonic()

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 
 import precompile
-from cache._settings import env_flag
 from precompile._offline import is_offline
-from runtime._lean import lean_enabled
+from precompile.cache._settings import env_flag
+from precompile.runtime._lean import lean_enabled
 
 
 @pytest.mark.parametrize(

@@ -17,8 +17,8 @@ from conftest import ROOT, Compiled, assert_close
 from test_cache import fake_artifact, get, key_of, put
 
 import precompile
-from cache import ArtifactCache
-from runtime._binary_format import _HEADER
+from precompile.cache import ArtifactCache
+from precompile.runtime._binary_format import _HEADER
 
 pytest.importorskip("cryptography")
 
@@ -73,7 +73,7 @@ def test_unsigned_or_tampered_artifacts_are_refused_before_decoding(
     fmt: str,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from runtime import _manifest
+    from precompile.runtime import _manifest
 
     signed = os.path.join(str(tmp_path), f"signed-{fmt}")
     if fmt == "binary":

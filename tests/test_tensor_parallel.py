@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 from conftest import ROOT, run_python
 
-from cache import LAYOUT, ArtifactCache
+from precompile.cache import LAYOUT, ArtifactCache
 
 SCRIPT = os.path.join(ROOT, "tests", "tensor_parallel.py")
 TOLERANCE = 1e-5
@@ -321,7 +321,7 @@ def test_the_group_a_module_holds_is_part_of_the_models_identity() -> None:
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0",
                           WORLD_SIZE="1")
         dist.init_process_group("gloo")
-        from runtime._model_identity import model_identity
+        from precompile.runtime._model_identity import model_identity
         class Row(torch.nn.Module):
             def __init__(self, group):
                 super().__init__()

@@ -1,8 +1,9 @@
 """The GPU lean path's parts that need no GPU: reading a CUDA wrapper module for the lean
 path, the ``TritonLaunch`` schema (written, read back, hostile fields refused) and the
 launch functions built from it. Internal modules are this file's subject:
-``precompile._torch_adapter`` (source scan), ``runtime._manifest`` (schema) and
-``runtime._triton_launch`` (launch functions). The GPU runs are in ``test_gpu_lean.py``."""
+``precompile._torch_adapter`` (source scan), ``precompile.runtime._manifest`` (schema) and
+``precompile.runtime._triton_launch`` (launch functions). The GPU runs are in
+``test_gpu_lean.py``."""
 
 from __future__ import annotations
 
@@ -15,9 +16,9 @@ import pytest
 from synthetic import digest
 
 from precompile import _torch_adapter as adapter
-from runtime import CorruptArtifactError
-from runtime._environment import current_environment
-from runtime._manifest import (
+from precompile.runtime import CorruptArtifactError
+from precompile.runtime._environment import current_environment
+from precompile.runtime._manifest import (
     LeanCall,
     Manifest,
     Symbol,
@@ -26,7 +27,7 @@ from runtime._manifest import (
     TritonLaunch,
     Variant,
 )
-from runtime._triton_launch import launcher_source
+from precompile.runtime._triton_launch import launcher_source
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 # A wrapper module inductor generated on an H100 (torch 2.11, Triton 3.6) for
@@ -204,7 +205,7 @@ def test_extern_kernels_name_operators_of_their_own_name_only(
 ) -> None:
     """A lean call's ``extern_kernels`` come from the manifest: each must be the torch
     operator its name says, reached through torch's modules only."""
-    from runtime._lean import _externs
+    from precompile.runtime._lean import _externs
 
     lean = LeanCall(source=digest("source"), externs={name: path}, outputs=1)
     with pytest.raises(CorruptArtifactError, match=message):

@@ -13,9 +13,9 @@ import torch
 from conftest import Compiled, run_python
 
 import precompile
-from cache._json import decode_json
-from runtime import _native_kernels as native
-from runtime._manifest import Manifest, NativeKernel
+from precompile.cache._json import decode_json
+from precompile.runtime import _native_kernels as native
+from precompile.runtime._manifest import Manifest, NativeKernel
 
 SIZES = [1, 3, 5, 16, 100]
 
@@ -281,7 +281,7 @@ def test_wrapper_rewrite_routes_cpp_kernels_through_the_loader() -> None:
     rewritten = native.redirect_cpp_kernels(WRAPPER)
     assert "async_compile.cpp_pybinding(" not in rewritten
     assert "cpp_fused_0 = __precompile_cpp_pybinding__(async_compile, ['float*'" in rewritten
-    assert rewritten.startswith("from runtime._native_kernels import load_cpp_pybinding")
+    assert rewritten.startswith("from precompile.runtime._native_kernels import load_cpp_pybinding")
     compile(rewritten, "<wrapper>", "exec")  # still valid Python
     assert native.find_cpp_kernels(WRAPPER) == [
         (["float*", "const int64_t"], '\nextern "C" void kernel(float* a, const int64_t n) {}\n')
@@ -289,7 +289,8 @@ def test_wrapper_rewrite_routes_cpp_kernels_through_the_loader() -> None:
     plain = "import torch\nx = 1\n"
     assert native.redirect_cpp_kernels(plain) == plain
     future = "from __future__ import annotations\n" + WRAPPER.split('"""\n', 2)[2]
-    assert native.redirect_cpp_kernels(future).splitlines()[1].startswith("from runtime.")
+    second_line = native.redirect_cpp_kernels(future).splitlines()[1]
+    assert second_line.startswith("from precompile.runtime.")
 
 
 def test_cpu_features_needed_by_gcc_flags() -> None:
