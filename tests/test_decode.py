@@ -387,9 +387,10 @@ def _synchronizations(run: Callable[[], object]) -> int:
 def test_served_decode_steps_never_wait_for_the_gpu(cuda_llama: tuple[Any, Any, Any]) -> None:
     """32 decode steps, plain and replayed from CUDA graphs, run under
     ``set_sync_debug_mode("error")``: no call (the cache's position checks included) waits
-    for the GPU. A whole greedy ``generate`` of 32 tokens waits once, at its start (how
-    much the new cache holds is read once: the check that the prompt and the new tokens
-    fit), and never in its steps."""
+    for the GPU. A whole greedy ``generate`` waits only at its start, as many times for 4
+    tokens as for 32: once to read how much the new cache holds (the check that the
+    prompt and the new tokens fit) and once to capture the decode step's graph again for
+    the new cache object (a capture synchronizes)."""
     model, plain, graphs = cuda_llama
     prompt = torch.randint(0, VOCAB, (2, 7), device="cuda")
     with torch.no_grad():
@@ -417,7 +418,7 @@ def test_served_decode_steps_never_wait_for_the_gpu(cuda_llama: tuple[Any, Any, 
             return lambda: graphs.generate(prompt, fresh, max_new_tokens=steps)
 
         waits = [_synchronizations(generate(steps)) for steps in (4, STEPS)]
-        assert max(waits) <= 1, waits
+        assert waits[0] == waits[1] <= 2, waits
 
 
 @pytest.mark.gpu
