@@ -109,7 +109,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--repo", default=os.path.dirname(HERE))
     parser.add_argument("--runs", type=int, default=5)
-    parser.add_argument("--label", default="current")
+    parser.add_argument(
+        "--label", default="cpu", help="writes results/imports-LABEL.json (git keeps history)"
+    )
     args = parser.parse_args()
     built = tempfile.mkdtemp(prefix="imports-artifact-")
     artifact, layout = os.path.join(built, "mlp.pt2c"), os.path.join(built, "layout.pt")
