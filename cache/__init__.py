@@ -27,6 +27,7 @@ from ._errors import (
     UnsafeCacheError,
     UntrustedArtifactError,
 )
+from ._get_or_build import get_or_build
 from ._root import LAYOUT, resolve_root
 from ._store import DEFAULT_SIZE_LIMIT, ArtifactCache
 
@@ -55,6 +56,7 @@ __all__ = [
     "VerifyReport",
     "cache_to_read",
     "default_cache",
+    "get_or_build",
     "resolve_cache",
     "resolve_root",
 ]

@@ -1,4 +1,5 @@
-"""The cache key: everything that changes the compiled code, and nothing else.
+"""The cache key of a graph (`cache_factors`) and of a whole model (`model_factors`,
+computed without tracing): everything that changes the compiled code, and nothing else.
 
 Each factor is kept by name in the cache entry, so a miss can say which factor
 differs from the nearest existing entry. Paths, pids and timestamps never enter it.
@@ -15,16 +16,22 @@ from typing import Any
 import torch
 
 from precompile.cache import LAYOUT
+from precompile.runtime import _torch_adapter as runtime_adapter
+from precompile.runtime._dtypes import dtype_name
 from precompile.runtime._environment import current_environment
 from precompile.runtime._global_state import describe as describe_state
 from precompile.runtime._global_state import trace_state
+from precompile.runtime._kv_cache import cache_tensors, describe_cache, is_kv_cache
 from precompile.runtime._manifest import FORMAT_VERSION
+from precompile.runtime._model_identity import canonical_digest as _digest
+from precompile.runtime._model_identity import model_identity
+from precompile.runtime._process_groups import registered_groups, this_rank
 from precompile.runtime._version import __version__
 
 from . import _torch_adapter as adapter
 from ._gemm_policy import POLICY as GEMM_POLICY
 from ._graph import GraphDescription
-from ._variant_plan import VariantRequest
+from ._variant_plan import Hints, Sizes, VariantRequest
 
 
 def _canonical(value: Any) -> str:
@@ -108,3 +115,81 @@ def cache_factors(
 
 def cache_key(factors: Mapping[str, str]) -> str:
     return hashlib.sha256(_canonical(dict(factors)).encode()).hexdigest()
+
+
+def _keyed(value: Any) -> Any:
+    """A hints/sizes mapping as JSON can hold it (tuple keys as their repr)."""
+    if isinstance(value, Mapping):
+        return sorted([repr(k), v] for k, v in value.items())
+    return value
+
+
+def _codegen_config_digest() -> str:
+    return adapter.codegen_config_digest()
+
+
+def _describe_cache_leaf(cache: Any, dynamic_batch: bool) -> list[Any]:
+    rows: list[Any] = [describe_cache(cache, "cache").to_json()]
+    for _, field, tensor in cache_tensors(cache):
+        shape = [int(s) for s in tensor.shape]
+        if dynamic_batch and field != "cumulative_length":
+            shape[0] = -1
+        rows.append([field, dtype_name(tensor.dtype), str(tensor.device), shape])
+    return rows
+
+
+def model_factors(
+    model: torch.nn.Module,
+    args: Sequence[Any],
+    kwargs: Mapping[str, Any],
+    dims: Mapping[int, set[int]],
+    hints: Hints,
+    sizes: Sizes,
+    options: Mapping[str, Any],
+) -> dict[str, str]:
+    """The cache key's factors of a compiled model, all computed without tracing."""
+    leaves, spec = runtime_adapter.tree_flatten((tuple(args), dict(kwargs)), is_leaf=is_kv_cache)
+    described: list[list[Any]] = []
+    for index, leaf in enumerate(leaves):
+        if is_kv_cache(leaf):
+            described.append(["cache", _describe_cache_leaf(leaf, 0 in dims.get(index, ()))])
+        elif isinstance(leaf, torch.Tensor):
+            shape = [
+                ("dyn" if d in dims.get(index, ()) else int(s)) for d, s in enumerate(leaf.shape)
+            ]
+            described.append(["tensor", dtype_name(leaf.dtype), str(leaf.device), shape,
+                              bool(leaf.requires_grad)])  # fmt: skip
+        else:
+            described.append(["value", repr(leaf)])
+    device = next((str(t.device.type) for t in leaves if isinstance(t, torch.Tensor)), "cpu")
+    environment = current_environment("cuda" if device == "cuda" else "cpu")
+    distributed = this_rank()
+    # Under torch.distributed the key is per rank: computed without tracing, it cannot see
+    # whether the trace will bake the rank in (``dist.get_rank()`` in a forward is traced
+    # as a constant). Ranks whose graphs are identical still share one compiled artifact:
+    # it is cached under its graph's own key, which has no rank (see _trace_and_compile).
+    # Nor can it see which groups the trace will name ("1" is whichever group this process
+    # made first after the default one): the key has every group registered here, so a
+    # process that made its groups in another order or of other members misses.
+    rank = {}
+    if distributed is not None:
+        groups = [[g.name, g.size, g.backend, list(g.ranks)] for g in registered_groups()]
+        rank = {"distributed": _digest([*distributed, groups])}
+    return {
+        **rank,
+        **model_identity(model),  # model_class, model_sources, model_settings, model_tensors
+        "model_mode": "train" if model.training else "eval",
+        "call": _digest([str(spec), described]),
+        "variants": _digest([_keyed(hints), [_keyed(s) for s in sizes or ()]]),
+        "options": _digest(dict(options)),
+        # inductor's config and the attention backends change the compiled code too
+        "codegen_config": _codegen_config_digest(),
+        "gemm_policy": GEMM_POLICY,
+        # grad mode, autocast, default dtype, ...: what Dynamo's global-state guard holds
+        "global_state": _digest(describe_state(trace_state())),
+        "torch": f"{environment.torch} ({environment.torch_git})",
+        "triton": str(environment.triton),
+        "python": environment.python,
+        "device": f"{environment.device_type}:{environment.device_name}:{environment.capability}",
+        "format": f"model plan 1 (caches), artifact {FORMAT_VERSION}, precompile {__version__}",
+    }

@@ -15,33 +15,27 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import hashlib
 import inspect
-import json
 import logging
 import os
 import time
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 
-from precompile.cache import ArtifactCache, CacheOption, resolve_cache
+from precompile.cache import ArtifactCache, CacheOption, get_or_build, resolve_cache
 from precompile.runtime import _torch_adapter as runtime_adapter
 from precompile.runtime._cached import load_cached_model, store_model
 from precompile.runtime._cudagraphs import CudaGraphsOption, cudagraph_options
 from precompile.runtime._dtypes import dtype_name
 from precompile.runtime._entry_summary import ABOUT_CONFIG
-from precompile.runtime._environment import current_environment
 from precompile.runtime._errors import (
-    CacheWriteError,
     IncompatibleArtifactError,
     InvalidOptionError,
     UnsupportedGraphError,
     UntrustedArtifactError,
 )
-from precompile.runtime._global_state import describe as describe_state
-from precompile.runtime._global_state import trace_state
 from precompile.runtime._kv_cache import (
     CACHE_FIELDS,
     CacheLayout,
@@ -50,28 +44,18 @@ from precompile.runtime._kv_cache import (
     describe_cache,
     is_kv_cache,
 )
-from precompile.runtime._manifest import FORMAT_VERSION, TensorInput
+from precompile.runtime._manifest import TensorInput
 from precompile.runtime._model import CompiledModel, ModelPlan, hooks_on, stale_reason
-from precompile.runtime._model_identity import canonical_digest as _digest
 from precompile.runtime._model_identity import class_path, file_digest, model_identity
-from precompile.runtime._process_groups import registered_groups, this_rank
-from precompile.runtime._version import __version__
+from precompile.runtime._process_groups import this_rank
 
 from ._caller_state import CallerState
-from ._gemm_policy import POLICY as GEMM_POLICY
 from ._offline import is_offline, refuse
 from ._trace_read import trace_read
 from ._variant_plan import Hints, Sizes
 
 log = logging.getLogger("precompile.compile")
 DynamicSpec = Mapping[int | str, Sequence[int]] | None
-
-
-def _keyed(value: Any) -> Any:
-    """A hints/sizes mapping as JSON can hold it (tuple keys as their repr)."""
-    if isinstance(value, Mapping):
-        return sorted([repr(k), v] for k, v in value.items())
-    return value
 
 
 def _dynamic_dims(
@@ -135,14 +119,6 @@ def _leaf_paths(args: Sequence[Any], kwargs: Mapping[str, Any]) -> list[Any]:
     return paths
 
 
-def _codegen_config_digest() -> str:
-    # Import time: our compile side's adapter stays unimported in a process that only
-    # loads (``load_model``), as ``_compile`` below does for the rest of it.
-    from . import _torch_adapter as adapter
-
-    return adapter.codegen_config_digest()
-
-
 def _cache_batch_follows_call(leaves: Sequence[Any], dims: dict[int, set[int]]) -> None:
     """A cache's batch (dim 0 of its keys and values) is dynamic when the batch of the
     call's tensors is: Dynamo would otherwise specialize the call's batch to the cache's."""
@@ -196,16 +172,6 @@ def _argument_name(path: Any) -> str:
     return f"argument {path}" if isinstance(path, int) else str(path)
 
 
-def _describe_cache_leaf(cache: Any, dynamic_batch: bool) -> list[Any]:
-    rows: list[Any] = [describe_cache(cache, "cache").to_json()]
-    for _, field, tensor in cache_tensors(cache):
-        shape = [int(s) for s in tensor.shape]
-        if dynamic_batch and field != "cumulative_length":
-            shape[0] = -1
-        rows.append([field, dtype_name(tensor.dtype), str(tensor.device), shape])
-    return rows
-
-
 # A config's sizes worth a glance, and their short names (transformers' attribute_map
 # answers these names for configs that spell them otherwise, GPT-2's n_embd say).
 _CONFIG_SIZES = {
@@ -235,63 +201,6 @@ def config_summary(model: torch.nn.Module) -> str:
                    if count >= s), str(count))  # fmt: skip
     parts.append(f"{scaled} params" + (f", {dtypes}" if dtypes else ""))
     return ", ".join(parts)
-
-
-def model_factors(
-    model: torch.nn.Module,
-    args: Sequence[Any],
-    kwargs: Mapping[str, Any],
-    dims: Mapping[int, set[int]],
-    hints: Hints,
-    sizes: Sizes,
-    options: Mapping[str, Any],
-) -> dict[str, str]:
-    """The cache key's factors of a compiled model, all computed without tracing."""
-    leaves, spec = runtime_adapter.tree_flatten((tuple(args), dict(kwargs)), is_leaf=is_kv_cache)
-    described: list[list[Any]] = []
-    for index, leaf in enumerate(leaves):
-        if is_kv_cache(leaf):
-            described.append(["cache", _describe_cache_leaf(leaf, 0 in dims.get(index, ()))])
-        elif isinstance(leaf, torch.Tensor):
-            shape = [
-                ("dyn" if d in dims.get(index, ()) else int(s)) for d, s in enumerate(leaf.shape)
-            ]
-            described.append(["tensor", dtype_name(leaf.dtype), str(leaf.device), shape,
-                              bool(leaf.requires_grad)])  # fmt: skip
-        else:
-            described.append(["value", repr(leaf)])
-    device = next((str(t.device.type) for t in leaves if isinstance(t, torch.Tensor)), "cpu")
-    environment = current_environment("cuda" if device == "cuda" else "cpu")
-    distributed = this_rank()
-    # Under torch.distributed the key is per rank: computed without tracing, it cannot see
-    # whether the trace will bake the rank in (``dist.get_rank()`` in a forward is traced
-    # as a constant). Ranks whose graphs are identical still share one compiled artifact:
-    # it is cached under its graph's own key, which has no rank (see _trace_and_compile).
-    # Nor can it see which groups the trace will name ("1" is whichever group this process
-    # made first after the default one): the key has every group registered here, so a
-    # process that made its groups in another order or of other members misses.
-    rank = {}
-    if distributed is not None:
-        groups = [[g.name, g.size, g.backend, list(g.ranks)] for g in registered_groups()]
-        rank = {"distributed": _digest([*distributed, groups])}
-    return {
-        **rank,
-        **model_identity(model),  # model_class, model_sources, model_settings, model_tensors
-        "model_mode": "train" if model.training else "eval",
-        "call": _digest([str(spec), described]),
-        "variants": _digest([_keyed(hints), [_keyed(s) for s in sizes or ()]]),
-        "options": _digest(dict(options)),
-        # inductor's config and the attention backends change the compiled code too
-        "codegen_config": _codegen_config_digest(),
-        "gemm_policy": GEMM_POLICY,
-        # grad mode, autocast, default dtype, ...: what Dynamo's global-state guard holds
-        "global_state": _digest(describe_state(trace_state())),
-        "torch": f"{environment.torch} ({environment.torch_git})",
-        "triton": str(environment.triton),
-        "python": environment.python,
-        "device": f"{environment.device_type}:{environment.device_name}:{environment.capability}",
-        "format": f"model plan 1 (caches), artifact {FORMAT_VERSION}, precompile {__version__}",
-    }
 
 
 def compile_model(
@@ -369,41 +278,37 @@ def _compiled_model(
     if caches:
         _cache_batch_follows_call(leaves, dims)
     store = resolve_cache(cache)
+    # the compile side's key module imports its adapter: not in a process that only loads
+    from ._cache_key import cache_key, model_factors
+
     factors = model_factors(model, args, kwargs, dims, hints, sizes, options or {})
-    key = hashlib.sha256(json.dumps(factors, sort_keys=True).encode()).hexdigest()
-    if store is not None:
-        found = _cached_model(store, key, model)
-        if found is not None:
-            return found
-        log.info("model cache miss: %s", store.explain_miss(key, factors))
-    if offline:
+    key = cache_key(factors)
+    traced = (model, args, kwargs, leaves, paths, dims, hints, sizes, options)
+
+    def build(store: ArtifactCache | None) -> CompiledModel:
+        compiled = _trace_with_pieces(*traced, store, state)
+        if store is not None:
+            compiled.cache_key = key
+        return compiled
+
+    def save(store: ArtifactCache, compiled: CompiledModel) -> None:
+        about = {ABOUT_CONFIG: config_summary(model)}
+        pieces = [piece.artifact for piece in compiled.pieces.values()]
+        store_model(store, key, compiled.artifact, compiled.plan.to_json(), factors, about,
+                    pieces)  # fmt: skip
+
+    def refuse_offline() -> NoReturn:
         unused = None if store is None else _unused_because(store, key, model)
         refuse(store, key, factors, unused)
-    traced = (model, args, kwargs, leaves, paths, dims, hints, sizes, options)
-    if store is None:
-        return _trace_with_pieces(*traced, None, state)
-    try:
-        lock = store.lock(key)
-        lock.__enter__()
-    except CacheWriteError as exc:  # a read-only cache: no single flight, nothing stored
-        log.warning("cache %s cannot take a lock (%s); compiling without storing", store.root, exc)
-        return _trace_with_pieces(*traced, None, state)
-    try:
-        found = _cached_model(store, key, model)  # built by another process meanwhile?
-        if found is not None:
-            return found
-        compiled = _trace_with_pieces(*traced, store, state)
-        compiled.cache_key = key
-        try:
-            about = {ABOUT_CONFIG: config_summary(model)}
-            pieces = [piece.artifact for piece in compiled.pieces.values()]
-            store_model(store, key, compiled.artifact, compiled.plan.to_json(), factors, about,
-                        pieces)  # fmt: skip
-        except CacheWriteError as exc:
-            log.warning("compiled the model but could not store it: %s", exc)
-    finally:
-        lock.__exit__(None, None, None)
-    return compiled
+
+    return get_or_build(
+        store, key, factors,
+        load=lambda store: _cached_model(store, key, model),
+        build=build,
+        save=save,
+        refuse=refuse_offline if offline else None,
+        what="model",
+    )  # fmt: skip
 
 
 def _refuse_a_cache_the_model_makes(model: torch.nn.Module, kwargs: Mapping[str, Any]) -> None:

@@ -12,7 +12,7 @@ from typing import Any
 import sympy
 import torch
 
-from precompile.cache import ArtifactCache, CacheOption, resolve_cache
+from precompile.cache import ArtifactCache, CacheOption, get_or_build, resolve_cache
 from precompile.cache._bytes import sha256_hex
 from precompile.runtime import CompiledArtifact
 from precompile.runtime._cached import load_cached, store_artifact
@@ -21,7 +21,6 @@ from precompile.runtime._dtypes import dtype_name
 from precompile.runtime._entry_summary import ABOUT_GRAPH
 from precompile.runtime._environment import current_environment
 from precompile.runtime._errors import (
-    CacheWriteError,
     InvalidOptionError,
     PrecompileError,
     UnsupportedGraphError,
@@ -653,13 +652,8 @@ def standalone_compile(
     if failed is not None:
         # Dynamo retries a failed backend on every call; the compile would fail again.
         raise UnsupportedGraphError(f"{failed} (failed earlier in this process; not retried)")
-    if store is None:
-        if offline:
-            refuse(None, key, factors)
-        artifact, common = _remembering_failure(key, build)
-    else:
-        about = {ABOUT_GRAPH: adapter.graph_name(gm)}
-        artifact, common = _cached_or_built(store, key, factors, build, offline, about)
+    about = {ABOUT_GRAPH: adapter.graph_name(gm)}
+    artifact, common = _cached_or_built(store, key, factors, build, offline, about)
     if graphs is not None:
         artifact.set_cudagraphs(graphs)
     _propagate_common_guards(graph, common)
@@ -667,34 +661,29 @@ def standalone_compile(
 
 
 def _cached_or_built(
-    store: ArtifactCache,
+    store: ArtifactCache | None,
     key: str,
     factors: Mapping[str, str],
     build: Callable[[], tuple[CompiledArtifact, list[sympy.Expr]]],
     offline: bool = False,
     about: Mapping[str, str] | None = None,
 ) -> tuple[CompiledArtifact, list[sympy.Expr]]:
-    """The artifact under ``key`` from the cache, else built once (single flight across
-    processes) and stored (with ``about``, what it is for ``cache ls``). A cache that
-    cannot store (read-only, full) or whose entry is untrusted costs the cache, never
-    the compile: it is logged and the build returned."""
-    found = _cached(store, key)
-    if found is not None:
-        log.info("cache hit for %s", key[:12])
-        return found
-    if offline:
-        refuse(store, key, factors)
-    try:
-        with store.lock(key):
-            # another process (or, with a remote tier, machine) may have built it meanwhile
-            recheck = store.contains(key) or store.remote is not None
-            found = _cached(store, key) if recheck else None
-            if found is not None:
-                return found  # another process built it while we waited
-            return _build_and_store(store, key, factors, build, about)
-    except CacheWriteError as exc:  # no lock file: a read-only cache
-        log.warning("cache %s cannot take a lock (%s); compiling without storing", store.root, exc)
-        return _remembering_failure(key, build)
+    """The artifact under ``key`` and its caller guards, through the cache's get-or-build
+    protocol (stored with ``about``, what it is for ``cache ls``)."""
+
+    def save(store: ArtifactCache, built: tuple[CompiledArtifact, list[sympy.Expr]]) -> None:
+        artifact, common = built
+        store_artifact(store, key, artifact, factors, {"caller_guards": pickle.dumps(common)},
+                       about)  # fmt: skip
+
+    return get_or_build(
+        store, key, factors,
+        load=lambda store: _cached(store, key),
+        build=lambda _: _remembering_failure(key, build),
+        save=save,
+        refuse=(lambda: refuse(store, key, factors)) if offline else None,
+        what="graph",
+    )  # fmt: skip
 
 
 def _cached(store: ArtifactCache, key: str) -> tuple[CompiledArtifact, list[sympy.Expr]] | None:
@@ -708,23 +697,4 @@ def _cached(store: ArtifactCache, key: str) -> tuple[CompiledArtifact, list[symp
     artifact, aux = found
     # Trusted: the blob passed its sha256 and ownership checks, like the payloads beside it.
     common = pickle.loads(aux["caller_guards"]) if "caller_guards" in aux else []
-    return artifact, common
-
-
-def _build_and_store(
-    store: ArtifactCache,
-    key: str,
-    factors: Mapping[str, str],
-    build: Callable[[], tuple[CompiledArtifact, list[sympy.Expr]]],
-    about: Mapping[str, str] | None = None,
-) -> tuple[CompiledArtifact, list[sympy.Expr]]:
-    log.info("cache miss: %s", store.explain_miss(key, factors))
-    artifact, common = _remembering_failure(key, build)
-    try:
-        guards = {"caller_guards": pickle.dumps(common)}
-        store_artifact(store, key, artifact, factors, guards, about)
-    except CacheWriteError as exc:
-        log.warning("compiled %s but could not store it: %s", key[:12], exc)
-    else:
-        log.info("cache miss for %s: compiled and stored", key[:12])
     return artifact, common

@@ -349,7 +349,7 @@ def test_model_key_changes_with_inductor_config() -> None:
     """A model compiled under other inductor settings is a miss, never their code."""
     from torch._inductor import config as inductor_config
 
-    from precompile._model import model_factors
+    from precompile._cache_key import model_factors
 
     model = torch.nn.Linear(4, 4).eval()
     x = torch.randn(3, 4)
@@ -688,3 +688,57 @@ def test_a_blob_that_is_no_blob_is_moved_away_so_a_refill_heals(
     loaded, _ = get(store, key_of(1))  # type: ignore[misc]
     digest = art.variants[0].payload
     assert loaded.payload_bytes(digest) == art.payload_bytes(digest)
+
+
+def test_get_or_build_is_one_protocol(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The cache layer's get-or-build, which ``standalone_compile`` and ``compile_model``
+    both go through: a hit never builds; a miss builds once, with the store, and saves;
+    offline refuses before any build (a hit still serves); a cache that cannot store, or
+    cannot take a lock, costs the cache and never the build."""
+    from precompile.cache import CacheWriteError, get_or_build
+
+    store = ArtifactCache(str(tmp_path / "c"))
+    saved: dict[str, str] = {}
+    built: list[object] = []
+
+    def build(into: ArtifactCache | None) -> str:
+        built.append(into)
+        return f"built-{len(built)}"
+
+    def save(into: ArtifactCache, value: str) -> None:
+        saved[key_of(1)] = value
+
+    def get(**options: Any) -> str:
+        arguments: dict[str, Any] = {"load": lambda s: saved.get(key_of(1)), "build": build,
+                                     "save": save, **options}  # fmt: skip
+        return get_or_build(store, key_of(1), {"graph": "g"}, **arguments)
+
+    class Offline(LookupError):
+        pass
+
+    def refuse() -> Any:
+        raise Offline("compiling is off")
+
+    with pytest.raises(Offline):
+        get(refuse=refuse)
+    assert built == [] and saved == {}
+    assert get() == "built-1" and built == [store] and saved == {key_of(1): "built-1"}
+    assert get() == "built-1" and get(refuse=refuse) == "built-1" and len(built) == 1
+
+    def cannot_save(into: ArtifactCache, value: str) -> None:
+        raise CacheWriteError("disk full")
+
+    saved.clear()
+    assert get(save=cannot_save) == "built-2" and saved == {}
+
+    def no_lock(key: str) -> Any:
+        raise CacheWriteError("read-only")
+
+    monkeypatch.setattr(store, "lock", no_lock)
+    assert get() == "built-3" and built[-1] is None and saved == {}
+    built.clear()
+    assert get_or_build(None, key_of(1), {}, load=lambda s: "never", build=build,
+                        save=save) == "built-1" and built == [None]  # fmt: skip
+    with pytest.raises(Offline):
+        get_or_build(None, key_of(1), {}, load=lambda s: None, build=build, save=save,
+                     refuse=refuse)  # fmt: skip

@@ -51,7 +51,7 @@ def test_both_cache_keys_name_the_policy() -> None:
     """A build under another policy compiled other code: its entries are other keys."""
     import torch
 
-    from precompile._model import model_factors
+    from precompile._cache_key import model_factors
 
     model = torch.nn.Linear(4, 4).eval()
     factors = model_factors(model, (torch.randn(3, 4),), {}, {0: {0}}, [8], [1], {})
