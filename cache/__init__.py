@@ -4,6 +4,15 @@ It stores documents and blobs and names them (tags); building an artifact from a
 is the runtime's job (``CompiledArtifact.load(key=..., tag=...)``).
 """
 
+from ._bytes import (
+    atomic_file,
+    check_payload_size,
+    compress,
+    decompress,
+    read_bounded,
+    sha256_hex,
+    symlink_refused,
+)
 from ._default import CacheOption, cache_to_read, default_cache, resolve_cache
 from ._entry import (
     CacheEntry,
@@ -28,10 +37,41 @@ from ._errors import (
     UntrustedArtifactError,
 )
 from ._get_or_build import get_or_build
+from ._json import decode_json
 from ._root import LAYOUT, resolve_root
+from ._settings import env_flag
+from ._signing import (
+    PUBLIC_KEY_BYTES,
+    SIGNATURE_BYTES,
+    Signature,
+    TrustedKeysOption,
+    check_signature,
+    generate_signing_key,
+    resolve_trusted_keys,
+    sign_digest,
+)
 from ._store import DEFAULT_SIZE_LIMIT, ArtifactCache
 
+# The basics the layers above share (checked bytes, bounded JSON, settings, signatures)
+# are part of this face: the runtime and the compile side import nothing else of ours.
 __all__ = [
+    "PUBLIC_KEY_BYTES",
+    "SIGNATURE_BYTES",
+    "Signature",
+    "TrustedKeysOption",
+    "atomic_file",
+    "check_payload_size",
+    "check_signature",
+    "compress",
+    "decode_json",
+    "decompress",
+    "env_flag",
+    "generate_signing_key",
+    "read_bounded",
+    "resolve_trusted_keys",
+    "sha256_hex",
+    "sign_digest",
+    "symlink_refused",
     "DEFAULT_SIZE_LIMIT",
     "LAYOUT",
     "ArtifactAccessError",

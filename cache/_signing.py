@@ -125,7 +125,7 @@ def public_key_bytes(value: Any) -> bytes:
     return raw
 
 
-def trusted_keys(option: TrustedKeysOption) -> tuple[bytes, ...] | None:
+def resolve_trusted_keys(option: TrustedKeysOption) -> tuple[bytes, ...] | None:
     """The keys a load must see a signature of: ``option``, else the os.pathsep-separated
     list in ``$PRECOMPILE_TRUSTED_KEYS`` (files or hex); None where neither is set (no
     signature is required)."""
@@ -142,7 +142,7 @@ def trusted_keys(option: TrustedKeysOption) -> tuple[bytes, ...] | None:
     return keys
 
 
-def sign(digest: bytes, key: Any) -> Signature:
+def sign_digest(digest: bytes, key: Any) -> Signature:
     signer = private_key(key)
     from cryptography.hazmat.primitives import serialization
 
@@ -152,7 +152,7 @@ def sign(digest: bytes, key: Any) -> Signature:
     return Signature(public, signer.sign(DOMAIN + digest))
 
 
-def check(
+def check_signature(
     digest: bytes, signature: Signature | None, trusted: tuple[bytes, ...] | None, where: str
 ) -> None:
     """Refuse ``where`` unless it is signed over ``digest`` by one of ``trusted`` (no-op
@@ -183,7 +183,7 @@ def check(
         ) from None
 
 
-def generate(path: str) -> str:
+def generate_signing_key(path: str) -> str:
     """Write a new Ed25519 private key to ``path`` (PEM, mode 0600) and its public key to
     ``path + '.pub'``; return the public key's hex."""
     ed25519 = _crypto()

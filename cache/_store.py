@@ -67,7 +67,7 @@ from ._json import decode_json
 from ._remote import Lease, RemoteTier, remote_from_env
 from ._root import LAYOUT, prepare, resolve_root
 from ._settings import env_bytes
-from ._signing import Signature, TrustedKeysOption
+from ._signing import Signature, TrustedKeysOption, resolve_trusted_keys
 from ._tags import Tags
 
 # An entry's blobs are read in threads when they hold at least this many bytes together.
@@ -170,7 +170,7 @@ class ArtifactCache:
             raise InvalidOptionError(f"size_limit must be > 0 bytes, got {self.size_limit}")
         self.trust_foreign = trust_foreign
         self.lock_timeout = lock_timeout
-        self.trusted_keys = signing.trusted_keys(trusted_keys)
+        self.trusted_keys = resolve_trusted_keys(trusted_keys)
         self.signing_key = None if signing_key is None else signing.private_key(signing_key)
         self.remote_timeout = deadline.remote_timeout(remote_timeout)
         if os.path.exists(self.root):  # before anything is written into it
@@ -278,7 +278,7 @@ class ArtifactCache:
             signature = Signature.from_json(document["signature"], f"cache entry {key[:12]}")
         where = f"cache entry {key[:12]}"
         if self.trusted_keys is not None:  # else nothing is checked: no digest to compute
-            signing.check(_signed_digest(document), signature, self.trusted_keys, where)
+            signing.check_signature(_signed_digest(document), signature, self.trusted_keys, where)
         checked: dict[str, Any] = document
         return checked
 
@@ -457,7 +457,7 @@ class ArtifactCache:
                 if about:
                     entry["about"] = dict(about)
                 if self.signing_key is not None:
-                    entry["signature"] = signing.sign(
+                    entry["signature"] = signing.sign_digest(
                         _signed_digest(entry), self.signing_key
                     ).to_json()
                 entry_bytes = json.dumps(entry, indent=1, allow_nan=False).encode()
@@ -497,7 +497,7 @@ class ArtifactCache:
         raw = files.read_checked(path, _MAX_ENTRY_BYTES, self.trust_foreign)
         document = decode_json(raw, f"cache entry {key[:12]}")
         self._validate(key, document)
-        document["signature"] = signing.sign(_signed_digest(document), signing_key).to_json()
+        document["signature"] = signing.sign_digest(_signed_digest(document), signing_key).to_json()
         used = os.stat(path)
         with self._gc_lock(exclusive=False):
             with atomic_file(path) as handle:
@@ -575,7 +575,7 @@ class ArtifactCache:
             signature = None
             if "signature" in document:
                 signature = Signature.from_json(document["signature"], where)
-            signing.check(_signed_digest(document), signature, self.trusted_keys, where)
+            signing.check_signature(_signed_digest(document), signature, self.trusted_keys, where)
         except (CorruptArtifactError, UntrustedArtifactError) as exc:
             log.warning("%s refused: %s", where, exc)
             self._count("remote_errors")

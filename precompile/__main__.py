@@ -22,10 +22,8 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any, NoReturn
 
-from precompile.cache import ArtifactCache, CacheEntry
-from precompile.cache import _signing as signing
-from precompile.runtime._entry_summary import EntrySummary, summarize_entry
-from precompile.runtime._errors import PrecompileError
+from precompile.cache import ArtifactCache, CacheEntry, generate_signing_key, resolve_trusted_keys
+from precompile.runtime import EntrySummary, PrecompileError, summarize_entry
 
 
 def _size(n: float) -> str:
@@ -350,8 +348,7 @@ def _cache_command(args: argparse.Namespace) -> int:
 def _sign_command(args: argparse.Namespace) -> int:
     # Import time: the artifact formats are for sign and verify; ``cache ls`` and the
     # other cache commands start without them.
-    from precompile.runtime._binary_format import sign_binary
-    from precompile.runtime._unpacked_format import sign_unpacked
+    from precompile.runtime import sign_binary, sign_unpacked
 
     path = args.path
     signature = (
@@ -362,10 +359,9 @@ def _sign_command(args: argparse.Namespace) -> int:
 
 
 def _verify_command(args: argparse.Namespace) -> int:
-    from precompile.runtime._binary_format import read_binary  # import time: see _sign_command
-    from precompile.runtime._unpacked_format import read_unpacked
+    from precompile.runtime import read_binary, read_unpacked
 
-    trusted = signing.trusted_keys(args.key or None)
+    trusted = resolve_trusted_keys(args.key or None)
     path = args.path
     if os.path.isdir(path):
         manifest, payloads, signature = read_unpacked(path, trusted)
@@ -380,7 +376,7 @@ def _verify_command(args: argparse.Namespace) -> int:
 
 
 def _keygen_command(args: argparse.Namespace) -> int:
-    public = signing.generate(args.keyfile)
+    public = generate_signing_key(args.keyfile)
     print(f"wrote private key {args.keyfile} (mode 0600) and public key {args.keyfile}.pub")
     print(f"public key (hex, for PRECOMPILE_TRUSTED_KEYS): {public}")
     return 0

@@ -28,7 +28,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 
-from precompile.cache._settings import env_flag
+from precompile.cache import env_flag
 from precompile.runtime import InvalidOptionError
 
 CUDNN_ATTENTION_ENV = "PRECOMPILE_CUDNN_ATTENTION"

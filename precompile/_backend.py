@@ -14,8 +14,7 @@ from typing import Any
 import torch
 
 from precompile.cache import CacheOption, CacheRootError
-from precompile.runtime import ArtifactNotFoundError, CompiledArtifact
-from precompile.runtime._cudagraphs import CudaGraphsOption
+from precompile.runtime import ArtifactNotFoundError, CompiledArtifact, CudaGraphsOption
 
 from ._offline import is_offline
 from ._standalone import CalibrateOption, standalone_compile

@@ -16,17 +16,22 @@ from typing import Any
 import torch
 
 from precompile.cache import LAYOUT
-from precompile.runtime import _torch_adapter as runtime_adapter
-from precompile.runtime._dtypes import dtype_name
-from precompile.runtime._environment import current_environment
-from precompile.runtime._global_state import describe as describe_state
-from precompile.runtime._global_state import trace_state
-from precompile.runtime._kv_cache import cache_tensors, describe_cache, is_kv_cache
-from precompile.runtime._manifest import FORMAT_VERSION
-from precompile.runtime._model_identity import canonical_digest as _digest
-from precompile.runtime._model_identity import model_identity
-from precompile.runtime._process_groups import registered_groups, this_rank
-from precompile.runtime._version import __version__
+from precompile.runtime import (
+    FORMAT_VERSION,
+    __version__,
+    current_environment,
+    dtype_name,
+    is_kv_cache,
+    model_identity,
+    this_rank,
+    trace_state,
+    tree_flatten,
+)
+from precompile.runtime import canonical_digest as _digest
+from precompile.runtime import describe_global_state as describe_state
+from precompile.runtime import describe_kv_cache as describe_cache
+from precompile.runtime import kv_cache_tensors as cache_tensors
+from precompile.runtime import registered_process_groups as registered_groups
 
 from . import _torch_adapter as adapter
 from ._gemm_policy import POLICY as GEMM_POLICY
@@ -148,7 +153,7 @@ def model_factors(
     options: Mapping[str, Any],
 ) -> dict[str, str]:
     """The cache key's factors of a compiled model, all computed without tracing."""
-    leaves, spec = runtime_adapter.tree_flatten((tuple(args), dict(kwargs)), is_leaf=is_kv_cache)
+    leaves, spec = tree_flatten((tuple(args), dict(kwargs)), is_leaf=is_kv_cache)
     described: list[list[Any]] = []
     for index, leaf in enumerate(leaves):
         if is_kv_cache(leaf):

@@ -27,7 +27,7 @@ from typing import Any, Literal
 
 import torch
 
-from precompile.runtime._errors import UnsupportedGraphError
+from precompile.runtime import UnsupportedGraphError
 
 log = logging.getLogger("precompile.compile")
 _TABLES = ("_parameters", "_buffers", "_modules")

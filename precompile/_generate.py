@@ -31,10 +31,13 @@ from typing import Any
 
 import torch
 
-from precompile.runtime._errors import InvalidOptionError, UnsupportedGraphError
-from precompile.runtime._kv_cache import is_kv_cache
-from precompile.runtime._model import CompiledModel
-from precompile.runtime._torch_adapter import tree_flatten
+from precompile.runtime import (
+    CompiledModel,
+    InvalidOptionError,
+    UnsupportedGraphError,
+    is_kv_cache,
+    tree_flatten,
+)
 
 from ._model import compile_model
 

@@ -20,9 +20,7 @@ from typing import Any
 
 import torch
 
-from precompile.runtime._calibration import synthesize_inputs
-from precompile.runtime._lean import load_lean
-from precompile.runtime._manifest import LeanCall, Manifest, Variant
+from precompile.runtime import LeanCall, Manifest, Variant, load_lean, synthesize_inputs
 
 from . import _torch_adapter as adapter
 

@@ -25,29 +25,36 @@ from typing import Any, NoReturn
 import torch
 
 from precompile.cache import ArtifactCache, CacheOption, get_or_build, resolve_cache
-from precompile.runtime import _torch_adapter as runtime_adapter
-from precompile.runtime._cached import load_cached_model, store_model
-from precompile.runtime._cudagraphs import CudaGraphsOption, cudagraph_options
-from precompile.runtime._dtypes import dtype_name
-from precompile.runtime._entry_summary import ABOUT_CONFIG
-from precompile.runtime._errors import (
+from precompile.runtime import (
+    ABOUT_CONFIG,
+    CompiledModel,
+    CudaGraphsOption,
     IncompatibleArtifactError,
     InvalidOptionError,
+    ModelPlan,
+    TensorInput,
     UnsupportedGraphError,
     UntrustedArtifactError,
-)
-from precompile.runtime._kv_cache import (
-    CACHE_FIELDS,
-    CacheLayout,
-    cache_tensors,
-    counter_values,
-    describe_cache,
+    class_path,
+    cudagraph_options,
+    dtype_name,
+    file_digest,
+    hooks_on,
     is_kv_cache,
+    load_cached_model,
+    model_identity,
+    store_model,
+    this_rank,
+    tree_flatten,
+    tree_unflatten,
+    treespec_to_json,
 )
-from precompile.runtime._manifest import TensorInput
-from precompile.runtime._model import CompiledModel, ModelPlan, hooks_on, stale_reason
-from precompile.runtime._model_identity import class_path, file_digest, model_identity
-from precompile.runtime._process_groups import this_rank
+from precompile.runtime import KV_CACHE_FIELDS as CACHE_FIELDS
+from precompile.runtime import KVCacheLayout as CacheLayout
+from precompile.runtime import describe_kv_cache as describe_cache
+from precompile.runtime import kv_cache_counter_values as counter_values
+from precompile.runtime import kv_cache_tensors as cache_tensors
+from precompile.runtime import plan_stale_reason as stale_reason
 
 from ._caller_state import CallerState
 from ._offline import is_offline, refuse
@@ -111,11 +118,11 @@ def _leaf_paths(args: Sequence[Any], kwargs: Mapping[str, Any]) -> list[Any]:
     """Each flattened leaf's top-level argument: positional index or keyword name, in the
     order pytree flattens ``(args, kwargs)`` (a dict in its own key order)."""
     paths: list[Any] = []
-    _, spec = runtime_adapter.tree_flatten(dict(kwargs), is_leaf=is_kv_cache)
+    _, spec = tree_flatten(dict(kwargs), is_leaf=is_kv_cache)
     for index, value in enumerate(args):
-        paths += [index] * len(runtime_adapter.tree_flatten(value, is_leaf=is_kv_cache)[0])
+        paths += [index] * len(tree_flatten(value, is_leaf=is_kv_cache)[0])
     for name in spec.context if spec.context is not None else ():
-        paths += [name] * len(runtime_adapter.tree_flatten(kwargs[name], is_leaf=is_kv_cache)[0])
+        paths += [name] * len(tree_flatten(kwargs[name], is_leaf=is_kv_cache)[0])
     return paths
 
 
@@ -245,7 +252,7 @@ def compile_model(
         )
     args = tuple(example_args)
     kwargs = dict(sorted((example_kwargs or {}).items()))  # a call's kwargs, sorted by name
-    leaves, _ = runtime_adapter.tree_flatten((args, kwargs), is_leaf=is_kv_cache)
+    leaves, _ = tree_flatten((args, kwargs), is_leaf=is_kv_cache)
     paths = _leaf_paths(args, kwargs)
     named = [(_argument_name(path), leaf) for path, leaf in zip(paths, leaves, strict=True)]
     with CallerState(model, named) as state:
@@ -549,7 +556,7 @@ def _trace_with_pieces(
     corners = [frozenset(i for i in range(count) if mask >> i & 1) for mask in range(1, 1 << count)]
     if count > 3:  # 2^k traces: each length alone at 1, and all of them (the rest refused)
         corners = [frozenset({i}) for i in range(count)] + [frozenset(range(count))]
-    spec = runtime_adapter.tree_flatten((args, kwargs), is_leaf=is_kv_cache)[1]
+    spec = tree_flatten((args, kwargs), is_leaf=is_kv_cache)[1]
     pieces: dict[frozenset[int], CompiledModel] = {}
     for ones in corners:
         narrowed = list(leaves)
@@ -563,7 +570,7 @@ def _trace_with_pieces(
                 at_one.add((leaf, 0))
         corner_dims = {leaf: {d for d in wanted if (leaf, d) not in at_one}
                        for leaf, wanted in dims.items()}  # fmt: skip
-        corner_args, corner_kwargs = runtime_adapter.tree_unflatten(narrowed, spec)
+        corner_args, corner_kwargs = tree_unflatten(narrowed, spec)
         said = ", ".join(f"{_where(paths, lengths[i][1])} = 1" for i in sorted(ones))
         try:
             piece = _trace_and_compile(
@@ -814,7 +821,7 @@ def _plan(
                 "arguments"
             )
         constants[index] = leaf
-    out_leaves, out_spec = runtime_adapter.tree_flatten(trace.result, is_leaf=is_kv_cache)
+    out_leaves, out_spec = tree_flatten(trace.result, is_leaf=is_kv_cache)
     produced = {id(t): i for i, t in enumerate(trace.graph_outputs) if isinstance(t, torch.Tensor)}
     passed = {id(leaves[i]): i for i in caches}
     outputs: list[tuple[str, Any]] = []
@@ -833,10 +840,8 @@ def _plan(
                 "rebuilds outputs of tensors, plain values and the caches it was passed"
             )
     try:
-        out_json = runtime_adapter.treespec_to_json(out_spec)
-        in_json = runtime_adapter.treespec_to_json(
-            runtime_adapter.tree_flatten(trace.call, is_leaf=is_kv_cache)[1]
-        )
+        out_json = treespec_to_json(out_spec)
+        in_json = treespec_to_json(tree_flatten(trace.call, is_leaf=is_kv_cache)[1])
     except (TypeError, NotImplementedError, ValueError) as exc:
         raise UnsupportedGraphError(
             f"the call's arguments or output have a structure torch cannot serialize ({exc})"

@@ -7,9 +7,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import NoReturn
 
-from precompile.cache import ArtifactCache
-from precompile.cache._settings import env_flag
-from precompile.runtime._errors import ArtifactNotFoundError, InvalidOptionError
+from precompile.cache import ArtifactCache, env_flag
+from precompile.runtime import ArtifactNotFoundError, InvalidOptionError
 
 
 def is_offline(compile: bool) -> bool:

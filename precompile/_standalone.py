@@ -12,33 +12,32 @@ from typing import Any
 import sympy
 import torch
 
-from precompile.cache import ArtifactCache, CacheOption, get_or_build, resolve_cache
-from precompile.cache._bytes import sha256_hex
-from precompile.runtime import CompiledArtifact
-from precompile.runtime._cached import load_cached, store_artifact
-from precompile.runtime._cudagraphs import CudaGraphsOption, cudagraph_options
-from precompile.runtime._dtypes import dtype_name
-from precompile.runtime._entry_summary import ABOUT_GRAPH
-from precompile.runtime._environment import current_environment
-from precompile.runtime._errors import (
-    InvalidOptionError,
-    PrecompileError,
-    UnsupportedGraphError,
-    UntrustedArtifactError,
-)
-from precompile.runtime._manifest import (
+from precompile.cache import ArtifactCache, CacheOption, get_or_build, resolve_cache, sha256_hex
+from precompile.runtime import (
+    ABOUT_GRAPH,
+    CompiledArtifact,
+    CudaGraphsOption,
     InputSpec,
     IntInput,
+    InvalidOptionError,
     LeanCall,
     Manifest,
+    MemoryPayloads,
+    PrecompileError,
     ProcessGroupSpec,
     Symbol,
     SymbolSource,
     TensorInput,
+    UnsupportedGraphError,
+    UntrustedArtifactError,
     Variant,
+    cudagraph_options,
+    current_environment,
+    dtype_name,
+    store_artifact,
 )
-from precompile.runtime._payloads import MemoryPayloads
-from precompile.runtime._process_groups import describe_groups
+from precompile.runtime import describe_process_groups as describe_groups
+from precompile.runtime import load_cached_artifact as load_cached
 
 from . import _gpu_lean as gpu_lean
 from . import _torch_adapter as adapter

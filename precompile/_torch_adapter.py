@@ -31,12 +31,19 @@ import sympy
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from precompile.cache._bytes import sha256_hex
+from precompile.cache import sha256_hex
+from precompile.runtime import (
+    InvalidOptionError,
+    LeanCall,
+    NativeKernel,
+    TritonLaunch,
+    UnsupportedGraphError,
+    build_dir,
+    cpu_features_for_flags,
+    find_cpp_kernels,
+)
 from precompile.runtime import _torch_adapter as runtime_adapter
-from precompile.runtime._build_dir import build_dir
-from precompile.runtime._errors import InvalidOptionError, UnsupportedGraphError
-from precompile.runtime._manifest import LeanCall, NativeKernel, TritonLaunch
-from precompile.runtime._native_kernels import cpu_features_for_flags, find_cpp_kernels, kernel_key
+from precompile.runtime import native_kernel_key as kernel_key
 
 from ._attention_policy import key_factor as attention_key_factor
 from ._attention_policy import sdpa_backends

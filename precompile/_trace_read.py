@@ -28,20 +28,20 @@ from typing import Any
 
 import torch
 
-from precompile.runtime._global_state import trace_state
-from precompile.runtime._model_guards import (
+from precompile.runtime import (
     Guard,
-    Roots,
     TraceRead,
     Unencodable,
-    dict_keys,
-    encode,
-    named,
     qualified_name,
-    readable,
-    roots_of,
+    trace_state,
     traced_forward,
 )
+from precompile.runtime import GuardRoots as Roots
+from precompile.runtime import encode_guard_value as encode
+from precompile.runtime import guard_identity as named
+from precompile.runtime import guard_roots as roots_of
+from precompile.runtime import guarded_dict_keys as dict_keys
+from precompile.runtime import readable_guard_expr as readable
 
 log = logging.getLogger("precompile.compile")
 
@@ -306,6 +306,6 @@ def _said_source(source: str) -> str:
 
 
 def _unsupported(message: str) -> Exception:
-    from precompile.runtime._errors import UnsupportedGraphError
+    from precompile.runtime import UnsupportedGraphError
 
     return UnsupportedGraphError(message)

@@ -12,7 +12,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from precompile.runtime._errors import InvalidOptionError
+from precompile.runtime import InvalidOptionError
 
 log = logging.getLogger("precompile.compile")
 

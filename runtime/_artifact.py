@@ -14,9 +14,7 @@ from typing import Any, Literal
 
 import torch
 
-from precompile.cache import StoredEntry, cache_to_read
-from precompile.cache import _signing as signing
-from precompile.cache._signing import TrustedKeysOption
+from precompile.cache import StoredEntry, TrustedKeysOption, cache_to_read, resolve_trusted_keys
 
 from . import _native_kernels as native_kernels
 from . import _torch_adapter as adapter
@@ -762,7 +760,7 @@ class CompiledArtifact:
             artifact = CompiledArtifact._from_cache(cache, tag, key)
         else:
             artifact = CompiledArtifact._from_path(
-                os.fspath(path), format, signing.trusted_keys(trusted_keys), run_edited_code
+                os.fspath(path), format, resolve_trusted_keys(trusted_keys), run_edited_code
             )
         if output_structure == "upstream":
             artifact._unflatten = _output_unflattener(artifact.manifest, flat=True)

@@ -21,16 +21,20 @@ import struct
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from precompile.cache._bytes import (
+from precompile.cache import (
+    PUBLIC_KEY_BYTES,
+    SIGNATURE_BYTES,
+    Signature,
     atomic_file,
     check_payload_size,
+    check_signature,
     compress,
+    decode_json,
     decompress,
     read_bounded,
     sha256_hex,
+    sign_digest,
 )
-from precompile.cache._json import decode_json
-from precompile.cache._signing import PUBLIC_KEY_BYTES, SIGNATURE_BYTES, Signature, check, sign
 
 from ._errors import CorruptArtifactError, IncompatibleArtifactError, InvalidOptionError
 from ._manifest import Manifest
@@ -97,7 +101,7 @@ def _header(index_length: int, index_digest: bytes, signing_key: Any) -> bytes:
     if signing_key is None:
         public, signature = bytes(PUBLIC_KEY_BYTES), bytes(SIGNATURE_BYTES)
     else:
-        signed = sign(index_digest, signing_key)
+        signed = sign_digest(index_digest, signing_key)
         public, signature = signed.public_key, signed.signature
     return _HEADER.pack(MAGIC, BINARY_VERSION, index_length, index_digest, public, signature)
 
@@ -192,7 +196,7 @@ def read_binary_with_model(
     signature = (
         None if public + signature_bytes == _NO_SIGNATURE else Signature(public, signature_bytes)
     )
-    check(index_digest, signature, trusted, where)
+    check_signature(index_digest, signature, trusted, where)
     if not isinstance(index, dict) or "manifest" not in index or "payloads" not in index:
         raise CorruptArtifactError(f"{where} index is malformed (no manifest or payload table)")
     manifest = Manifest.from_json(index["manifest"])

@@ -8,7 +8,7 @@ problem, so ``except ValueError`` keeps working around code that moves to precom
 
 from __future__ import annotations
 
-from precompile.cache._errors import (
+from precompile.cache import (
     ArtifactAccessError,
     CacheRootError,
     CacheWriteError,

@@ -11,14 +11,16 @@ def lazy_getattr(
     package: str, table: Mapping[str, str], namespace: MutableMapping[str, Any]
 ) -> Callable[[str], Any]:
     """A module ``__getattr__`` importing ``table[name]`` (a module path, relative to
-    ``package`` if it starts with '.') on first use and keeping the value in
-    ``namespace`` (the package's globals), so later lookups cost nothing."""
+    ``package`` if it starts with '.'; ``module:attribute`` where the module calls it
+    otherwise) on first use and keeping the value in ``namespace`` (the package's
+    globals), so later lookups cost nothing."""
 
     def __getattr__(name: str) -> Any:
-        module = table.get(name)
-        if module is None:
+        where = table.get(name)
+        if where is None:
             raise AttributeError(f"module {package!r} has no attribute {name!r}")
-        value = getattr(importlib.import_module(module, package), name)
+        module, _, attribute = where.partition(":")
+        value = getattr(importlib.import_module(module, package), attribute or name)
         namespace[name] = value
         return value
 

@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from precompile.cache._settings import env_flag
+from precompile.cache import env_flag
 
 from . import _native_kernels as native_kernels
 from . import _torch_adapter as adapter

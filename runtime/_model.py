@@ -28,8 +28,7 @@ from typing import Any
 import torch
 from torch.nn.modules import module as _modules_of_torch  # its global hooks, read per call
 
-from precompile.cache import _signing as signing
-from precompile.cache import cache_to_read
+from precompile.cache import cache_to_read, resolve_trusted_keys
 
 from . import _torch_adapter as adapter
 from ._artifact import CompiledArtifact
@@ -702,7 +701,7 @@ class CompiledModel:
             source = os.fspath(path)
             where = f"the compiled model {source!r}"
             manifest, payloads, _, raw_plan = read_binary_with_model(
-                source, signing.trusted_keys(trusted_keys)
+                source, resolve_trusted_keys(trusted_keys)
             )
             if raw_plan is None:
                 raise InvalidOptionError(

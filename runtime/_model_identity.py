@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from precompile.cache._bytes import sha256_hex
+from precompile.cache import sha256_hex
 
 from ._dtypes import dtype_name
 from ._errors import IncompatibleArtifactError

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from functools import cache
 from typing import Any
 
-from precompile.cache._bytes import atomic_file
+from precompile.cache import atomic_file
 
 from . import _torch_adapter as adapter
 from ._build_dir import build_dir

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Protocol
 
-from precompile.cache._bytes import sha256_hex
+from precompile.cache import sha256_hex
 
 from ._errors import CorruptArtifactError
 

@@ -26,9 +26,16 @@ import stat
 import tempfile
 from typing import Any
 
-from precompile.cache._bytes import check_payload_size, read_bounded, sha256_hex, symlink_refused
-from precompile.cache._json import decode_json
-from precompile.cache._signing import Signature, check, sign
+from precompile.cache import (
+    Signature,
+    check_payload_size,
+    check_signature,
+    decode_json,
+    read_bounded,
+    sha256_hex,
+    sign_digest,
+    symlink_refused,
+)
 
 from . import _torch_adapter as adapter
 from ._errors import (
@@ -86,7 +93,7 @@ def write_unpacked(
         with open(os.path.join(staging, MANIFEST), "wb") as handle:
             handle.write(text)
         if signing_key is not None:
-            _write_signature(staging, sign(bytes.fromhex(sha256_hex(text)), signing_key))
+            _write_signature(staging, sign_digest(bytes.fromhex(sha256_hex(text)), signing_key))
         os.chmod(staging, 0o755)
         _swap_into_place(staging, path)
     except BaseException:
@@ -127,7 +134,7 @@ def sign_unpacked(path: str, signing_key: Any) -> Signature:
                             where=f"{path}/{MANIFEST}")  # fmt: skip
     finally:
         os.close(directory)
-    signature = sign(bytes.fromhex(sha256_hex(text)), signing_key)
+    signature = sign_digest(bytes.fromhex(sha256_hex(text)), signing_key)
     tmp = os.path.join(path, SIGNATURE + ".tmp")
     with open(tmp, "w", encoding="utf-8") as handle:
         json.dump(signature.to_json(), handle, indent=2)
@@ -232,7 +239,7 @@ def read_unpacked(
             raise InvalidOptionError(f"{path!r} is not a directory")
         raw_manifest = _read_relative(root, MANIFEST, _MAX_MANIFEST, where)
         signature = _read_signature(root, where)
-        check(bytes.fromhex(sha256_hex(raw_manifest)), signature, trusted, where)
+        check_signature(bytes.fromhex(sha256_hex(raw_manifest)), signature, trusted, where)
         document = decode_json(raw_manifest, f"{where} {MANIFEST}")
         manifest = Manifest.from_json(document)
         sizes = _payload_sizes(document, manifest, where)

@@ -120,6 +120,38 @@ def test_no_import_statement_points_up() -> None:
     assert upward == []
 
 
+# The one door left in a wall: the compile side's torch adapter shares the runtime's
+# torch plumbing (inductor's loaders, the compiler-module list of the lean path). Both
+# are adapters: what they share is private torch API, not policy.
+DOORS = {("precompile._torch_adapter", "precompile.runtime._torch_adapter")}
+
+
+def test_layers_meet_only_at_their_public_faces() -> None:
+    """An import from another layer names that layer's package (its ``__init__`` and
+    ``__all__``), never one of its private modules: a rename inside the runtime breaks
+    nothing above it. Every import statement counts, those inside functions too."""
+    through_walls = {
+        (module, target)
+        for module, targets in _all_imports().items()
+        for target, _ in targets
+        if layer(module) != (there := layer(target)) and target != there
+    }
+    assert through_walls == DOORS
+
+
+def test_each_face_lists_what_it_serves() -> None:
+    """Every name of a layer's ``__all__`` resolves (lazily imported ones included)."""
+    code = """
+import importlib
+for name in ("precompile.cache", "precompile.runtime", "precompile"):
+    package = importlib.import_module(name)
+    missing = [n for n in package.__all__ if not hasattr(package, n)]
+    assert not missing, (name, missing)
+print("ok")
+"""
+    assert run_python(code).strip().endswith("ok")
+
+
 def test_no_import_cycle_inside_a_package() -> None:
     """Imports inside functions count: one that exists to dodge a cycle is a cycle."""
     imports = _all_imports()

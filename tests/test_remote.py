@@ -112,7 +112,7 @@ def test_a_remote_entry_is_checked_like_a_local_one(tmp_path: Any, remote: dict[
     from precompile.cache import _signing
 
     keyfile = str(tmp_path / "key.pem")
-    public = _signing.generate(keyfile)
+    public = _signing.generate_signing_key(keyfile)
     put(_cache(tmp_path, "a", remote), key_of(1), fake_artifact(1), {})  # unsigned
     strict = _cache(tmp_path, "b", remote, trusted_keys=public)
     assert get(strict, key_of(1)) is None  # refused, not imported
