@@ -39,9 +39,7 @@ import torch  # noqa: E402
 import precompile  # noqa: E402
 from precompile import _torch_adapter as compile_adapter  # noqa: E402
 from precompile._standalone import _input_specs, _symbols  # noqa: E402
-from precompile.runtime._environment import current_environment  # noqa: E402
-from precompile.runtime._manifest import Manifest, Variant  # noqa: E402
-from precompile.runtime._payloads import MemoryPayloads  # noqa: E402
+from precompile.runtime import Manifest, MemoryPayloads, Variant, current_environment  # noqa: E402
 
 ROUND_S = 0.05  # each timed round runs about this long
 ROUNDS = 15

@@ -7,10 +7,16 @@ import hashlib
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from precompile.runtime import CompiledArtifact
-from precompile.runtime._environment import current_environment
-from precompile.runtime._manifest import Manifest, Symbol, SymbolSource, TensorInput, Variant
-from precompile.runtime._payloads import MemoryPayloads
+from precompile.runtime import (
+    CompiledArtifact,
+    Manifest,
+    MemoryPayloads,
+    Symbol,
+    SymbolSource,
+    TensorInput,
+    Variant,
+    current_environment,
+)
 
 
 def digest(text: str) -> str:

@@ -19,13 +19,19 @@ from conftest import ROOT, Compiled, assert_close, run_fleet, run_python
 import precompile
 from precompile import _torch_adapter
 from precompile._cache_key import cache_factors, cache_key
-from precompile.cache import ArtifactCache
+from precompile.cache import ArtifactCache, sha256_hex
 from precompile.cache import _store as cache_store
-from precompile.cache._bytes import sha256_hex
-from precompile.runtime._cached import load_cached, store_artifact
-from precompile.runtime._environment import current_environment
-from precompile.runtime._manifest import Manifest, Symbol, SymbolSource, TensorInput, Variant
-from precompile.runtime._payloads import MemoryPayloads
+from precompile.runtime import (
+    Manifest,
+    MemoryPayloads,
+    Symbol,
+    SymbolSource,
+    TensorInput,
+    Variant,
+    current_environment,
+    store_artifact,
+)
+from precompile.runtime import load_cached_artifact as load_cached
 
 put = store_artifact
 get = load_cached

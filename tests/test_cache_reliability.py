@@ -23,10 +23,16 @@ from precompile.cache import ArtifactCache
 
 def random_artifact(size: int) -> precompile.CompiledArtifact:
     """An artifact whose one payload is ``size`` random (incompressible) bytes."""
-    from precompile.cache._bytes import sha256_hex
-    from precompile.runtime._environment import current_environment
-    from precompile.runtime._manifest import Manifest, Symbol, SymbolSource, TensorInput, Variant
-    from precompile.runtime._payloads import MemoryPayloads
+    from precompile.cache import sha256_hex
+    from precompile.runtime import (
+        Manifest,
+        MemoryPayloads,
+        Symbol,
+        SymbolSource,
+        TensorInput,
+        Variant,
+        current_environment,
+    )
 
     payload = os.urandom(size)
     digest = sha256_hex(payload)

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import precompile
-from precompile.runtime._errors import UnsupportedGraphError
+from precompile.runtime import UnsupportedGraphError
 
 WIDTH = 8
 

@@ -273,8 +273,8 @@ def test_graphs_that_write_a_static_cache_are_capturable(llama: tuple[Any, Any])
     (on CUDA); a written input whose address is not static is still refused."""
     import dataclasses
 
+    from precompile.runtime import TensorInput
     from precompile.runtime._cudagraphs import why_not_capturable
-    from precompile.runtime._manifest import TensorInput
 
     manifest = llama[1].artifact.manifest
     written = [i for i, s in enumerate(manifest.inputs)

@@ -86,7 +86,7 @@ def test_no_variant_error_says_why() -> None:
 
 
 def test_symbol_bounds_are_checked() -> None:
-    from precompile.runtime._manifest import Symbol
+    from precompile.runtime import Symbol
 
     art = make_artifact([("hint", {"s0": 8}, ())])
     manifest = art.manifest

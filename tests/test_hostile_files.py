@@ -19,7 +19,7 @@ import zstandard
 from conftest import ROOT, Compiled, assert_close, run_python
 
 import precompile
-from precompile.cache._bytes import sha256_hex
+from precompile.cache import sha256_hex
 from precompile.runtime._binary_format import _HEADER
 
 

@@ -18,9 +18,7 @@ import torch
 from conftest import Compiled, capture, run_python
 
 import precompile
-from precompile.runtime._errors import CorruptArtifactError
-from precompile.runtime._manifest import Manifest
-from precompile.runtime._payloads import MemoryPayloads
+from precompile.runtime import CorruptArtifactError, Manifest, MemoryPayloads
 
 DYNAMIC_MARKS = ("_dynamo_propagated_dynamic_indices", "_dynamo_weak_dynamic_indices")
 

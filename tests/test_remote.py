@@ -26,9 +26,8 @@ from conftest import ROOT, Compiled, run_fleet, run_python
 from test_cache import fake_artifact, get, key_of, put
 
 import precompile
-from precompile.cache import ArtifactCache
+from precompile.cache import ArtifactCache, sha256_hex
 from precompile.cache import _deadline as deadline
-from precompile.cache._bytes import sha256_hex
 
 
 def _free_port() -> int:

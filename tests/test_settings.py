@@ -7,7 +7,7 @@ import pytest
 
 import precompile
 from precompile._offline import is_offline
-from precompile.cache._settings import env_flag
+from precompile.cache import env_flag
 from precompile.runtime._lean import lean_enabled
 
 

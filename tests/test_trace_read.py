@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import precompile
-from precompile.runtime._global_state import trace_state
+from precompile.runtime import trace_state
 
 
 class Configured(torch.nn.Module):
@@ -295,7 +295,8 @@ def test_hooks_on_the_model_itself_are_refused(compiled: dict[str, Any]) -> None
 
 
 def test_a_value_of_another_type_is_named_with_both() -> None:
-    from precompile.runtime._model_guards import Guard, Roots
+    from precompile.runtime import Guard
+    from precompile.runtime import GuardRoots as Roots
 
     guard = Guard("equals", ["attr", ["M"], "extra"], ["none"])
     holder = torch.nn.Module()

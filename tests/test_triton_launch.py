@@ -16,9 +16,8 @@ import pytest
 from synthetic import digest
 
 from precompile import _torch_adapter as adapter
-from precompile.runtime import CorruptArtifactError
-from precompile.runtime._environment import current_environment
-from precompile.runtime._manifest import (
+from precompile.runtime import (
+    CorruptArtifactError,
     LeanCall,
     Manifest,
     Symbol,
@@ -26,6 +25,7 @@ from precompile.runtime._manifest import (
     TensorInput,
     TritonLaunch,
     Variant,
+    current_environment,
 )
 from precompile.runtime._triton_launch import launcher_source
 

@@ -13,9 +13,9 @@ import torch
 from conftest import Compiled, run_python
 
 import precompile
-from precompile.cache._json import decode_json
+from precompile.cache import decode_json
+from precompile.runtime import Manifest, NativeKernel
 from precompile.runtime import _native_kernels as native
-from precompile.runtime._manifest import Manifest, NativeKernel
 
 SIZES = [1, 3, 5, 16, 100]
 
