@@ -207,3 +207,75 @@ def test_the_wheel_installs_one_top_level_name(tmp_path: Path) -> None:
     for package in ("precompile", "precompile/cache", "precompile/runtime"):
         assert f"{package}/__init__.py" in names and f"{package}/py.typed" in names, package
     assert "precompile/runtime/_artifact.py" in names and "precompile/cache/_store.py" in names
+
+
+# Tests and benchmarks use the public API, except where their subject is an internal
+# module (named here), or where they instrument the compile side (count compiles by
+# wrapping its torch adapter). A new private import anywhere else fails this test.
+INTERNAL_SUBJECTS = {
+    "benchmarks/_gpu_load_diag.py": {"precompile.runtime._torch_adapter"},  # load diagnostics
+    "benchmarks/dispatch.py": {  # times the per-call checks one by one
+        "precompile._standalone", "precompile._torch_adapter", "precompile._trace_read",
+        "precompile.runtime._global_state", "precompile.runtime._model_guards",
+    },
+    "tests/test_backend.py": {  # the backend's graph reading and variant planning
+        "precompile._backend", "precompile._graph", "precompile._standalone",
+        "precompile._variant_plan",
+    },
+    "tests/test_cache.py": {  # the key's factors; counts compiles
+        "precompile._attention_policy", "precompile._cache_key", "precompile._standalone",
+        "precompile._torch_adapter", "precompile._variant_plan", "precompile.cache._store",
+    },
+    "tests/test_compile.py": {"precompile._torch_adapter"},  # counts compiles
+    "tests/test_cudagraphs.py": {"precompile.runtime._cudagraphs"},
+    "tests/test_decode.py": {"precompile.runtime._cudagraphs"},
+    "tests/test_dropin.py": {"precompile._torch_adapter"},  # counts compiles
+    "tests/test_expressions.py": {"precompile.runtime._expressions"},
+    "tests/test_formats.py": {"precompile.runtime._binary_format"},
+    "tests/test_gemm_policy.py": {
+        "precompile._cache_key", "precompile._gemm_policy", "precompile._standalone",
+        "precompile._torch_adapter", "precompile._variant_plan",
+    },
+    "tests/test_gpu.py": {"precompile.runtime._torch_adapter"},
+    "tests/test_gpu_lean.py": {"precompile._torch_adapter"},  # the build's configs
+    "tests/test_hostile_files.py": {"precompile.runtime._binary_format"},  # crafts files
+    "tests/test_model.py": {"precompile.runtime._binary_format"},
+    "tests/test_remote.py": {"precompile.cache._deadline", "precompile.cache._signing"},
+    "tests/test_settings.py": {"precompile._offline", "precompile.runtime._lean"},
+    "tests/test_signing.py": {"precompile.runtime._binary_format", "precompile.runtime._manifest"},
+    "tests/test_trace_read.py": {"precompile._torch_adapter", "precompile._trace_read"},
+    "tests/test_triton_launch.py": {
+        "precompile._torch_adapter", "precompile.runtime._lean",
+        "precompile.runtime._triton_launch",
+    },
+    "tests/test_variant_plan.py": {"precompile._standalone", "precompile._variant_plan"},
+    "tests/test_warm_start.py": {"precompile._torch_adapter", "precompile.runtime._native_kernels"},
+}  # fmt: skip
+
+
+def _private_imports(path: Path) -> set[str]:
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            if node.module.split(".")[0] != "precompile":
+                continue
+            if any(part.startswith("_") for part in node.module.split(".")[1:]):
+                found.add(node.module)
+            else:
+                found |= {f"{node.module}.{a.name}" for a in node.names
+                          if a.name.startswith("_") and not a.name.startswith("__")}  # fmt: skip
+        elif isinstance(node, ast.Import):
+            found |= {a.name for a in node.names if a.name.split(".")[0] == "precompile"
+                      and any(p.startswith("_") for p in a.name.split(".")[1:])}  # fmt: skip
+    return found
+
+
+def test_tests_and_benchmarks_use_the_public_api() -> None:
+    files = [*Path(ROOT, "tests").glob("*.py"), *Path(ROOT, "benchmarks").glob("*.py"),
+             *Path(ROOT, "examples").glob("*.py")]  # fmt: skip
+    found = {
+        str(path.relative_to(ROOT)): imports
+        for path in sorted(files)
+        if (imports := _private_imports(path))
+    }
+    assert found == INTERNAL_SUBJECTS
