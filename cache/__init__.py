@@ -4,6 +4,12 @@ It stores documents and blobs and names them (tags); building an artifact from a
 is the runtime's job (``CompiledArtifact.load(key=..., tag=...)``).
 """
 
+# The folder cache/ is the package precompile.cache. A checkout's root on sys.path makes it
+# importable as "cache" too: a second copy of every module, whose patches and state the
+# real one never sees. Refused, by name.
+if __name__ != "precompile.cache":
+    raise ImportError(f"import precompile.cache, not {__name__}: cache/ is that package's folder")
+
 from ._bytes import (
     atomic_file,
     check_payload_size,

@@ -8,6 +8,14 @@ have short, predictable latency). The cache CLI never pays it.
 
 from __future__ import annotations
 
+# The folder runtime/ is the package precompile.runtime. A checkout's root on sys.path makes it
+# importable as "runtime" too: a second copy of every module, whose patches and state the
+# real one never sees. Refused, by name.
+if __name__ != "precompile.runtime":
+    raise ImportError(
+        f"import precompile.runtime, not {__name__}: runtime/ is that package's folder"
+    )
+
 from typing import TYPE_CHECKING
 
 from ._errors import (

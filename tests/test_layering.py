@@ -171,7 +171,8 @@ def test_no_import_cycle_inside_a_package() -> None:
     assert cycles == []
 
 
-OLD_NAMES = re.compile(r"^\s*(?:from|import)\s+(?:cache|runtime)\b", re.M)
+# an import at a line's start, or in code held by a string (after a quote or a "\n")
+OLD_NAMES = re.compile(r"""(?:^|["';]|\\n)\s*(?:from|import)\s+(?:cache|runtime)\b""", re.M)
 
 
 def test_no_file_imports_the_old_top_level_names() -> None:
@@ -279,3 +280,20 @@ def test_tests_and_benchmarks_use_the_public_api() -> None:
         if (imports := _private_imports(path))
     }
     assert found == INTERNAL_SUBJECTS
+
+
+def test_the_folders_refuse_their_old_names() -> None:
+    """From a checkout's root (on ``sys.path``), ``import runtime`` would load a second copy
+    of every module, which the real ``precompile.runtime`` never sees (a patch of it does
+    nothing): refused, naming the right import."""
+    out = run_python(
+        """
+for name in ("cache", "runtime"):
+    try:
+        __import__(name)
+    except ImportError as exc:
+        print(name, "refused:", exc)
+"""
+    )
+    assert "cache refused: import precompile.cache, not cache" in out, out
+    assert "runtime refused: import precompile.runtime, not runtime" in out, out

@@ -115,7 +115,8 @@ def test_unusable_kernels_fall_back_to_building_with_a_warning(
     # This CPU "lacks" every feature: the binaries are skipped, the source is built (same
     # ISA as the compile, so the rebuild is correct), a warning says why, results match.
     out = in_fresh_process(
-        "from runtime import _native_kernels\n_native_kernels.cpu_features = lambda: frozenset()\n",
+        "from precompile.runtime import _native_kernels\n"
+        "_native_kernels.cpu_features = lambda: frozenset()\n",
         saved["binary"],
         cases(mlp, str(tmp_path), [5]),
         """
@@ -134,7 +135,7 @@ def test_binary_that_fails_to_load_falls_back_to_building(
     mlp: Compiled, saved: dict[str, str], tmp_path: object
 ) -> None:
     out = in_fresh_process(
-        "from runtime import _torch_adapter\n"
+        "from precompile.runtime import _torch_adapter\n"
         "def broken(path, key):\n"
         "    raise OSError('simulated: wrong glibc')\n"
         "_torch_adapter.import_cpp_kernel = broken\n",
@@ -152,7 +153,7 @@ def test_rebuild_is_refused_where_inductor_would_generate_another_vector_width(
     mlp: Compiled, saved: dict[str, str], tmp_path: object
 ) -> None:
     out = in_fresh_process(
-        "from runtime import _native_kernels, _torch_adapter\n"
+        "from precompile.runtime import _native_kernels, _torch_adapter\n"
         "_native_kernels.cpu_features = lambda: frozenset()\n"
         "_torch_adapter.vec_isa = lambda: ('some-other-isa', '')\n",
         saved["binary"],
@@ -336,7 +337,7 @@ def test_a_process_that_exits_during_background_warm_up_exits_cleanly(
     out = in_fresh_process(
         "import time\n"
         "os.environ['PRECOMPILE_WARMUP_GRACE'] = '0'  # the warm-up starts at once\n"
-        "from runtime import _artifact\n"
+        "from precompile.runtime import _artifact\n"
         "original = _artifact.CompiledArtifact._variant_callable\n"
         "def slow(self, variant):\n"
         "    time.sleep(1)\n"
