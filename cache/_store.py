@@ -519,19 +519,21 @@ class ArtifactCache:
         """Run a remote operation under its deadline (``remote_timeout`` unless
         ``seconds`` is given); any failure (network, permissions, throttling, a vanished
         or silent server) is logged and answered with ``default``. It is counted in the
-        local stats, unless ``failures`` is given: a caller that takes the failure and
-        reports it (a listing, which is read-only) leaves the local cache unchanged."""
+        local stats and logged as a warning, unless ``failures`` is given: a caller that
+        takes the failure reports it (a listing, which is read-only, leaves the local
+        cache unchanged; the message is said once, by that caller)."""
         limit = self.remote_timeout if seconds is None else seconds
+        level = logging.WARNING if failures is None else logging.DEBUG
         try:
             return deadline.call(action, limit, what, on_late)
         except deadline.RemoteTimeout as exc:
-            log.warning("remote cache %s: %s timed out: %s; going on locally", self.remote,
-                        what, exc)  # fmt: skip
+            log.log(level, "remote cache %s: %s timed out: %s; going on locally", self.remote,
+                    what, exc)  # fmt: skip
             self._remote_failed(f"timed out: {exc}", failures, timed_out=True)
             return default
         except Exception as exc:  # a remote must never fail a call we can serve locally
-            log.warning("remote cache %s: %s failed: %s: %s", self.remote, what,
-                        type(exc).__name__, str(exc)[:200])  # fmt: skip
+            log.log(level, "remote cache %s: %s failed: %s: %s", self.remote, what,
+                    type(exc).__name__, str(exc)[:200])  # fmt: skip
             self._remote_failed(f"{type(exc).__name__}: {str(exc)[:200]}", failures)
             return default
 
@@ -708,19 +710,37 @@ class ArtifactCache:
         return list(self.remote_scan().keys)
 
     # -- tags ------------------------------------------------------------------------
-    def tag(self, name: str, key: str) -> None:
+    def tag(self, name: str, key: str, *, to_remote: bool = True) -> None:
         """Name an entry, so that a server can load it without tracing its model again
-        (the remote tier gets the tag too)."""
+        (the remote tier gets the tag too, unless ``to_remote=False``: a pull names
+        locally what the remote named)."""
         self.entry_path(key)  # validates the key
         self._tags.set(name, key)
         remote = self.remote
-        if remote is not None:
+        if remote is not None and to_remote:
             self._remote("tag", lambda: remote.write(remote.tag_path(name), key.encode()))
         log.info("tagged %s as %r", key[:12], name)
 
     def tags(self) -> dict[str, str]:
         """Every tag and the key it names (tags of evicted entries included)."""
         return self._tags.all()
+
+    def remote_tagged(self, name: str) -> tuple[str | None, str | None]:
+        """The key the remote's own tag ``name`` names (None where it has none), and why
+        it could not be read (a read-only query: its failure goes to the caller)."""
+        remote = self.remote
+        if remote is None:
+            raise InvalidOptionError("this cache has no remote tier")
+        self._tags._path(name)  # validates the name before it goes into a remote path
+        failures: list[str] = []
+        read = lambda: remote.read(remote.tag_path(name), 1024)  # noqa: E731
+        raw = self._remote("tag", read, failures=failures)
+        if failures:
+            return None, failures[0]
+        key = None if raw is None else raw.decode("ascii", "replace").strip()
+        if key is not None and not _is_digest(key):
+            return None, f"its tag {name!r} names {key[:80]!r}, which is not a cache key"
+        return key, None
 
     def tagged(self, name: str) -> str | None:
         """The key a tag names (here, else on the remote), or None."""

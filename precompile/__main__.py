@@ -172,7 +172,8 @@ def _sync_command(store: ArtifactCache, args: argparse.Namespace) -> int:
     (stderr, and ``skipped`` in --json) and the rest goes on; the exit status is 1 only
     where an entry that could be copied was not (or there was nothing to copy)."""
     skipped: list[tuple[str, str]] = []
-    if args.tag and store.tagged(args.tag) is None:
+    keys: list[str | None]
+    if args.action == "push" and args.tag and store.tagged(args.tag) is None:
         _fail(f"no tag {args.tag!r} in {store.root} (see 'cache tags')")
     if args.action == "push":
         if args.tag:
@@ -191,17 +192,23 @@ def _sync_command(store: ArtifactCache, args: argparse.Namespace) -> int:
         if args.tag and done:
             store.tag(args.tag, done[0])
     else:
+        # A pull reads the remote and writes only here: the remote's own tag decides.
+        listing = store.remote_scan()
+        if listing.error is not None:
+            _fail(f"listing {args.remote} failed: {listing.error}")
         if args.tag:
-            keys = [store.tagged(args.tag)]
+            key, error = store.remote_tagged(args.tag)
+            if error is not None:
+                _fail(f"reading tag {args.tag!r} of {args.remote} failed: {error}")
+            if key is None:
+                _fail(f"no tag {args.tag!r} in {args.remote}")
+            keys = [key]
         else:
-            listing = store.remote_scan()
-            if listing.error is not None:
-                _fail(f"listing {args.remote} failed: {listing.error}")
             keys = list(listing.keys)
             skipped += listing.skipped
         done = store.pull([k for k in keys if k is not None])
         if args.tag and done:
-            store.tag(args.tag, done[0])
+            store.tag(args.tag, done[0], to_remote=False)
     _report_skipped(skipped)
     verb = "pushed" if args.action == "push" else "pulled"
     wanted = [k for k in keys if k is not None and k not in {name for name, _ in skipped}]

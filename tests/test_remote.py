@@ -539,3 +539,30 @@ def test_cli_failures_exit_non_zero_naming_their_cause(tmp_path: Any) -> None:
     # an empty remote that exists is not an error
     done = _cli("--root", root, "ls", "--remote", f"file://{shared}")
     assert done.returncode == 0 and "0 entries" in done.stdout, done.stderr
+
+
+def test_pull_reads_the_remote_and_writes_only_here(tmp_path: Any) -> None:
+    """``pull --tag`` takes the tag the remote holds: from a remote that does not exist it
+    exits 2 naming it (never "pulled 1 entries" from a local tag, never making the
+    remote's directory or writing a tag into it); a tag the remote lacks is named with
+    the remote. A failure is said once, on one line."""
+    root = str(tmp_path / "here")
+    store = ArtifactCache(root)
+    put(store, key_of(1), fake_artifact(1), {})
+    store.tag("served", key_of(1))
+    missing = tmp_path / "nowhere"
+    done = _cli("--root", root, "pull", "--tag", "served", f"file://{missing}")
+    assert done.returncode == 2 and "does not exist" in done.stderr, (done.stdout, done.stderr)
+    assert not missing.exists()
+    assert len(done.stderr.strip().splitlines()) == 1, done.stderr
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    done = _cli("--root", root, "pull", "--tag", "served", f"file://{shared}")
+    assert done.returncode == 2 and f"no tag 'served' in file://{shared}" in done.stderr
+    assert list(shared.rglob("*tags*/*")) == []  # nothing written to the remote
+    # the round trip: a tag pushed is pulled into a fresh cache, named there
+    assert _cli("--root", root, "push", "--tag", "served", f"file://{shared}").returncode == 0
+    fresh = str(tmp_path / "fresh")
+    done = _cli("--root", fresh, "pull", "--tag", "served", f"file://{shared}")
+    assert done.returncode == 0 and "pulled 1 entries" in done.stdout, done.stderr
+    assert ArtifactCache(fresh).tags() == {"served": key_of(1)}
