@@ -13,6 +13,7 @@ import os
 import re
 import subprocess
 import sys
+import textwrap
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -40,7 +41,7 @@ def blocks(page: Path) -> list[Block]:
     while index < len(lines):
         if lines[index].strip() == FENCE + "python":
             end = index + 1
-            while not lines[end].startswith(FENCE):
+            while not lines[end].strip().startswith(FENCE):  # a block in a list is indented
                 end += 1
             marker = None
             before = index - 1
@@ -49,7 +50,8 @@ def blocks(page: Path) -> list[Block]:
             match = MARKER.match(lines[before].strip()) if before >= 0 else None
             if match:
                 marker = match.group("name")
-            found.append(Block(page, index + 1, "\n".join(lines[index + 1 : end]), marker))
+            code = textwrap.dedent("\n".join(lines[index + 1 : end]))
+            found.append(Block(page, index + 1, code, marker))
             index = end
         index += 1
     return found
