@@ -157,8 +157,9 @@ def test_every_relative_link_resolves() -> None:
 
 @pytest.mark.subprocess
 def test_the_docs_site_builds_strict(tmp_path: Path) -> None:
-    """``mkdocs build --strict``: every page in the nav, every anchor, and the API
-    reference generated from the docstrings (a name it cannot find fails the build)."""
+    """``mkdocs build --strict``: every page in the nav, every link and anchor, the
+    benchmark plots, and the API reference generated from the docstrings (a name it
+    cannot find fails the build)."""
     pytest.importorskip("mkdocs", reason="the docs extra: pip install -e '.[docs]'")
     pytest.importorskip("mkdocstrings_handlers.python", reason="pip install -e '.[docs]'")
     done = subprocess.run(
@@ -166,6 +167,9 @@ def test_the_docs_site_builds_strict(tmp_path: Path) -> None:
         cwd=ROOT, capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert done.returncode == 0, done.stdout + done.stderr
+    decode = (tmp_path / "site" / "decode" / "index.html").read_text()
+    assert 'src="../results/decode-llama-h100.png"' in decode  # plots copied in (docs/_hooks.py)
+    assert (tmp_path / "site" / "results" / "decode-llama-h100.png").is_file()
     reference = (tmp_path / "site" / "reference" / "index.html").read_text()
     for name in ("standalone_compile", "CompiledArtifact", "ArtifactCache", "NoVariantError"):
         assert f'id="precompile.{name}"' in reference, name
