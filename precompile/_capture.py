@@ -4,6 +4,8 @@ artifact itself rather than a compiled model)."""
 
 from __future__ import annotations
 
+import inspect
+import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -25,7 +27,8 @@ def capture_graph(
     box: dict[str, Any] = {}
 
     def keep(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
-        adapter.name_graph(gm)  # what it was traced from, for when it is compiled later
+        # what it was traced from, for when it is compiled later (``cache ls``)
+        adapter.name_graph(gm, _traced_name(model))
         box["gm"], box["inputs"] = gm, list(example_inputs)
         return gm.forward
 
@@ -39,3 +42,19 @@ def capture_graph(
             *args, **dict(kwargs or {})
         )
     return box["gm"], box["inputs"]
+
+
+def _traced_name(model: Any) -> str | None:
+    """``Model.forward (file.py:30)``: the model's own name, where Dynamo's first traced
+    frame is torch's wrapper around it."""
+    module = isinstance(model, torch.nn.Module)
+    function = type(model).forward if module else model
+    code = getattr(inspect.unwrap(function), "__code__", None)
+    if code is None:
+        return None
+    name = (
+        f"{type(model).__qualname__}.forward"
+        if module
+        else getattr(function, "__qualname__", code.co_name)
+    )
+    return f"{name} ({os.path.basename(code.co_filename)}:{code.co_firstlineno})"

@@ -1305,9 +1305,10 @@ def trace_model(
 _GRAPH_NAME = "precompile_graph_name"  # in a GraphModule's ``meta``
 
 
-def name_graph(gm: torch.fx.GraphModule) -> None:
-    """Keep ``graph_name(gm)`` on the graph (called inside a backend, by ``capture_graph``)."""
-    gm.meta[_GRAPH_NAME] = graph_name(gm)
+def name_graph(gm: torch.fx.GraphModule, name: str | None = None) -> None:
+    """Keep ``name`` (else ``graph_name(gm)``) on the graph (called inside a backend, by
+    ``capture_graph``)."""
+    gm.meta[_GRAPH_NAME] = name or graph_name(gm)
 
 
 def graph_name(gm: torch.fx.GraphModule) -> str:
@@ -1323,7 +1324,15 @@ def graph_name(gm: torch.fx.GraphModule) -> str:
     codes = list(getattr(context, "traced_code", None) or [])
     if not codes:
         return type(gm).__name__
-    code = codes[0]  # the frame Dynamo compiles; the functions it inlined follow
+    # The frame Dynamo compiles comes first, the functions it inlined follow. Torch's own
+    # wrappers (``capture_graph`` traces through ``wrap_inline``) say nothing of the
+    # model: the first code outside torch names it, else torch's first ``forward`` (an
+    # ``nn.Sequential``'s), else the first code outside Dynamo.
+    torch_dir = os.path.dirname(torch.__file__) + os.sep
+    dynamo_dir = os.path.join(torch_dir, "_dynamo") + os.sep
+    code = min(codes, key=lambda c: (c.co_filename.startswith(torch_dir),
+                                     c.co_filename.startswith(dynamo_dir),
+                                     c.co_name != "forward"))  # fmt: skip
     name = getattr(code, "co_qualname", code.co_name)
     return f"{name} ({os.path.basename(code.co_filename)}:{code.co_firstlineno})"
 

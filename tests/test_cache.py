@@ -748,3 +748,18 @@ def test_get_or_build_is_one_protocol(tmp_path: Any, monkeypatch: pytest.MonkeyP
     with pytest.raises(Offline):
         get_or_build(None, key_of(1), {}, load=lambda s: None, build=build, save=save,
                      refuse=refuse)  # fmt: skip
+
+
+def test_a_captured_graph_is_named_after_its_model() -> None:
+    """``cache ls`` says what an entry is: a graph from ``capture_graph`` is named after the
+    model's own ``forward`` (or the function), never torch's wrapper around it."""
+
+    def scaled(x: torch.Tensor) -> torch.Tensor:
+        return x.sin() * 2
+
+    sequential = torch.nn.Sequential(torch.nn.Linear(4, 4))
+    gm, _ = precompile.capture_graph(sequential, torch.randn(2, 4), dynamic=True)
+    assert _torch_adapter.graph_name(gm).startswith("Sequential.forward (container.py:")
+    gm, _ = precompile.capture_graph(scaled, torch.randn(2, 4))
+    assert _torch_adapter.graph_name(gm).startswith("test_a_captured_graph_is_named_after_its")
+    assert "(test_cache.py:" in _torch_adapter.graph_name(gm)
