@@ -129,10 +129,6 @@ def _keyed(value: Any) -> Any:
     return value
 
 
-def _codegen_config_digest() -> str:
-    return adapter.codegen_config_digest()
-
-
 def _describe_cache_leaf(cache: Any, dynamic_batch: bool) -> list[Any]:
     rows: list[Any] = [describe_cache(cache, "cache").to_json()]
     for _, field, tensor in cache_tensors(cache):
@@ -188,7 +184,7 @@ def model_factors(
         "variants": _digest([_keyed(hints), [_keyed(s) for s in sizes or ()]]),
         "options": _digest(dict(options)),
         # inductor's config and the attention backends change the compiled code too
-        "codegen_config": _codegen_config_digest(),
+        "codegen_config": adapter.codegen_config_digest(),
         "gemm_policy": GEMM_POLICY,
         # grad mode, autocast, default dtype, ...: what Dynamo's global-state guard holds
         "global_state": _digest(describe_state(trace_state())),
