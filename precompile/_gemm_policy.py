@@ -9,8 +9,13 @@ Steady state was no slower at any size measured (``benchmarks/gemm_backends.py``
 ``results/gemm-backends-h100.json``). The build costs more: the templates are autotuned
 at each hint.
 
-So CUDA hint variants use Triton GEMM templates. Exact-size variants keep inductor's
-default: they serve one size, whose cuBLAS plan the warm-up makes. A caller who sets any
+So CUDA hint variants that serve more than one size use Triton GEMM templates. Exact-size
+variants keep inductor's default: they serve one size, whose cuBLAS plan the warm-up makes.
+So does a hint variant whose point has every dynamic dim at 0 or 1, which the trace
+specializes (a decode step for one row): it serves one size too, and there the templates
+were slower, measured in one run on an H100 (``benchmarks/decode.py``'s Llama at batch 1:
+506 us of GPU time per step against 423 us with cuBLAS, the whole gap to the hand-captured
+graph). A caller who sets any
 of the GEMM autotuning options (in ``options["config_patches"]`` or in inductor's config)
 keeps their choice. A variant whose GEMMs no template can serve is compiled with the
 caller's options (see ``precompile._standalone``).
@@ -28,15 +33,19 @@ TRITON_GEMMS: Mapping[str, Any] = {
 }
 CALLER_CHOICES = frozenset({"max_autotune", "max_autotune_gemm", "max_autotune_gemm_backends"})
 # In every cache key: a build under another policy compiled other code.
-POLICY = "gemm 1: CUDA hint variants use Triton GEMM templates unless the caller chose"
+POLICY = (
+    "gemm 2: CUDA hint variants that serve more than one size use Triton GEMM templates "
+    "unless the caller chose"
+)
 
 
 def gemm_options(
     options: Mapping[str, Any], *, device: str, dynamic: bool, caller_config: Set[str]
 ) -> dict[str, Any] | None:
-    """The compile options of a variant (``dynamic``: a hint variant) on ``device``, where
-    the policy changes them, else None. ``caller_config``: the inductor config entries
-    the caller holds at other than their defaults."""
+    """The compile options of a variant on ``device`` (``dynamic``: a hint variant that
+    serves more than one size), where the policy changes them, else None.
+    ``caller_config``: the inductor config entries the caller holds at other than their
+    defaults."""
     if device != "cuda" or not dynamic:
         return None
     patches = options.get("config_patches") or {}

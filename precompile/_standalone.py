@@ -290,7 +290,9 @@ def _compile_variant(
     """One variant, its GEMMs as ``_gemm_policy`` says; where inductor cannot compile
     them so, with the caller's options (an INFO log says why)."""
     dynamic = request.kind == "hint"
-    chosen = gemm_options(options, device=_device_of(graph), dynamic=dynamic,
+    # A point with every symbol at 0 or 1 is specialized by the trace: one size is served.
+    serves_many = dynamic and any(int(value) >= 2 for value in point.values())
+    chosen = gemm_options(options, device=_device_of(graph), dynamic=serves_many,
                           caller_config=adapter.inductor_config_changes())  # fmt: skip
     if chosen is not None:
         try:

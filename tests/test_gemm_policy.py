@@ -92,3 +92,30 @@ def test_a_variant_templates_cannot_serve_compiles_with_the_callers_options(
     static = VariantRequest("static", (16,))
     _standalone._compile_variant(None, None, {}, static, {}, 1)  # type: ignore[arg-type]
     assert calls == [{}]
+
+
+def test_a_hint_variant_that_serves_one_size_keeps_inductors_gemms(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A hint point with every dim at 0 or 1 is specialized by the trace (a decode step
+    for one row): one size, as an exact-size variant, so cuBLAS, which was faster there."""
+    import sympy
+
+    from precompile import _standalone
+    from precompile._variant_plan import VariantRequest
+
+    calls: list[dict[str, object]] = []
+
+    def compile_variant(gm: object, graph: object, point: object, *, dynamic: bool,
+                        options: dict[str, object]) -> str:  # fmt: skip
+        calls.append(options)
+        return "compiled"
+
+    monkeypatch.setattr(_standalone.adapter, "compile_variant", compile_variant)
+    monkeypatch.setattr(_standalone, "_device_of", lambda graph: "cuda")
+    batch, length = sympy.Symbol("s0"), sympy.Symbol("s1")
+    request = VariantRequest("hint", (1, 1))
+    _standalone._compile_variant(None, None, {batch: 1, length: 1}, request, {}, 0)  # type: ignore[arg-type]
+    assert calls == [{}]
+    _standalone._compile_variant(None, None, {batch: 8, length: 1}, request, {}, 1)  # type: ignore[arg-type]
+    assert calls[1] == {"config_patches": dict(TRITON_GEMMS)}
