@@ -509,6 +509,13 @@ class InputContract:
                     f"input {index} has {what}, requires grad and is written by the graph; "
                     f"pass it with strides {expected}"
                 )
+        if differs and may_overlap(arg.shape, expected):
+            raise InputMismatchError(
+                f"input {index} has {what}: the variants were compiled for a layout whose "
+                f"elements overlap in memory (an expand()ed example), which holds one value "
+                "where this input may hold several; compile with an example that owns its "
+                "elements (.contiguous()), or pass this input expanded alike"
+            )
         if not copy:
             return
         # copy_ resolves neg/conj bits and, with grad enabled, stays differentiable.

@@ -211,3 +211,18 @@ def test_inputs_have_names_in_the_manifest_errors_and_art_inputs(tmp_path: Any) 
         json.dump(document, handle)
     with pytest.raises(precompile.CorruptArtifactError, match="name"):
         precompile.CompiledArtifact.load(path=path, format="unpacked")
+
+
+def test_an_expanded_example_refuses_inputs_whose_rows_differ() -> None:
+    """Compiled from an expand()ed example (rows of stride 0), the code may read one row
+    for all: a call whose rows own their elements is refused by name, never copied into
+    that layout (torch refuses the copy; a copy that kept one row would be wrong)."""
+    torch.manual_seed(0)
+    model = Projection().eval()
+    captured, art = _compile(model, torch.randn(1, 8).expand(6, 8))
+    assert any(getattr(spec, "stride", None) == (0, 1) for spec in art.manifest.inputs)
+    with torch.no_grad():
+        with pytest.raises(precompile.InputMismatchError, match=r"strides \(8, 1\).*overlap"):
+            art(*captured.flat(torch.randn(6, 8)))
+        expanded = torch.randn(1, 8).expand(6, 8)
+        torch.testing.assert_close(art(*captured.flat(expanded))[0], model(expanded))
