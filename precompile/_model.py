@@ -44,6 +44,7 @@ from precompile.runtime import (
     load_cached_model,
     model_identity,
     store_model,
+    synthesize_inputs,
     this_rank,
     tree_flatten,
     tree_unflatten,
@@ -438,6 +439,43 @@ def _graph_ops_accept(gm: Any, flat: Sequence[Any], written: set[int]) -> None:
         ) from None
 
 
+def _variant_points_accepted(
+    gm: Any, manifest: Any, flat: Sequence[Any], written: set[int], capacity: int | None
+) -> None:
+    """The warm-up runs every variant at its own point on made-up inputs; the traced
+    graph's own operations run there first, as for the example. A point they refuse pairs
+    sizes no call can have (a mask's batch, a symbol of its own left at the example's 2,
+    beside 8 rows of input_ids at their hint): the compiled code would fail the same index
+    check inside a parallel region, which ends the process. Refused here, naming them.
+    With a KV cache, the warm-up runs no point beyond the cache (``capacity``): nor this."""
+    for variant in manifest.variants:
+        point = tuple(variant.point[name] for name in manifest.symbol_names)
+        if capacity is not None and any(size > capacity for size in point):
+            continue
+        inputs = synthesize_inputs(manifest, point, list(flat))
+        try:
+            _graph_ops_accept(gm, inputs, written)
+        except UnsupportedGraphError as exc:
+            sizes = ", ".join(
+                f"{_symbol_where(manifest, symbol)} = {variant.point[symbol.name]}"
+                for symbol in manifest.symbols
+            )
+            raise UnsupportedGraphError(
+                f"the variant at {sizes} pairs sizes the model's own operations refuse "
+                f"({exc}); dims that must agree (a mask's batch and input_ids') need the "
+                "same hints: give each of them hints"
+            ) from None
+
+
+def _symbol_where(manifest: Any, symbol: Any) -> str:
+    for source in symbol.sources:
+        spec = manifest.inputs[source.input_index]
+        if source.dim is not None:
+            name = getattr(spec, "name", None) or f"input {source.input_index}"
+            return f"{name} dim {source.dim}"
+    return str(symbol.name)
+
+
 def _trace_and_compile(
     model: torch.nn.Module,
     args: tuple[Any, ...],
@@ -491,9 +529,15 @@ def _trace_and_compile(
                    if isinstance(spec, TensorInput) and spec.mutation != "none"}  # fmt: skip
         if not artifact.manifest.process_groups:  # collectives run only where all ranks do
             _graph_ops_accept(gm, flat, written)
+            _variant_points_accepted(gm, artifact.manifest, flat, written, capacity)
         state.keep(flat[i] for i in sorted(written))
 
     caches = {i: leaf for i, leaf in enumerate(leaves) if is_kv_cache(leaf)}
+    capacity = min(
+        (n for c in caches.values() for layer in c.layers
+         if isinstance(n := getattr(layer, "max_cache_len", None), int)),
+        default=None,
+    )  # fmt: skip
     before = {i: counter_values([layer.cumulative_length for layer in c.layers])
               for i, c in caches.items()}  # fmt: skip
     python_state = state.python_state(model)
