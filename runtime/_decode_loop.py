@@ -3,11 +3,13 @@ every forward call served by the compiled model (no Dynamo, no compile, no trans
 ``generate`` machinery in between).
 
 What it drives is what the model was compiled for: a keyword call of ``input_ids`` and
-``past_key_values`` (a ``StaticCache``), with ``use_cache`` and ``cache_position`` where the
-compiled call has them. Prompts of one batch have one length: left padding needs an
-attention mask and position ids in the compiled call, and ``compile_model`` with a dynamic
-2-d attention mask does not work yet (see docs/limits.md). Tokens stay on
-the device; choosing them follows transformers' ``generate`` (greedy: the argmax; sampling:
+``past_key_values`` (a ``StaticCache``), with ``use_cache``, ``cache_position``,
+``attention_mask`` and ``position_ids`` where the compiled call has them. Prompts of
+different lengths come left-padded with a 2-d ``attention_mask``; the loop keeps it as one
+``[batch, max_cache_len]`` buffer (ones where a token is, written in place each step, so
+every call has one shape and CUDA graphs replay) and gives ``position_ids`` as
+transformers' ``generate`` does (the mask's running count - 1; 1 at padding). Tokens stay
+on the device; choosing them follows transformers' ``generate`` (greedy: the argmax; sampling:
 temperature, then top-k, then top-p, then ``torch.multinomial``), so greedy tokens equal
 its own. Stopping at EOS reads the device once per step on the CPU and once every
 ``_SYNC_EVERY`` steps on a GPU (the steps after every row finished are cut from the output,
@@ -24,7 +26,14 @@ import torch
 from ._errors import InvalidOptionError
 from ._kv_cache import is_kv_cache
 
-_DRIVEN = ("input_ids", "past_key_values", "use_cache", "cache_position")
+_DRIVEN = (
+    "input_ids",
+    "past_key_values",
+    "use_cache",
+    "cache_position",
+    "attention_mask",
+    "position_ids",
+)
 _SYNC_EVERY = 8  # GPU steps between reads of "has every row finished"
 
 
@@ -85,6 +94,63 @@ def _eos_tensor(eos_token_id: int | Sequence[int] | None, device: torch.device) 
     return torch.tensor(ids, dtype=torch.long, device=device)
 
 
+def _mask_buffer(
+    attention_mask: torch.Tensor | None,
+    names: Collection[str],
+    input_ids: torch.Tensor,
+    capacity: int | None,
+) -> torch.Tensor | None:
+    """The ``[batch, max_cache_len]`` mask the compiled calls take (the prompt's mask, then
+    zeros the steps fill with ones), or None where the model takes no mask."""
+    if "attention_mask" not in names:
+        if attention_mask is not None:
+            raise InvalidOptionError(
+                "attention_mask was passed, but this model was compiled without one: "
+                "compile it with an attention_mask of shape [batch, max_cache_len] to serve "
+                "padded prompts"
+            )
+        if "position_ids" in names:
+            raise InvalidOptionError(
+                "this model was compiled with position_ids and no attention_mask; generate "
+                "derives the positions from the mask: compile it with both"
+            )
+        return None
+    if capacity is None:
+        raise InvalidOptionError(
+            "generate with an attention_mask needs a cache with a max_cache_len"
+        )
+    batch, length = input_ids.shape
+    if attention_mask is None:
+        prompt = torch.ones(batch, length, dtype=torch.long, device=input_ids.device)
+    else:
+        if (
+            not isinstance(attention_mask, torch.Tensor)
+            or tuple(attention_mask.shape) != (batch, length)
+            or attention_mask.dtype not in (torch.long, torch.int32, torch.bool)
+            or attention_mask.device != input_ids.device
+        ):
+            raise InvalidOptionError(
+                "attention_mask must be a [batch, length] int64, int32 or bool tensor on "
+                f"input_ids' device, shaped as input_ids {list(input_ids.shape)}, got "
+                f"{_described(attention_mask)}"
+            )
+        prompt = attention_mask.to(torch.long)
+        if bool(((prompt != 0) & (prompt != 1)).any() | (prompt[:, -1] != 1).any()):  # one read
+            raise InvalidOptionError(
+                "attention_mask must hold only 0 and 1 and end every row with a token (1): "
+                "generate pads prompts on the left"
+            )
+    mask = torch.zeros(batch, capacity, dtype=torch.long, device=input_ids.device)
+    mask[:, :length] = prompt
+    return mask
+
+
+def _described(value: object) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"{value.dtype} {list(value.shape)} on {value.device}"
+    return type(value).__name__
+
+
 def decode_loop(
     call: Callable[..., Any],
     names: Collection[str],
@@ -100,6 +166,7 @@ def decode_loop(
     generator: torch.Generator | None,
     eos_token_id: int | Sequence[int] | None,
     pad_token_id: int | None,
+    attention_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The prompt followed by up to ``max_new_tokens`` tokens per row (``[batch, prompt +
     new]``, on the prompt's device). ``call`` is the compiled model, compiled for a
@@ -107,8 +174,9 @@ def decode_loop(
     unknown = sorted(set(names) - set(_DRIVEN))
     if unknown or "input_ids" not in names or "past_key_values" not in names:
         raise InvalidOptionError(
-            "generate drives keyword calls of input_ids and past_key_values (and use_cache "
-            "and cache_position where compiled with them); this model was compiled for "
+            "generate drives keyword calls of input_ids and past_key_values (and use_cache, "
+            "cache_position, attention_mask and position_ids where compiled with them); this "
+            "model was compiled for "
             f"{sorted(names)}; compile it for such a call"
         )
     if (
@@ -155,6 +223,7 @@ def decode_loop(
             f"max_new_tokens={max_new_tokens} writes {total - 1}; pass a larger cache or "
             "ask for fewer tokens"
         )
+    mask = _mask_buffer(attention_mask, names, input_ids, capacity)
     tokens = torch.empty(batch, total, dtype=torch.long, device=device)
     tokens[:, :length] = input_ids
     unfinished = torch.ones(batch, dtype=torch.bool, device=device)
@@ -168,6 +237,15 @@ def decode_loop(
             arguments["use_cache"] = constants.get("use_cache", True)
         if "cache_position" in names:
             arguments["cache_position"] = torch.arange(start, end, device=device)
+        if mask is not None:
+            if step:  # the prompt's columns hold its own mask
+                mask[:, start:end] = 1
+            arguments["attention_mask"] = mask
+            if "position_ids" in names:
+                positions = mask[:, :end].cumsum(dim=-1) - 1
+                arguments["position_ids"] = positions.masked_fill(mask[:, :end] == 0, 1)[
+                    :, start:end
+                ]
         out = call(**arguments)
         chosen = next_tokens(out.logits, do_sample=do_sample, temperature=temperature,
                              top_k=top_k, top_p=top_p, generator=generator)  # fmt: skip

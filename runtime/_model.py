@@ -589,6 +589,7 @@ class CompiledModel:
         generator: torch.Generator | None = None,
         eos_token_id: int | Sequence[int] | None = None,
         pad_token_id: int | None = None,
+        attention_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Prefill the prompts, then decode up to ``max_new_tokens`` tokens per row, every
         step served by this compiled model (compiled for a keyword call of ``input_ids``
@@ -597,9 +598,12 @@ class CompiledModel:
         ``generate`` returns its sequences: greedy by default; ``do_sample=True`` samples
         after ``temperature``, ``top_k`` and ``top_p`` (none applied unless given) from
         ``generator`` (else torch's default one). Rows stop at ``eos_token_id`` and are
-        filled with ``pad_token_id`` after; the loop ends when every row has. The prompts
-        of one call have one length (no padding). The cache is written in place: pass a
-        fresh (or ``reset()``) one, large enough for the prompt and the new tokens."""
+        filled with ``pad_token_id`` after; the loop ends when every row has. Prompts of
+        different lengths come left-padded with ``attention_mask`` (``[batch, length]``,
+        0 at padding), for a model compiled with an ``attention_mask`` of
+        ``[batch, max_cache_len]`` (and ``position_ids``, derived from the mask as
+        transformers does). The cache is written in place: pass a fresh (or ``reset()``)
+        one, large enough for the prompt and the new tokens."""
         names = [n for n in dict.fromkeys(self._names) if n]
         constants = {self._names[i]: v for i, v in self.plan.constants.items()}
         with torch.no_grad():
@@ -608,6 +612,7 @@ class CompiledModel:
                 max_new_tokens=max_new_tokens,
                 do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p,
                 generator=generator, eos_token_id=eos_token_id, pad_token_id=pad_token_id,
+                attention_mask=attention_mask,
             )  # fmt: skip
 
     # -- warm-up ---------------------------------------------------------------------

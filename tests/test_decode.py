@@ -527,3 +527,56 @@ def test_generate_serves_left_padded_batches(cache_dir: str) -> None:
                                            dynamic_batch=dynamic_batch) as served:  # fmt: skip
                 assert torch.equal(model.generate(prompt, **options), eager)
             assert served.calls == 8
+
+
+def test_generate_serves_left_padded_prompts(cache_dir: str, llama: tuple[Any, Any]) -> None:
+    """Prompts of different lengths, left-padded with an attention mask: a model compiled
+    with a ``[batch, max_cache_len]`` mask and position ids gives transformers'
+    ``generate`` tokens (greedy, and rows stopping at EOS); the prompt's mask is left as it
+    was; a bad mask, or a mask for a model compiled without one, is refused by name."""
+    model = build("llama")
+    call = {"input_ids": torch.randint(1, VOCAB, (2, 7)), "past_key_values": new_cache(model),
+            "attention_mask": torch.ones(2, MAX_CACHE, dtype=torch.long),
+            "position_ids": torch.arange(7).repeat(2, 1), "use_cache": True}  # fmt: skip
+    dynamic = {"input_ids": [0, 1], "attention_mask": [0], "position_ids": [0, 1]}
+    with (
+        torch.no_grad(),
+        pytest.raises(
+            precompile.UnsupportedGraphError, match=r"attention_mask.* dim 0 = 2.*same hints"
+        ),
+    ):
+        # the mask's batch unhinted: a variant point of 8 rows of ids beside 2 of mask,
+        # which the warm-up would run (its kernels' index check ends the process)
+        precompile.compile_model(model, (), call, dynamic=dynamic, sizes=[], cache=cache_dir,
+                                 hints={("input_ids", 0): [8], ("input_ids", 1): [8]})  # fmt: skip
+    with torch.no_grad():
+        compiled = precompile.compile_model(
+            model, (), call, dynamic=dynamic,
+            # the mask's batch is a symbol of its own: hinted with input_ids', so that no
+            # variant's point pairs a batch of 8 ids with a mask of 2 rows (see Limits)
+            hints={("input_ids", 0): [8], ("input_ids", 1): [8], ("attention_mask", 0): [8]},
+            sizes=[], cache=cache_dir,
+        )  # fmt: skip
+    torch.manual_seed(12)
+    prompt = torch.randint(1, VOCAB, (3, 9))
+    mask = torch.ones(3, 9, dtype=torch.long)
+    prompt[0, :4], mask[0, :4] = 0, 0  # a prompt of 5
+    prompt[2, :1], mask[2, :1] = 0, 0  # of 8
+    before = mask.clone()
+    want = _reference(model, prompt, attention_mask=mask, max_new_tokens=16, do_sample=False)
+    got = compiled.generate(prompt, new_cache(model), attention_mask=mask, max_new_tokens=16)
+    assert torch.equal(got, want) and torch.equal(mask, before)
+    eos = int(want[1, 9 + 2])
+    want = _reference(model, prompt, attention_mask=mask, max_new_tokens=16, do_sample=False,
+                      eos_token_id=eos)  # fmt: skip
+    got = compiled.generate(prompt, new_cache(model), attention_mask=mask, max_new_tokens=16,
+                            eos_token_id=eos, pad_token_id=0)  # fmt: skip
+    assert torch.equal(got, want)
+    right = mask.flip(-1)  # padded on the right
+    with pytest.raises(precompile.InvalidOptionError, match="pads prompts on the left"):
+        compiled.generate(prompt, new_cache(model), attention_mask=right, max_new_tokens=2)
+    with pytest.raises(precompile.InvalidOptionError, match=r"attention_mask must be .*\[3, 9\]"):
+        compiled.generate(prompt, new_cache(model), attention_mask=mask[:, 1:], max_new_tokens=2)
+    _, without_mask = llama  # compiled with no attention_mask
+    with pytest.raises(precompile.InvalidOptionError, match="compiled without one"):
+        without_mask.generate(prompt, new_cache(model), attention_mask=mask, max_new_tokens=2)
