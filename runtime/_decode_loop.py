@@ -135,10 +135,19 @@ def _mask_buffer(
                 f"{_described(attention_mask)}"
             )
         prompt = attention_mask.to(torch.long)
-        if bool(((prompt != 0) & (prompt != 1)).any() | (prompt[:, -1] != 1).any()):  # one read
+        bad = ((prompt != 0) & (prompt != 1)).any() | (prompt[:, -1] != 1).any()
+        bad, padded = torch.stack([bad, (prompt == 0).any()]).tolist()  # one read
+        if bad:
             raise InvalidOptionError(
                 "attention_mask must hold only 0 and 1 and end every row with a token (1): "
                 "generate pads prompts on the left"
+            )
+        if padded and "position_ids" not in names:
+            raise InvalidOptionError(
+                "a padded attention_mask needs position_ids in the compiled call: "
+                "transformers' generate derives them from the mask, and without them the "
+                "model counts positions from the cache, so padded rows would answer "
+                "otherwise; compile the model with position_ids"
             )
     mask = torch.zeros(batch, capacity, dtype=torch.long, device=input_ids.device)
     mask[:, :length] = prompt

@@ -580,3 +580,32 @@ def test_generate_serves_left_padded_prompts(cache_dir: str, llama: tuple[Any, A
     _, without_mask = llama  # compiled with no attention_mask
     with pytest.raises(precompile.InvalidOptionError, match="compiled without one"):
         without_mask.generate(prompt, new_cache(model), attention_mask=mask, max_new_tokens=2)
+
+
+def test_a_padded_mask_needs_position_ids_in_the_compiled_call() -> None:
+    """Without position_ids the model would count positions from the cache, where
+    transformers' generate counts them from the mask: padded rows would answer otherwise,
+    so a padded mask is refused before any step (an unpadded one is served)."""
+    from precompile.runtime._decode_loop import decode_loop
+
+    model = build("llama")
+    calls: list[dict[str, Any]] = []
+
+    def call(**arguments: Any) -> Any:
+        calls.append(arguments)
+        with torch.no_grad():
+            return model(**arguments)
+
+    names = ["input_ids", "past_key_values", "attention_mask", "use_cache"]
+    prompt = torch.randint(1, VOCAB, (2, 5))
+    options: dict[str, Any] = dict(max_new_tokens=2, do_sample=False, temperature=1.0,
+                                   top_k=None, top_p=None, generator=None,
+                                   eos_token_id=None, pad_token_id=None)  # fmt: skip
+    padded = torch.tensor([[0, 1, 1, 1, 1], [1, 1, 1, 1, 1]])
+    with pytest.raises(precompile.InvalidOptionError, match="needs position_ids"):
+        decode_loop(call, names, {}, prompt, new_cache(model), attention_mask=padded, **options)
+    assert calls == []
+    unpadded = torch.ones(2, 5, dtype=torch.long)
+    out = decode_loop(call, names, {}, prompt, new_cache(model), attention_mask=unpadded,
+                      **options)  # fmt: skip
+    assert out.shape == (2, 7) and calls[0]["attention_mask"].shape == (2, MAX_CACHE)

@@ -229,7 +229,8 @@ INTERNAL_SUBJECTS = {
     },
     "tests/test_compile.py": {"precompile._torch_adapter"},  # counts compiles
     "tests/test_cudagraphs.py": {"precompile.runtime._cudagraphs"},
-    "tests/test_decode.py": {"precompile.runtime._cudagraphs"},
+    # the decode loop driven by a plain callable: a refusal checked without a compile
+    "tests/test_decode.py": {"precompile.runtime._cudagraphs", "precompile.runtime._decode_loop"},
     "tests/test_dropin.py": {"precompile._torch_adapter"},  # counts compiles
     "tests/test_expressions.py": {"precompile.runtime._expressions"},
     "tests/test_formats.py": {"precompile.runtime._binary_format"},
