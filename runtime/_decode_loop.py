@@ -176,10 +176,12 @@ def decode_loop(
     eos_token_id: int | Sequence[int] | None,
     pad_token_id: int | None,
     attention_mask: torch.Tensor | None = None,
+    held: Callable[[Any], int] | None = None,
 ) -> torch.Tensor:
     """The prompt followed by up to ``max_new_tokens`` tokens per row (``[batch, prompt +
     new]``, on the prompt's device). ``call`` is the compiled model, compiled for a
-    keyword call of ``names`` (``constants``: the plain values it was compiled with)."""
+    keyword call of ``names`` (``constants``: the plain values it was compiled with);
+    ``held``: the tokens a cache holds (a cache that holds any is refused before a step)."""
     unknown = sorted(set(names) - set(_DRIVEN))
     if unknown or "input_ids" not in names or "past_key_values" not in names:
         raise InvalidOptionError(
@@ -194,8 +196,7 @@ def decode_loop(
         or (input_ids.dtype != torch.long)
     ):
         raise InvalidOptionError(
-            "input_ids must be a [batch, length] int64 tensor, got "
-            f"{getattr(input_ids, 'shape', type(input_ids).__name__)}"
+            f"input_ids must be a [batch, length] int64 tensor, got {_described(input_ids)}"
         )
     batch, length = input_ids.shape
     if batch < 1 or length < 1:
@@ -231,6 +232,12 @@ def decode_loop(
             f"the cache holds {capacity} tokens, and a prompt of {length} with "
             f"max_new_tokens={max_new_tokens} writes {total - 1}; pass a larger cache or "
             "ask for fewer tokens"
+        )
+    filled = held(cache) if held is not None else 0
+    if filled:
+        raise InvalidOptionError(
+            f"past_key_values already holds {filled} tokens: generate starts from an empty "
+            "cache (the prompt is the whole context); pass a fresh cache or reset() this one"
         )
     mask = _mask_buffer(attention_mask, names, input_ids, capacity)
     tokens = torch.empty(batch, total, dtype=torch.long, device=device)

@@ -192,6 +192,16 @@ class CacheGuard:
                 self._check_positions(leaves[self._position_leaf], lengths, tokens, slot.name)
         return tokens
 
+    def held(self, cache: Any) -> int:
+        """The most tokens a layer of ``cache`` holds (0 for one not yet initialized): from
+        the host mirror where it is current, else one read, which then serves the next
+        call's check."""
+        slot = self.slots[0]
+        layers = self._check_structure(slot, cache)
+        if not all(layer.is_initialized for layer in layers):
+            return 0
+        return max(self._lengths(slot, cache, layers), default=0)
+
     def after(self, leaves: list[Any], tokens: int) -> None:
         """The call ran: advance each cache's mirror by its tokens."""
         for slot in self.slots:

@@ -613,6 +613,7 @@ class CompiledModel:
                 do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p,
                 generator=generator, eos_token_id=eos_token_id, pad_token_id=pad_token_id,
                 attention_mask=attention_mask,
+                held=None if self._caches is None else self._caches.held,
             )  # fmt: skip
 
     # -- warm-up ---------------------------------------------------------------------

@@ -503,10 +503,21 @@ def test_generate_refuses_bad_requests_by_name(llama: tuple[Any, Any]) -> None:
         compiled.generate(prompt.float(), new_cache(model), max_new_tokens=4)
     with pytest.raises(precompile.InvalidOptionError, match="past_key_values must be"):
         compiled.generate(prompt, {"not": "a cache"}, max_new_tokens=4)
-    used = new_cache(model)
-    compiled.generate(prompt, used, max_new_tokens=MAX_CACHE - 10)  # the cache is now full
-    with pytest.raises(precompile.InputMismatchError, match="past_key_values holds"):
-        compiled.generate(prompt, used, max_new_tokens=20)
+    # A cache that holds tokens is refused before any step, however it was written (the
+    # loop starts from an empty cache), and left as it was; reset() serves it again.
+    fresh = compiled.generate(prompt, new_cache(model), max_new_tokens=6)
+    by_generate, by_eager, by_call = new_cache(model), new_cache(model), new_cache(model)
+    compiled.generate(prompt, by_generate, max_new_tokens=MAX_CACHE - 10)
+    with torch.no_grad():
+        model(input_ids=prompt, past_key_values=by_eager, use_cache=True)
+        compiled(input_ids=prompt, past_key_values=by_call, use_cache=True,
+                 cache_position=torch.arange(5))  # fmt: skip
+    for used, holds in ((by_generate, 5 + MAX_CACHE - 11), (by_eager, 5), (by_call, 5)):
+        with pytest.raises(precompile.InvalidOptionError, match=f"already holds {holds} tokens"):
+            compiled.generate(prompt, used, max_new_tokens=6)
+        assert int(used.layers[0].cumulative_length) == holds
+        used.reset()
+        assert torch.equal(compiled.generate(prompt, used, max_new_tokens=6), fresh)
 
 
 def test_generate_serves_left_padded_batches(cache_dir: str) -> None:
