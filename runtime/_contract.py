@@ -532,7 +532,10 @@ class InputContract:
 def may_overlap(shape: Sequence[int], stride: Sequence[int]) -> bool:
     """Whether two elements of a tensor of this shape and stride may share memory (an
     ``expand``ed tensor does). Dims sorted by stride must each step past everything the
-    smaller ones span; a layout that does not is treated as overlapping."""
+    smaller ones span; a layout that does not is treated as overlapping. An empty tensor
+    has no elements to share (its layout expressions may give stride 0)."""
+    if 0 in shape:
+        return False
     span = 0
     for size, step in sorted(
         ((size, abs(step)) for size, step in zip(shape, stride, strict=True) if size > 1),
