@@ -41,6 +41,7 @@ from precompile.runtime import (
     file_digest,
     hooks_on,
     is_kv_cache,
+    kv_cache_capacity,
     load_cached_model,
     model_identity,
     store_model,
@@ -534,10 +535,8 @@ def _trace_and_compile(
 
     caches = {i: leaf for i, leaf in enumerate(leaves) if is_kv_cache(leaf)}
     capacity = min(
-        (n for c in caches.values() for layer in c.layers
-         if isinstance(n := getattr(layer, "max_cache_len", None), int)),
-        default=None,
-    )  # fmt: skip
+        (n for c in caches.values() if (n := kv_cache_capacity(c)) is not None), default=None
+    )
     before = {i: counter_values([layer.cumulative_length for layer in c.layers])
               for i, c in caches.items()}  # fmt: skip
     python_state = state.python_state(model)

@@ -70,7 +70,7 @@ if TYPE_CHECKING:
     from ._kv_cache import cache_tensors as kv_cache_tensors
     from ._kv_cache import counter_values as kv_cache_counter_values
     from ._kv_cache import describe_cache as describe_kv_cache
-    from ._kv_cache import is_kv_cache
+    from ._kv_cache import is_kv_cache, kv_cache_capacity
     from ._lean import load_lean
     from ._manifest import (
         FORMAT_VERSION,
@@ -145,6 +145,7 @@ _LAZY = {
     "guarded_dict_keys": "._model_guards:dict_keys",
     "hooks_on": "._model",
     "is_kv_cache": "._kv_cache",
+    "kv_cache_capacity": "._kv_cache",
     "kv_cache_counter_values": "._kv_cache:counter_values",
     "kv_cache_tensors": "._kv_cache:cache_tensors",
     "load_cached_artifact": "._cached:load_cached",
@@ -245,6 +246,7 @@ __all__ = [
     "guarded_dict_keys",
     "hooks_on",
     "is_kv_cache",
+    "kv_cache_capacity",
     "kv_cache_counter_values",
     "kv_cache_tensors",
     "load_cached_artifact",

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from ._errors import InvalidOptionError
-from ._kv_cache import is_kv_cache
+from ._kv_cache import is_kv_cache, kv_cache_capacity
 
 _DRIVEN = (
     "input_ids",
@@ -225,8 +225,7 @@ def decode_loop(
             f"finished are filled with it; got {pad_token_id!r}"
         )
     total = length + max_new_tokens
-    lengths = [getattr(layer, "max_cache_len", None) for layer in getattr(cache, "layers", ())]
-    capacity = min((n for n in lengths if isinstance(n, int)), default=None)
+    capacity = kv_cache_capacity(cache)
     if capacity is not None and total - 1 > capacity:
         raise InvalidOptionError(
             f"the cache holds {capacity} tokens, and a prompt of {length} with "

@@ -50,6 +50,13 @@ def class_path(value: Any) -> str:
     return f"{cls.__module__}.{cls.__qualname__}"
 
 
+def kv_cache_capacity(cache: Any) -> int | None:
+    """The tokens ``cache`` can hold: its layers' smallest ``max_cache_len`` (None where
+    no layer says one)."""
+    lengths = (getattr(layer, "max_cache_len", None) for layer in getattr(cache, "layers", ()))
+    return min((n for n in lengths if isinstance(n, int)), default=None)
+
+
 def is_kv_cache(value: Any) -> bool:
     """Whether ``value`` is a ``transformers`` cache object (a subclass of its ``Cache``),
     told without importing transformers."""
