@@ -239,6 +239,7 @@ def decode_loop(
             "cache (the prompt is the whole context); pass a fresh cache or reset() this one"
         )
     mask = _mask_buffer(attention_mask, names, input_ids, capacity)
+    positions = input_ids  # replaced at the prefill where position_ids are given
     tokens = torch.empty(batch, total, dtype=torch.long, device=device)
     tokens[:, :length] = input_ids
     unfinished = torch.ones(batch, dtype=torch.bool, device=device)
@@ -257,10 +258,12 @@ def decode_loop(
                 mask[:, start:end] = 1
             arguments["attention_mask"] = mask
             if "position_ids" in names:
-                positions = mask[:, :end].cumsum(dim=-1) - 1
-                arguments["position_ids"] = positions.masked_fill(mask[:, :end] == 0, 1)[
-                    :, start:end
-                ]
+                if step:  # one token more per row: its position follows the last one
+                    positions = positions[:, -1:] + 1
+                else:  # the prompt's: the running count of its tokens - 1, 1 at padding
+                    counts = mask[:, :end].cumsum(dim=-1) - 1
+                    positions = counts.masked_fill(mask[:, :end] == 0, 1)
+                arguments["position_ids"] = positions
         out = call(**arguments)
         chosen = next_tokens(out.logits, do_sample=do_sample, temperature=temperature,
                              top_k=top_k, top_p=top_p, generator=generator)  # fmt: skip
