@@ -31,11 +31,12 @@ correctness first.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import re
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -169,6 +170,21 @@ class _Graph:
 # capture registered) breaks it ("Offset increment outside graph capture", allocator
 # asserts). Not held by the caller's own other threads: their calls are theirs to order.
 CAPTURE_LOCK = threading.RLock()
+
+# Set while a caller captures a graph of its own around our calls (the decode loop's step
+# graph): calls then run their variant plainly, recorded into the caller's graph.
+_plain = threading.local()
+
+
+@contextlib.contextmanager
+def plain_calls() -> Iterator[None]:
+    """Calls in this thread run their variants plainly (no replay, no capture of ours)."""
+    before = getattr(_plain, "on", False)
+    _plain.on = True
+    try:
+        yield
+    finally:
+        _plain.on = before
 
 
 class CaptureFailed(RuntimeError):
@@ -536,6 +552,8 @@ class _Runner:
         self.function = function
 
     def __call__(self, *args: Any) -> Any:
+        if getattr(_plain, "on", False):
+            return self.function(*args)
         executor = self.executor
         if executor.first_call is not None:
             hook, executor.first_call = executor.first_call, None

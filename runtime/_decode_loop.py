@@ -18,13 +18,16 @@ so it is the same either way).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
 
 import torch
 
+from ._cudagraphs import plain_calls
+from ._decode_graphs import GraphedSteps, StepBuffers
 from ._errors import InvalidOptionError
-from ._kv_cache import is_kv_cache, kv_cache_capacity
+from ._kv_cache import CACHE_FIELDS, is_kv_cache, kv_cache_capacity
 
 _DRIVEN = (
     "input_ids",
@@ -83,8 +86,12 @@ def next_tokens(
     return torch.multinomial(probabilities, num_samples=1, generator=generator).squeeze(1)
 
 
+def _eos_ids(eos_token_id: int | Sequence[int] | None) -> tuple[Any, ...]:
+    return (eos_token_id,) if isinstance(eos_token_id, int) else tuple(eos_token_id or ())
+
+
 def _eos_tensor(eos_token_id: int | Sequence[int] | None, device: torch.device) -> torch.Tensor:
-    ids = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id or ())
+    ids = list(_eos_ids(eos_token_id))
     for value in ids:
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise InvalidOptionError(
@@ -154,6 +161,16 @@ def _mask_buffer(
     return mask
 
 
+def _cache_addresses(cache: Any) -> tuple[int, ...]:
+    """The data addresses of a cache's tensors (a step graph writes them in place)."""
+    found = []
+    for layer in getattr(cache, "layers", ()):
+        for name in CACHE_FIELDS:
+            tensor = getattr(layer, name, None)
+            found.append(tensor.data_ptr() if isinstance(tensor, torch.Tensor) else 0)
+    return tuple(found)
+
+
 def _described(value: object) -> str:
     if isinstance(value, torch.Tensor):
         return f"{value.dtype} {list(value.shape)} on {value.device}"
@@ -177,6 +194,7 @@ def decode_loop(
     pad_token_id: int | None,
     attention_mask: torch.Tensor | None = None,
     held: Callable[[Any], int] | None = None,
+    graphed: GraphedSteps | None = None,
 ) -> torch.Tensor:
     """The prompt followed by up to ``max_new_tokens`` tokens per row (``[batch, prompt +
     new]``, on the prompt's device). ``call`` is the compiled model, compiled for a
@@ -239,49 +257,159 @@ def decode_loop(
             "cache (the prompt is the whole context); pass a fresh cache or reset() this one"
         )
     mask = _mask_buffer(attention_mask, names, input_ids, capacity)
-    positions = input_ids  # replaced at the prefill where position_ids are given
+    choose = functools.partial(next_tokens, do_sample=do_sample, temperature=temperature,
+                               top_k=top_k, top_p=top_p)  # fmt: skip
+    fill = pad_token_id or 0
     tokens = torch.empty(batch, total, dtype=torch.long, device=device)
     tokens[:, :length] = input_ids
     unfinished = torch.ones(batch, dtype=torch.bool, device=device)
     sync_every = 1 if device.type == "cpu" else _SYNC_EVERY
-    start, written = 0, length
-    step_ids = input_ids
-    for step in range(max_new_tokens):
-        end = start + step_ids.shape[1]
-        arguments: dict[str, Any] = {"input_ids": step_ids, "past_key_values": cache}
+
+    # The prefill: the prompt, every row's positions from its mask.
+    arguments: dict[str, Any] = {"input_ids": input_ids, "past_key_values": cache}
+    if "use_cache" in names:
+        arguments["use_cache"] = constants.get("use_cache", True)
+    if "cache_position" in names:
+        arguments["cache_position"] = torch.arange(0, length, device=device)
+    positions = None
+    if mask is not None:
+        arguments["attention_mask"] = mask
+        if "position_ids" in names:
+            # the running count of the prompt's tokens - 1, 1 at padding
+            counts = mask[:, :length].cumsum(dim=-1) - 1
+            positions = counts.masked_fill(mask[:, :length] == 0, 1)
+            arguments["position_ids"] = positions
+    chosen = choose(call(**arguments).logits, generator=generator)
+    if eos.numel():
+        unfinished &= ~torch.isin(chosen, eos)
+    tokens[:, length] = chosen
+    written = length + 1
+
+    def all_finished(step: int, flags: torch.Tensor) -> bool:
+        """Whether to stop after ``step`` (0: the prefill): every row at EOS, read once
+        every ``sync_every`` steps (never after the last, which stops anyway)."""
+        return (
+            bool(eos.numel())
+            and step < max_new_tokens - 1
+            and (step + 1) % sync_every == 0
+            and not bool(flags.any())
+        )
+
+    if max_new_tokens == 1 or all_finished(0, unfinished):
+        return _cut_after_eos(tokens[:, :written], eos, length, sync_every)
+
+    # The decode steps: one token per row, every step on the same buffers, advanced in
+    # place (the step a graph captures).
+    def step_arguments(b: StepBuffers) -> dict[str, Any]:
+        found: dict[str, Any] = {"input_ids": b.ids, "past_key_values": cache}
         if "use_cache" in names:
-            arguments["use_cache"] = constants.get("use_cache", True)
+            found["use_cache"] = constants.get("use_cache", True)
         if "cache_position" in names:
-            arguments["cache_position"] = torch.arange(start, end, device=device)
-        if mask is not None:
-            if step:  # the prompt's columns hold its own mask
-                mask[:, start:end] = 1
-            arguments["attention_mask"] = mask
-            if "position_ids" in names:
-                if step:  # one token more per row: its position follows the last one
-                    positions = positions[:, -1:] + 1
-                else:  # the prompt's: the running count of its tokens - 1, 1 at padding
-                    counts = mask[:, :end].cumsum(dim=-1) - 1
-                    positions = counts.masked_fill(mask[:, :end] == 0, 1)
-                arguments["position_ids"] = positions
-        out = call(**arguments)
-        chosen = next_tokens(out.logits, do_sample=do_sample, temperature=temperature,
-                             top_k=top_k, top_p=top_p, generator=generator)  # fmt: skip
-        if eos.numel():
-            chosen = torch.where(unfinished, chosen, torch.full_like(chosen, pad_token_id or 0))
-            unfinished &= ~torch.isin(chosen, eos)
-        tokens[:, written] = chosen
-        written += 1
-        start, step_ids = end, chosen[:, None]
-        last = step == max_new_tokens - 1
-        if eos.numel() and not last and (step + 1) % sync_every == 0 and not bool(unfinished.any()):
-            break
-    out_tokens = tokens[:, :written]
-    if eos.numel() and sync_every > 1:
-        # Steps run after every row had finished (between two reads) are cut: the output
-        # ends where transformers' would, at the step the last row finished.
-        finished_at = (out_tokens[:, length:][..., None] == eos).any(-1).long()
-        done = finished_at.cummax(dim=-1).values.all(dim=0).nonzero()
-        if done.numel():
-            out_tokens = out_tokens[:, : length + int(done[0]) + 1]
-    return out_tokens
+            found["cache_position"] = b.position
+        if b.mask is not None:
+            found["attention_mask"] = b.mask
+        if b.positions is not None:
+            found["position_ids"] = b.positions
+        return found
+
+    def decode_step(
+        b: StepBuffers, forward: Callable[..., Any], drawn: torch.Generator | None
+    ) -> None:
+        if b.mask is not None:
+            b.mask.index_fill_(1, b.position, 1)
+        if b.positions is not None:
+            b.positions.add_(1)  # one token more per row: its position follows the last
+        chosen = choose(forward(**step_arguments(b)).logits, generator=drawn)
+        if b.eos.numel():
+            chosen = torch.where(b.unfinished, chosen, torch.full_like(chosen, fill))
+            b.unfinished &= ~torch.isin(chosen, b.eos)
+        b.ids.copy_(chosen[:, None])
+        b.position.add_(1)
+
+    # A graph draws from a generator of its own (a graph bakes in the generator it was
+    # captured with): given the caller's state before its steps, and the state after them
+    # given back, so the caller's generator advances as eager's would. Without one, the
+    # default generator (which registers itself with every graph).
+    own_generator = do_sample and generator is not None
+    if own_generator and generator is not None and generator.device != device:
+        graphed = None  # the eager path raises torch's own error for it
+    key = (
+        batch, tuple(names), do_sample, temperature, top_k, top_p, own_generator,
+        _eos_ids(eos_token_id), fill, _cache_addresses(cache),
+    )  # fmt: skip
+    graph = None
+    if graphed is not None and not graphed.graphs.refused(key):
+        graph = graphed.graphs.take(key)
+    if graph is not None and graphed is not None:
+        buffers = graph.buffers  # the graph's own: this generate's values copied in
+        buffers.ids.copy_(chosen[:, None])
+        buffers.position.fill_(length)
+        buffers.unfinished.copy_(unfinished)
+        if buffers.mask is not None and mask is not None:
+            buffers.mask.copy_(mask)
+        if buffers.positions is not None and positions is not None:
+            buffers.positions.copy_(positions[:, -1:])
+        if not graphed.graphs.current(graph, key, step_arguments(buffers)):
+            graph = None
+    drawn = generator if do_sample else None  # what the steps draw from
+    if graph is not None:
+        drawn = graph.generator if own_generator else drawn
+    elif graphed is not None and own_generator:
+        drawn = torch.Generator(device=device)
+    if drawn is not None and drawn is not generator and generator is not None:
+        drawn.set_state(generator.get_state())
+    if graph is None:
+        buffers = StepBuffers(
+            ids=chosen[:, None].clone(),
+            position=torch.full((1,), length, dtype=torch.long, device=device),
+            unfinished=unfinished,
+            eos=eos,
+            mask=mask,
+            positions=None if positions is None else positions[:, -1:].clone(),
+        )
+    unguarded = False  # steps ran where the cache guard's mirror did not see them
+    try:
+        for step in range(1, max_new_tokens):
+            if graph is not None:
+                graph.graph.replay()
+                unguarded = True
+            elif graphed is not None and step >= 2 and not graphed.graphs.refused(key):
+                unguarded = True
+                graph = graphed.graphs.capture(
+                    key,
+                    functools.partial(decode_step, buffers, graphed.call, drawn),
+                    buffers,
+                    step_arguments(buffers),
+                    drawn if own_generator else None,
+                )  # ran this step, then captured it for the next ones
+            elif graphed is not None and not graphed.graphs.refused(key):
+                with plain_calls():  # checked, not captured by the per-size graphs
+                    decode_step(buffers, call, drawn)
+            else:
+                decode_step(buffers, call, drawn)
+            tokens[:, written] = buffers.ids[:, 0]
+            written += 1
+            if all_finished(step, buffers.unfinished):
+                break
+    finally:
+        if drawn is not None and drawn is not generator and generator is not None:
+            generator.set_state(drawn.get_state())  # the caller's, advanced as eager's
+        if graph is not None and graphed is not None:
+            graphed.graphs.give(graph)
+        if unguarded and graphed is not None:
+            graphed.stale(cache)
+    return _cut_after_eos(tokens[:, :written], eos, length, sync_every)
+
+
+def _cut_after_eos(
+    tokens: torch.Tensor, eos: torch.Tensor, length: int, sync_every: int
+) -> torch.Tensor:
+    """``tokens`` without the steps run after every row had finished (between two reads
+    of it): the output ends where transformers' would, at the step the last row did."""
+    if not eos.numel() or sync_every == 1:
+        return tokens
+    finished_at = (tokens[:, length:][..., None] == eos).any(-1).long()
+    done = finished_at.cummax(dim=-1).values.all(dim=0).nonzero()
+    if done.numel():
+        return tokens[:, : length + int(done[0]) + 1]
+    return tokens

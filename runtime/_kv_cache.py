@@ -226,7 +226,12 @@ class CacheGuard:
     def forget(self, leaves: list[Any]) -> None:
         """A call failed part way: read the caches' lengths again next time."""
         for slot in self.slots:
-            self._mirrors.pop(leaves[slot.leaf], None)
+            self.drop(leaves[slot.leaf])
+
+    def drop(self, cache: Any) -> None:
+        """``cache`` was written where the mirror did not see it (graph replays): read
+        its lengths again next time."""
+        self._mirrors.pop(cache, None)
 
     # -- checks ------------------------------------------------------------------------
     def _check_structure(self, slot: CacheSlot, cache: Any) -> list[Any]:

@@ -21,7 +21,7 @@ from __future__ import annotations
 import logging
 import os
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,6 +34,8 @@ from . import _torch_adapter as adapter
 from ._artifact import CompiledArtifact
 from ._binary_format import read_binary_with_model, write_binary
 from ._cached import load_cached_model
+from ._cudagraphs import why_not_capturable
+from ._decode_graphs import DecodeGraphs, GraphedSteps
 from ._decode_loop import decode_loop
 from ._environment import check_compatible
 from ._errors import (
@@ -314,6 +316,7 @@ class CompiledModel:
         self.cache_key: str | None = None
         self._lengths = plan.lengths
         self.pieces = dict(pieces) if pieces is not None else self._bind_pieces(model, plan)
+        self._decode_graphs: DecodeGraphs | None = None  # made at the first graphed generate
 
     def _bind_pieces(
         self, model: torch.nn.Module, plan: ModelPlan
@@ -373,8 +376,10 @@ class CompiledModel:
             piece.check_model()
 
     def set_cudagraphs(self, cudagraphs: Any) -> CompiledModel:
-        """CUDA graphs (``CudaGraphs``) for this graph and every piece."""
+        """CUDA graphs (``CudaGraphs``) for this graph and every piece (generate's step
+        graphs, captured under the old setting, are dropped)."""
         self.artifact.set_cudagraphs(cudagraphs)
+        self._decode_graphs = None
         for piece in self.pieces.values():
             piece.artifact.set_cudagraphs(cudagraphs)
         return self
@@ -445,13 +450,61 @@ class CompiledModel:
         leaves = self._flat_leaves(args, kwargs)
         if leaves is None:
             leaves = self._leaves(args, kwargs)
+        return self._serving(leaves)._call(leaves)
+
+    def _serving(self, leaves: list[Any]) -> CompiledModel:
+        """This graph, or the piece that serves a call of these leaves."""
         if self._lengths:
             piece = self._piece_for(leaves)
             if piece is not None:
-                return piece._call(leaves)
-        return self._call(leaves)
+                return piece
+        return self
 
-    def _call(self, leaves: list[Any]) -> Any:
+    def _unguarded_step(self, **kwargs: Any) -> Any:
+        """A call as ``__call__`` makes it, without the cache guard's host-side length
+        check and mirror (which would wait for the GPU inside a capture and not advance
+        on replays): for the decode loop's step graph, whose loop checked the lengths
+        before its first step and drops the mirror after its last."""
+        leaves = self._leaves((), kwargs)
+        return self._serving(leaves)._call(leaves, guard_caches=False)
+
+    def _step_layouts(self, arguments: dict[str, Any]) -> tuple[Hashable, ...]:
+        """A keyword call's per-call checks (as ``__call__`` makes them, but for the
+        cache's lengths), then each graph input's address, dtype, shape and strides (a
+        non-tensor as it is): what a step graph replayed for the call must have seen at
+        capture, since it reads every tensor where and as it was then."""
+        leaves = self._leaves((), arguments)
+        serving = self._serving(leaves)
+        serving._check_call(leaves)
+        return tuple(
+            (t.data_ptr(), t.dtype, tuple(t.shape), t.stride()) if isinstance(t, torch.Tensor)
+            else t
+            for t in serving._graph_inputs(leaves)
+        )  # fmt: skip
+
+    def _call(self, leaves: list[Any], *, guard_caches: bool = True) -> Any:
+        self._check_call(leaves)
+        caches = self._caches if guard_caches else None
+        if caches is None:
+            results = self._run(leaves)
+        else:
+            tokens = caches.before(leaves)
+            try:
+                results = self._run(leaves)
+            except BaseException:
+                caches.forget(leaves)
+                raise
+            caches.after(leaves, tokens)
+        outputs = [
+            results[target] if kind == "graph" else leaves[target] if kind == "cache" else target
+            for kind, target in self.plan.outputs
+        ]
+        return adapter.tree_unflatten(outputs, self._out_spec)
+
+    def _check_call(self, leaves: list[Any]) -> None:
+        """What every call checks before it runs, but the inputs and the caches (the
+        artifact and the cache guard check those): the compiled constants, the mode,
+        global state, hooks and what the trace read of the model."""
         for index, value in self.plan.constants.items():
             if type(leaves[index]) is not type(value) or leaves[index] != value:
                 raise InputMismatchError(
@@ -473,22 +526,6 @@ class CompiledModel:
             )
         if self._guards.check():  # something was registered in the model: bound again
             self._weights = self._resolve_weights(self.model, self.plan, self.artifact.manifest)
-        caches = self._caches
-        if caches is None:
-            results = self._run(leaves)
-        else:
-            tokens = caches.before(leaves)
-            try:
-                results = self._run(leaves)
-            except BaseException:
-                caches.forget(leaves)
-                raise
-            caches.after(leaves, tokens)
-        outputs = [
-            results[target] if kind == "graph" else leaves[target] if kind == "cache" else target
-            for kind, target in self.plan.outputs
-        ]
-        return adapter.tree_unflatten(outputs, self._out_spec)
 
     def _leaves(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
         """A call's argument leaves (keyword order is not part of a call: kwargs are
@@ -614,7 +651,23 @@ class CompiledModel:
                 generator=generator, eos_token_id=eos_token_id, pad_token_id=pad_token_id,
                 attention_mask=attention_mask,
                 held=None if self._caches is None else self._caches.held,
+                graphed=self._graphed_steps(input_ids),
             )  # fmt: skip
+
+    def _graphed_steps(self, input_ids: Any) -> GraphedSteps | None:
+        """How generate captures its decode step, where CUDA graphs are on and can
+        capture this model's graph (else None: each step is a checked call)."""
+        if (
+            self.artifact.cudagraphs is None
+            or self._caches is None
+            or not isinstance(input_ids, torch.Tensor)
+            or input_ids.device.type != "cuda"
+            or why_not_capturable(self.artifact.manifest) is not None
+        ):
+            return None
+        if self._decode_graphs is None:
+            self._decode_graphs = DecodeGraphs(self._step_layouts)
+        return GraphedSteps(self._decode_graphs, self._unguarded_step, self._caches.drop)
 
     # -- warm-up ---------------------------------------------------------------------
     def warmup(self, *, background: bool = False) -> CompiledModel:

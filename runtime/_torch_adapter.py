@@ -633,6 +633,17 @@ def data_ptrs_equal(tensors: list[Any], ptrs: list[int | None], indices: list[in
     return all(tensors[i].data_ptr() == ptrs[i] for i in indices)
 
 
+def register_graph_generator(graph: Any, generator: Any) -> bool:
+    """Register ``generator`` with a CUDA graph about to be captured, so its replays draw
+    from it as eager calls would (the default generator registers itself); False where
+    this torch cannot."""
+    register = getattr(graph, "register_generator_state", None)
+    if register is None:
+        return False
+    register(generator)
+    return True
+
+
 def tree_flatten(value: Any, is_leaf: Callable[[Any], bool] | None = None) -> tuple[list[Any], Any]:
     """torch's pytree flatten (what ModelOutput and friends register with); ``is_leaf``
     keeps nodes whole (KV cache objects, whatever pytree registrations exist)."""

@@ -430,12 +430,75 @@ def test_compiled_generate_with_cudagraphs_matches_without(
     model, plain, graphs = cuda_llama
     prompt = torch.randint(0, VOCAB, (3, 7), device="cuda")
     for options in ({}, {"do_sample": True, "temperature": 0.8, "top_k": 20, "top_p": 0.9}):
-        outputs = []
-        for compiled in (plain, graphs):
+        outputs, states = [], []
+        for compiled in (plain, graphs, graphs):  # graphs twice: captured, then replayed
             generator = torch.Generator(device="cuda").manual_seed(11)
             outputs.append(compiled.generate(prompt, new_cache(model), max_new_tokens=STEPS,
                                              generator=generator, **options))  # fmt: skip
-        assert torch.equal(outputs[0], outputs[1]), options
+            states.append(generator.get_state())
+        assert torch.equal(outputs[0], outputs[1]) and torch.equal(outputs[0], outputs[2])
+        # the caller's generator is left where the run without graphs leaves it
+        assert torch.equal(states[0], states[1]) and torch.equal(states[0], states[2])
+    outputs = []  # sampling from torch's default generator, inside the graph too
+    for compiled in (plain, graphs, graphs):
+        torch.manual_seed(5)
+        outputs.append(compiled.generate(prompt, new_cache(model), max_new_tokens=STEPS,
+                                         do_sample=True, top_k=20))  # fmt: skip
+    assert torch.equal(outputs[0], outputs[1]) and torch.equal(outputs[0], outputs[2])
+
+
+@pytest.mark.gpu
+def test_generate_replays_its_step_graph_only_where_it_is_sound(
+    cuda_llama: tuple[Any, Any, Any],
+) -> None:
+    """With CUDA graphs, ``generate`` captures its whole decode step (the forward, the
+    choice of the token and the advance of its buffers) once per batch, cache and
+    settings, and replays it per token. A later generate on the same cache (``reset()``)
+    replays the graph the first one captured; rows stopping at EOS give the tokens of the
+    model without graphs; a parameter replaced in between (the graph read the old one's
+    memory) drops the graph, and the tokens follow the new weights; a model switched to
+    ``train()`` is refused, though its graph exists."""
+    model, plain, graphs = cuda_llama
+    torch.manual_seed(21)
+    prompt = torch.randint(0, VOCAB, (3, 7), device="cuda")
+    cache = new_cache(model)
+    want = plain.generate(prompt, new_cache(model), max_new_tokens=STEPS)
+    assert torch.equal(graphs.generate(prompt, cache, max_new_tokens=STEPS), want)
+    steps = graphs._decode_graphs
+    assert steps is not None
+    captured = dict(steps._graphs)
+    assert len(captured) == 1 and not steps._refused, steps._refused
+    cache.reset()
+    assert torch.equal(graphs.generate(prompt, cache, max_new_tokens=STEPS), want)
+    assert dict(steps._graphs) == captured  # replayed: nothing captured again
+
+    eos = int(want[1, 7 + 3])  # row 1 stops at its 4th token
+    options: dict[str, Any] = dict(max_new_tokens=STEPS, eos_token_id=eos, pad_token_id=0)
+    for _ in range(2):  # captured, then replayed
+        cache.reset()
+        got = graphs.generate(prompt, cache, **options)
+        assert torch.equal(got, plain.generate(prompt, new_cache(model), **options))
+        assert int(got[1, 7 + 3]) == eos and bool((got[1, 7 + 4 :] == 0).all())
+
+    head = model.lm_head.weight
+    try:
+        with torch.no_grad():
+            model.lm_head.weight = torch.nn.Parameter(head.flip(0))  # other tokens
+        cache.reset()
+        got = graphs.generate(prompt, cache, max_new_tokens=8)
+        assert torch.equal(got, plain.generate(prompt, new_cache(model), max_new_tokens=8))
+        assert not torch.equal(got, want[:, : 7 + 8])
+    finally:
+        model.lm_head.weight = head
+    cache.reset()
+    assert torch.equal(graphs.generate(prompt, cache, max_new_tokens=STEPS), want)
+    model.train()
+    try:
+        cache.reset()
+        with pytest.raises(precompile.InputMismatchError, match="train"):
+            graphs.generate(prompt, cache, max_new_tokens=4)
+    finally:
+        model.eval()
 
 
 def _reference(model: torch.nn.Module, prompt: torch.Tensor, **options: Any) -> torch.Tensor:
