@@ -66,11 +66,17 @@ ROWS = [
     "ours + cudagraphs, no output copy",
     "ours + cudagraphs, cuDNN off in hint variants",
     "ours CompiledModel.generate + cudagraphs",
+    "ours CompiledModel.generate + cudagraphs, cuBLAS GEMMs",
     "ours generate + cudagraphs",
 ]
 # The attention policy's two settings, built side by side: the default (cuDNN where a
 # variant's attention lengths are fixed) and the previous one (never in hint variants).
 CUDNN_OFF = "ours + cudagraphs, cuDNN off in hint variants"
+# The GEMM policy's two sides for decode variants that serve several batch sizes: Triton
+# templates (the default: a new batch launches at once) and inductor's cuBLAS calls (the
+# caller's choice, ``max_autotune_gemm_backends="ATEN"``), built side by side.
+CUBLAS = "ours CompiledModel.generate + cudagraphs, cuBLAS GEMMs"
+CUBLAS_OPTIONS = {"config_patches": {"max_autotune_gemm_backends": "ATEN"}}
 BATCH_ONE_ONLY = {"precompile.backend", "transformers generate", "ours generate + cudagraphs"}
 # transformers' own compiled generate runs in a child process of its own: in one run its
 # reduce-overhead graphs hit a device-side assert (an index past the cache), which
@@ -80,6 +86,7 @@ GENERATE_ROWS = {
     "transformers generate",
     "ours generate + cudagraphs",
     "ours CompiledModel.generate + cudagraphs",
+    CUBLAS,
 }
 PROMPT, STEPS = 128, 64
 PREFILLS = [128, 1024]
@@ -163,7 +170,7 @@ class HandCaptured:
 
 
 def compile_ours(model: torch.nn.Module, cache_dir: str, cache_len: int, cudnn: str,
-                 cudagraphs: Any) -> Any:  # fmt: skip
+                 cudagraphs: Any, options: dict[str, Any] | None = None) -> Any:  # fmt: skip
     """``compile_model`` of the decode model under ``PRECOMPILE_CUDNN_ATTENTION=cudnn``."""
     import precompile
 
@@ -173,8 +180,10 @@ def compile_ours(model: torch.nn.Module, cache_dir: str, cache_len: int, cudnn: 
     try:
         started = time.perf_counter()
         compiled = precompile.compile_model(model, (), example, cache=cache_dir, warmup=True,
-                                            cudagraphs=cudagraphs, **OUR_OPTIONS)  # fmt: skip
-        print(f"[decode] compile_model (cuDNN attention {cudnn}, cudagraphs {cudagraphs}): "
+                                            cudagraphs=cudagraphs, options=options,
+                                            **OUR_OPTIONS)  # fmt: skip
+        print(f"[decode] compile_model (cuDNN attention {cudnn}, cudagraphs {cudagraphs}, "
+              f"options {options}): "
               f"{time.perf_counter() - started:.1f} s", flush=True)  # fmt: skip
     finally:
         if before is None:
@@ -213,6 +222,11 @@ def make_rows(model: torch.nn.Module, cache_dir: str, cache_len: int) -> dict[st
     rows[CUDNN_OFF] = lambda ids, cache: off(input_ids=ids, past_key_values=cache,
                                              use_cache=True).logits  # fmt: skip
     rows["ours CompiledModel.generate + cudagraphs"] = graphs
+    if CUBLAS in ROWS:
+        cublas = compile_ours(model, cache_dir, cache_len, "auto", True, CUBLAS_OPTIONS)
+        rows[CUBLAS] = cublas
+        rows[CUBLAS + ", per call"] = lambda ids, cache: cublas(
+            input_ids=ids, past_key_values=cache, use_cache=True).logits  # fmt: skip
     rows["_artifacts"] = {"ours": ours, "ours + cudagraphs": graphs}
     if off is not None:
         rows["_artifacts"][CUDNN_OFF] = off
@@ -222,7 +236,7 @@ def make_rows(model: torch.nn.Module, cache_dir: str, cache_len: int) -> dict[st
 def driver(name: str, rows: dict[str, Any], served: Any) -> Any:
     """What a generate row runs: our CompiledModel's own loop, transformers' generate
     under ``serve_generate`` (``served``), or transformers' own (None)."""
-    if name == "ours CompiledModel.generate + cudagraphs":
+    if name in ("ours CompiledModel.generate + cudagraphs", CUBLAS):
         return rows[name]
     return served if name.startswith("ours") else None
 
@@ -418,8 +432,9 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                 ("ours", [3, 6]),
                 ("ours + cudagraphs", [5, 7]),
                 (CUDNN_OFF, [3, 6]),
+                (CUBLAS + ", per call", [3, 6]),
             )
-            if name in ROWS
+            if name in rows and (name in ROWS or name.startswith(CUBLAS))
         }
         captured = {k: [list(s) for s in v.artifact.captured_sizes] for k, v in artifacts.items()}
         host = host_profile(rows["ours + cudagraphs"], prompts[1], shared[1])
