@@ -37,7 +37,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(HERE), "examples"))
 import torch  # noqa: E402
 
 import precompile  # noqa: E402
-from precompile import _torch_adapter as compile_adapter  # noqa: E402
+from precompile._compiled_payload import InputUse  # noqa: E402
+from precompile._graph_description import describe_graph  # noqa: E402
 from precompile._standalone import _input_specs, _symbols  # noqa: E402
 from precompile.runtime import Manifest, MemoryPayloads, Variant, current_environment  # noqa: E402
 
@@ -63,9 +64,9 @@ def _noop(*args: Any) -> None:
 def hollow_artifact(gm: torch.fx.GraphModule, inputs: list[Any]) -> precompile.CompiledArtifact:
     """The artifact ``standalone_compile`` would describe for this graph, over one no-op
     variant: its input contract and dispatch are real, its compiled code does nothing."""
-    graph = compile_adapter.describe_graph(gm, inputs, "from_graph")
+    graph = describe_graph(gm, inputs, "from_graph")
     symbols = _symbols(graph)
-    uses = [compile_adapter.InputUse("none", False)] * len(graph.inputs)
+    uses = [InputUse("none", False)] * len(graph.inputs)
     manifest = Manifest(
         environment=current_environment("cpu"),
         symbols=symbols,
@@ -119,7 +120,7 @@ def model_checks(model: torch.nn.Module, x: torch.Tensor, dim: int) -> list[Any]
     read, beyond the artifact's input checks: the guards recorded from Dynamo's (count),
     their check at bind (ms), and per call the global state, the training flags the
     trace read and the registration counter (us, median of rounds)."""
-    from precompile._torch_adapter import _guard_entry
+    from precompile._torch_adapter import guard_entry
     from precompile._trace_read import trace_read
     from precompile.runtime._global_state import StateCheck
     from precompile.runtime._model_guards import BoundGuards
@@ -128,7 +129,7 @@ def model_checks(model: torch.nn.Module, x: torch.Tensor, dim: int) -> list[Any]
     codes: list[Any] = []
 
     def keep(found: Any) -> list[bool]:
-        entries.extend(_guard_entry(e) for e in found)
+        entries.extend(guard_entry(e) for e in found)
         return [True] * len(found)
 
     def backend(gm: torch.fx.GraphModule, inputs: list[Any]) -> Any:

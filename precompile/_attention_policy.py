@@ -26,7 +26,10 @@ every hint variant; ``0`` in none.
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+
+import torch
 
 from precompile.cache import env_flag
 from precompile.runtime import InvalidOptionError
@@ -68,3 +71,35 @@ def sdpa_backends(
     if dynamic and others and (mode == "off" or (mode == "auto" and not lengths_fixed)):
         settings["cudnn"] = False
     return settings
+
+
+def sdpa_switches() -> dict[str, bool]:
+    """The caller's scaled-dot-product-attention backend switches (``torch.backends.cuda``)."""
+    backends = torch.backends.cuda
+    return {
+        "flash": backends.flash_sdp_enabled(),
+        "mem_efficient": backends.mem_efficient_sdp_enabled(),
+        "math": backends.math_sdp_enabled(),
+        "cudnn": backends.cudnn_sdp_enabled(),
+    }
+
+
+@contextmanager
+def attention_backends(settings: Mapping[str, bool]) -> Iterator[None]:
+    """Set the SDPA backend switches (process-wide, as torch keeps them) for a compile:
+    AOTAutograd picks the fused attention kernel while it traces, by these switches."""
+    backends = torch.backends.cuda
+    switches = {
+        "flash": (backends.flash_sdp_enabled, backends.enable_flash_sdp),
+        "mem_efficient": (backends.mem_efficient_sdp_enabled, backends.enable_mem_efficient_sdp),
+        "math": (backends.math_sdp_enabled, backends.enable_math_sdp),
+        "cudnn": (backends.cudnn_sdp_enabled, backends.enable_cudnn_sdp),
+    }
+    before = {name: read() for name, (read, _) in switches.items()}
+    try:
+        for name, value in settings.items():
+            switches[name][1](value)
+        yield
+    finally:
+        for name, value in before.items():
+            switches[name][1](value)

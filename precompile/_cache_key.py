@@ -33,7 +33,7 @@ from precompile.runtime import describe_kv_cache as describe_cache
 from precompile.runtime import kv_cache_tensors as cache_tensors
 from precompile.runtime import registered_process_groups as registered_groups
 
-from . import _torch_adapter as adapter
+from ._compiler_config import codegen_config_digest
 from ._gemm_policy import POLICY as GEMM_POLICY
 from ._graph import GraphDescription
 from ._variant_plan import Hints, Sizes, VariantRequest
@@ -102,7 +102,7 @@ def cache_factors(
         "inputs": hashlib.sha256(_inputs_text(graph).encode()).hexdigest(),
         "variants": _canonical([[r.kind, list(r.point)] for r in requests]),
         "options": _canonical(dict(options)),
-        "codegen_config": adapter.codegen_config_digest(),
+        "codegen_config": codegen_config_digest(),
         "gemm_policy": GEMM_POLICY,
         "dynamic_shapes": dynamic_shapes,
         # what Dynamo's global-state guard holds: grad mode (a backward graph or not),
@@ -184,7 +184,7 @@ def model_factors(
         "variants": _digest([_keyed(hints), [_keyed(s) for s in sizes or ()]]),
         "options": _digest(dict(options)),
         # inductor's config and the attention backends change the compiled code too
-        "codegen_config": adapter.codegen_config_digest(),
+        "codegen_config": codegen_config_digest(),
         "gemm_policy": GEMM_POLICY,
         # grad mode, autocast, default dtype, ...: what Dynamo's global-state guard holds
         "global_state": _digest(describe_state(trace_state())),

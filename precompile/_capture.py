@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from . import _torch_adapter as adapter
+from ._graph_name import name_graph
 
 
 def capture_graph(
@@ -28,7 +29,7 @@ def capture_graph(
 
     def keep(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
         # what it was traced from, for when it is compiled later (``cache ls``)
-        adapter.name_graph(gm, _traced_name(model))
+        name_graph(gm, _traced_name(model))
         box["gm"], box["inputs"] = gm, list(example_inputs)
         return gm.forward
 

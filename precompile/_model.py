@@ -493,6 +493,7 @@ def _trace_and_compile(
     # The compile side (Dynamo, inductor, sympy) is imported only on a miss: a hit costs
     # none of it.
     from . import _torch_adapter as adapter
+    from ._model_trace import trace_model
     from ._standalone import standalone_compile
 
     started = time.perf_counter()
@@ -541,7 +542,7 @@ def _trace_and_compile(
               for i, c in caches.items()}  # fmt: skip
     python_state = state.python_state(model)
     try:
-        trace = adapter.trace_model(model, args, kwargs, compile_graph, keep_written)
+        trace = trace_model(model, args, kwargs, compile_graph, keep_written)
         written = state.written(python_state)
         if written:
             raise UnsupportedGraphError(

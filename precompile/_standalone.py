@@ -41,9 +41,16 @@ from precompile.runtime import load_cached_artifact as load_cached
 
 from . import _gpu_lean as gpu_lean
 from . import _torch_adapter as adapter
+from . import _variant_compile as variant_compile
 from ._cache_key import cache_factors, cache_key
+from ._collectives import graph_collectives
+from ._compiled_payload import InputUse, variant_code_digest
+from ._compiler_config import inductor_config_changes
 from ._gemm_policy import gemm_options
 from ._graph import GraphDescription
+from ._graph_description import DYNAMIC_SHAPES, describe_graph
+from ._graph_name import graph_name
+from ._lean_plan import LeanPlan, lean_plan
 from ._offline import is_offline, refuse
 from ._variant_plan import DEFAULT_MAX_VARIANTS, Hints, Sizes, VariantRequest, plan_variants
 
@@ -75,7 +82,7 @@ def _size_text(expr: sympy.Expr) -> int | str:
 
 
 def _input_specs(
-    graph: GraphDescription, uses: Sequence[adapter.InputUse], grad_proven_unused: bool
+    graph: GraphDescription, uses: Sequence[InputUse], grad_proven_unused: bool
 ) -> tuple[InputSpec, ...]:
     """The manifest's inputs. ``grad_proven_unused``: the variants were compiled with grad
     enabled and without a backward graph, so no input that required grad then reaches an
@@ -132,6 +139,11 @@ def _device_of(graph: GraphDescription) -> str:
     return "cuda" if "cuda" in devices else "cpu"
 
 
+def _holds(expr: sympy.Expr, values: Mapping[sympy.Symbol, int]) -> bool:
+    """Whether ``expr`` holds with each symbol at its value."""
+    return bool(sympy.sympify(expr).xreplace({s: sympy.Integer(v) for s, v in values.items()}))
+
+
 def pinning_guards(guards: Sequence[sympy.Expr]) -> list[sympy.Expr]:
     """The guards that hold a dynamic dim to one value (``Eq(s, 12)``): a hint variant with
     one serves that size alone. A variant hinted at 0 or 1 specializes there by design
@@ -178,7 +190,7 @@ def _common_guards(
         dict(zip(graph.symbols, r.point, strict=True)) for r in requests if r.kind == "static"
     ]
     common = sorted(set.intersection(*hint_guards), key=str)
-    return [g for g in common if all(adapter.evaluate(g, point) for point in statics)]
+    return [g for g in common if all(_holds(g, point) for point in statics)]
 
 
 def _propagate_common_guards(graph: GraphDescription, common: Sequence[sympy.Expr]) -> None:
@@ -192,7 +204,7 @@ def _propagate_common_guards(graph: GraphDescription, common: Sequence[sympy.Exp
         return
     caller_point = dict(graph.hints)
     for expr in common:
-        if expr.free_symbols <= set(caller_point) and adapter.evaluate(expr, caller_point):
+        if expr.free_symbols <= set(caller_point) and _holds(expr, caller_point):
             adapter.add_caller_guard(env, expr)
 
 
@@ -205,7 +217,7 @@ def _outside_the_graph(graph: GraphDescription, point: Sequence[int]) -> str | N
         if value < low or (high is not None and value > high):
             return f"{symbol}={value} is outside the traced range [{low}, {high or 'inf'}]"
     for guard in graph.caller_guards:
-        if not adapter.evaluate(guard, values):
+        if not _holds(guard, values):
             return f"the caller's trace holds only where {adapter.print_expr(guard)}"
     return None
 
@@ -259,7 +271,7 @@ def _size_one_requests(
         if _outside_the_graph(graph, point) is not None:
             continue
         values = dict(zip(graph.symbols, point, strict=True))
-        if any(all(adapter.evaluate(g, values) for g in gs) for gs in guards):
+        if any(all(_holds(g, values) for g in gs) for gs in guards):
             continue
         request = VariantRequest("hint", point)
         if request in requests or request in added:
@@ -286,17 +298,19 @@ def _compile_variant(
     request: VariantRequest,
     options: Mapping[str, Any],
     number: int,
-) -> adapter.CompiledVariant:
+) -> variant_compile.CompiledVariant:
     """One variant, its GEMMs as ``_gemm_policy`` says; where inductor cannot compile
     them so, with the caller's options (an INFO log says why)."""
     dynamic = request.kind == "hint"
     # A point with every symbol at 0 or 1 is specialized by the trace: one size is served.
     serves_many = dynamic and any(int(value) >= 2 for value in point.values())
     chosen = gemm_options(options, device=_device_of(graph), dynamic=serves_many,
-                          caller_config=adapter.inductor_config_changes())  # fmt: skip
+                          caller_config=inductor_config_changes())  # fmt: skip
     if chosen is not None:
         try:
-            return adapter.compile_variant(gm, graph, point, dynamic=dynamic, options=chosen)
+            return variant_compile.compile_variant(
+                gm, graph, point, dynamic=dynamic, options=chosen
+            )
         except PrecompileError:
             raise
         except Exception as exc:  # inductor's own failure, whatever its type
@@ -308,7 +322,7 @@ def _compile_variant(
                 type(exc).__name__,
                 reason,
             )
-    return adapter.compile_variant(gm, graph, point, dynamic=dynamic, options=options)
+    return variant_compile.compile_variant(gm, graph, point, dynamic=dynamic, options=options)
 
 
 def _compile_all(
@@ -324,10 +338,10 @@ def _compile_all(
     payloads: dict[str, bytes] = {}
     by_code: dict[str, str] = {}
     leans: dict[str, LeanCall | None] = {}
-    pending: dict[str, adapter.LeanPlan] = {}
+    pending: dict[str, LeanPlan] = {}
     variants: list[Variant] = []
     all_guards: list[tuple[sympy.Expr, ...]] = []
-    uses: tuple[adapter.InputUse, ...] | None = None
+    uses: tuple[InputUse, ...] | None = None
     training = False
     grad_enabled = torch.is_grad_enabled()
     queue = _within_the_graph(graph, requests)  # then any variant a dim's 1 needs
@@ -376,12 +390,12 @@ def _compile_all(
         else:
             _warn_if_pinned(number, guards, training=compiled.training)
         all_guards.append(guards)
-        code = adapter.variant_code_digest(compiled.payload)
+        code = variant_code_digest(compiled.payload)
         shared = code in by_code
         if not shared:
             by_code[code] = sha256_hex(compiled.payload)
             payloads[by_code[code]] = compiled.payload
-            plan = adapter.lean_plan(compiled.payload, lambda text: sha256_hex(text.encode()))
+            plan = lean_plan(compiled.payload, lambda text: sha256_hex(text.encode()))
             leans[code] = plan.lean
             if plan.lean is not None and plan.triton_kernels:
                 leans[code] = None  # until its launches are recorded (_complete_gpu_leans)
@@ -441,7 +455,7 @@ def _compile_all(
 
 
 def _complete_gpu_leans(
-    manifest: Manifest, payloads: dict[str, bytes], pending: Mapping[str, adapter.LeanPlan]
+    manifest: Manifest, payloads: dict[str, bytes], pending: Mapping[str, LeanPlan]
 ) -> Manifest:
     """Each GPU variant's lean call completed with its recorded Triton launches (see
     ``_gpu_lean``); a variant whose launches cannot be recorded, or whose lean run differs
@@ -513,6 +527,26 @@ def _check_upstream_arguments(arguments: Mapping[str, Any]) -> None:
             )
 
 
+def _check_fake_mode(fake_mode: Any, dynamic_shapes: str) -> None:
+    """Refuse a ``fake_mode`` where upstream refuses it, with upstream's reasons."""
+    if fake_mode is None:
+        return
+    if dynamic_shapes != "from_example_inputs":
+        raise InvalidOptionError(
+            "standalone_compile only supports passing `fake_mode` when "
+            f'`dynamic_shapes="from_example_inputs"`, got dynamic_shapes={dynamic_shapes!r}'
+        )
+    if not adapter.is_fake_mode(fake_mode):
+        raise InvalidOptionError(
+            f"fake_mode must be a FakeTensorMode, got {type(fake_mode).__name__}"
+        )
+    if adapter.mode_shape_env(fake_mode) is None:
+        raise InvalidOptionError(
+            "standalone_compile requires `fake_mode` to have a ShapeEnv when "
+            '`dynamic_shapes="from_example_inputs"`'
+        )
+
+
 # Cache keys whose compile raised UnsupportedGraphError in this process (bounded).
 _FAILED: dict[str, UnsupportedGraphError] = {}
 _FAILED_LIMIT = 256
@@ -578,17 +612,17 @@ def standalone_compile(
         )
     if not isinstance(gm, torch.fx.GraphModule):
         raise InvalidOptionError(f"gm must be a torch.fx.GraphModule, got {type(gm).__name__}")
-    if dynamic_shapes not in adapter.DYNAMIC_SHAPES:
+    if dynamic_shapes not in DYNAMIC_SHAPES:
         raise InvalidOptionError(
-            f"dynamic_shapes must be one of {adapter.DYNAMIC_SHAPES}, got {dynamic_shapes!r}"
+            f"dynamic_shapes must be one of {DYNAMIC_SHAPES}, got {dynamic_shapes!r}"
         )
     if options is not None and not isinstance(options, Mapping):
         raise InvalidOptionError(
             "options must be a dict of compile_fx keyword arguments, e.g. "
             f"{{'config_patches': {{...}}}}, got {type(options).__name__}"
         )
-    adapter.check_upstream_fake_mode(None if fake_mode is _ABSENT else fake_mode, dynamic_shapes)
-    graph = adapter.describe_graph(gm, list(example_inputs), dynamic_shapes)
+    _check_fake_mode(None if fake_mode is _ABSENT else fake_mode, dynamic_shapes)
+    graph = describe_graph(gm, list(example_inputs), dynamic_shapes)
     symbols = _symbols(graph)
     names = [s.name for s in symbols]
     dims = {
@@ -613,7 +647,7 @@ def standalone_compile(
     if calibration is not None and not symbols:
         log.debug("graph has no dynamic dims: calibrate ignored (one variant, nothing to choose)")
         calibration = None
-    collectives = adapter.graph_collectives(gm)
+    collectives = graph_collectives(gm)
     groups = describe_groups(collectives.groups, collectives.opaque)
     if groups and calibration is not None:
         raise InvalidOptionError(
@@ -653,7 +687,7 @@ def standalone_compile(
     if failed is not None:
         # Dynamo retries a failed backend on every call; the compile would fail again.
         raise UnsupportedGraphError(f"{failed} (failed earlier in this process; not retried)")
-    about = {ABOUT_GRAPH: adapter.graph_name(gm)}
+    about = {ABOUT_GRAPH: graph_name(gm)}
     artifact, common = _cached_or_built(store, key, factors, build, offline, about)
     if graphs is not None:
         artifact.set_cudagraphs(graphs)

@@ -194,15 +194,15 @@ FLEET_PREAMBLE = """
 import json, os, sys, time
 sys.path.insert(0, "tests")
 import torch, precompile
-from precompile import _torch_adapter
+from precompile import _variant_compile
 from precompile.cache import ArtifactCache
 from conftest import MLP, capture
 compiles = []
-original = _torch_adapter.compile_variant
+original = _variant_compile.compile_variant
 def counting(*a, **k):
     compiles.append(1)
     return original(*a, **k)
-_torch_adapter.compile_variant = counting
+_variant_compile.compile_variant = counting
 torch.manual_seed(0)
 model = MLP(width=32, hidden=64).eval()
 captured = capture(model, torch.randn(6, 32))

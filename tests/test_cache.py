@@ -17,7 +17,7 @@ import torch
 from conftest import ROOT, Compiled, assert_close, run_fleet, run_python
 
 import precompile
-from precompile import _torch_adapter
+from precompile import _graph_description, _graph_name, _variant_compile
 from precompile._cache_key import cache_factors, cache_key
 from precompile.cache import ArtifactCache, sha256_hex
 from precompile.cache import _store as cache_store
@@ -211,7 +211,7 @@ def test_eviction_keeps_cache_under_limit_lru_first(tmp_path: object) -> None:
 
 def _factors(mlp: Compiled, **change: object) -> dict[str, str]:
     captured = mlp.captured
-    graph = _torch_adapter.describe_graph(captured.gm, captured.example_inputs, "from_graph")
+    graph = _graph_description.describe_graph(captured.gm, captured.example_inputs, "from_graph")
     from precompile._variant_plan import plan_variants
 
     hints = change.get("hints", [1, 16])
@@ -238,7 +238,7 @@ def test_key_changes_with_what_changes_code(mlp: Compiled, monkeypatch: pytest.M
     from conftest import AttentionBlock, capture
 
     other = capture(AttentionBlock().eval(), torch.randn(2, 3, 32))
-    graph = _torch_adapter.describe_graph(other.gm, other.example_inputs, "from_graph")
+    graph = _graph_description.describe_graph(other.gm, other.example_inputs, "from_graph")
     assert cache_factors(other.gm, graph, [], {}, "from_graph", "cpu")["graph"] != base["graph"]
 
 
@@ -256,9 +256,9 @@ def test_attention_lengths_are_pinned_only_where_guards_hold_them() -> None:
     caller = [sympy.Symbol("s0", integer=True), sympy.Symbol("s1", integer=True)]
     reverse = dict(zip(own, caller, strict=True))
     env.evaluate_expr(sympy.Eq(own[0], 1))
-    assert _torch_adapter._lengths_pinned(env, reverse, [caller[0], sympy.Integer(8)])
-    assert not _torch_adapter._lengths_pinned(env, reverse, [caller[1]])
-    assert not _torch_adapter._lengths_pinned(env, reverse, [sympy.Symbol("u0")])
+    assert _variant_compile._lengths_pinned(env, reverse, [caller[0], sympy.Integer(8)])
+    assert not _variant_compile._lengths_pinned(env, reverse, [caller[1]])
+    assert not _variant_compile._lengths_pinned(env, reverse, [sympy.Symbol("u0")])
 
 
 class _CacheAttention(torch.nn.Module):
@@ -307,22 +307,22 @@ def test_cudnn_attention_only_where_a_variants_attention_lengths_are_fixed(
 
     def variants(captured: Any, point_of: dict[str, int], dynamic: bool = True) -> list[bool]:
         seen.clear()
-        graph = _torch_adapter.describe_graph(captured.gm, captured.example_inputs, "g")
+        graph = _graph_description.describe_graph(captured.gm, captured.example_inputs, "g")
         point = {s: point_of.get(str(s), 16) for s in graph.symbols}
         with contextlib.suppress(Stop):
-            _torch_adapter.compile_variant(captured.gm, graph, point, dynamic=dynamic, options={})
+            _variant_compile.compile_variant(captured.gm, graph, point, dynamic=dynamic, options={})
         return list(seen)
 
     monkeypatch.setattr(compile_fx_module, "compile_fx", spy)
-    monkeypatch.setattr(_torch_adapter, "graph_on_cuda", lambda graph: True)
+    monkeypatch.setattr(_variant_compile, "graph_on_cuda", lambda graph: True)
     before = torch.backends.cuda.cudnn_sdp_enabled()
     assert before, "cuDNN attention is on by default"
     from conftest import capture
 
     decode = capture(_CacheAttention().eval(), torch.randn(2, 1, 32))  # length 1: fixed
     prefill = capture(_CacheAttention().eval(), torch.randn(2, 4, 32))
-    assert _torch_adapter.attention_lengths(decode.gm) == (1, 8)
-    lengths = _torch_adapter.attention_lengths(prefill.gm)
+    assert _variant_compile.attention_lengths(decode.gm) == (1, 8)
+    lengths = _variant_compile.attention_lengths(prefill.gm)
     assert lengths is not None
     (query, key) = lengths
     assert query.free_symbols and key == 8
@@ -333,11 +333,11 @@ def test_cudnn_attention_only_where_a_variants_attention_lengths_are_fixed(
     # At length 1 the length can be fixed; the compile's guards hold it there (one
     # compile), and where they would leave it free the variant is compiled again.
     assert variants(prefill, {str(query): 1}) == [True]
-    monkeypatch.setattr(_torch_adapter, "_lengths_pinned", lambda *args: False)
+    monkeypatch.setattr(_variant_compile, "_lengths_pinned", lambda *args: False)
     assert variants(prefill, {str(query): 1}) == [True, False]
     monkeypatch.undo()
     monkeypatch.setattr(compile_fx_module, "compile_fx", spy)
-    monkeypatch.setattr(_torch_adapter, "graph_on_cuda", lambda graph: True)
+    monkeypatch.setattr(_variant_compile, "graph_on_cuda", lambda graph: True)
     stop[0] = True
     assert torch.backends.cuda.cudnn_sdp_enabled() == before
     base = cache_key(_factors(mlp))
@@ -375,12 +375,12 @@ def test_key_ignores_path_pid_and_time(mlp: Compiled, tmp_path: object) -> None:
         time.sleep(1.1)
         import torch
         from conftest import MLP, capture
-        from precompile import _torch_adapter
         from precompile._cache_key import cache_factors, cache_key
+        from precompile._graph_description import describe_graph
         from precompile._variant_plan import plan_variants
         torch.manual_seed(0)
         captured = capture(MLP(width=32, hidden=64).eval(), torch.randn(5, 32))
-        graph = _torch_adapter.describe_graph(captured.gm, captured.example_inputs, "from_graph")
+        graph = describe_graph(captured.gm, captured.example_inputs, "from_graph")
         requests = plan_variants(["s77"], {{}}, [5], hints=[1, 16], sizes=None)
         print(cache_key(cache_factors(captured.gm, graph, requests, {{}}, "from_graph", "cpu")))
     """
@@ -400,7 +400,7 @@ def test_second_compile_is_a_hit_and_compiles_nothing(
     def refuse(*args: object, **kwargs: object) -> None:
         raise AssertionError("compiled on a cache hit")
 
-    monkeypatch.setattr(_torch_adapter, "compile_variant", refuse)
+    monkeypatch.setattr(_variant_compile, "compile_variant", refuse)
     with torch.no_grad():
         second = precompile.standalone_compile(
             captured.gm, captured.example_inputs, hints=[16], cache=str(tmp_path)
@@ -759,7 +759,7 @@ def test_a_captured_graph_is_named_after_its_model() -> None:
 
     sequential = torch.nn.Sequential(torch.nn.Linear(4, 4))
     gm, _ = precompile.capture_graph(sequential, torch.randn(2, 4), dynamic=True)
-    assert _torch_adapter.graph_name(gm).startswith("Sequential.forward (container.py:")
+    assert _graph_name.graph_name(gm).startswith("Sequential.forward (container.py:")
     gm, _ = precompile.capture_graph(scaled, torch.randn(2, 4))
-    assert _torch_adapter.graph_name(gm).startswith("test_a_captured_graph_is_named_after_its")
-    assert "(test_cache.py:" in _torch_adapter.graph_name(gm)
+    assert _graph_name.graph_name(gm).startswith("test_a_captured_graph_is_named_after_its")
+    assert "(test_cache.py:" in _graph_name.graph_name(gm)

@@ -144,12 +144,12 @@ def test_compile_leaves_caller_graph_unchanged() -> None:
 def test_too_many_variants_fail_before_compiling(
     mlp: Compiled, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from precompile import _torch_adapter
+    from precompile import _variant_compile
 
     def refuse(*args: object, **kwargs: object) -> None:
         raise AssertionError("compiled although the request was invalid")
 
-    monkeypatch.setattr(_torch_adapter, "compile_variant", refuse)
+    monkeypatch.setattr(_variant_compile, "compile_variant", refuse)
     gm, inputs = mlp.captured.gm, mlp.captured.example_inputs
     with pytest.raises(precompile.InvalidOptionError, match="max_variants=4"):
         precompile.standalone_compile(gm, inputs, hints=[1, 2, 3, 4, 5], max_variants=4)

@@ -12,6 +12,7 @@ import torch
 
 import precompile
 from precompile import _torch_adapter as compile_adapter
+from precompile import _variant_compile
 
 
 def _capture(fn: Any, *args: Any) -> tuple[torch.fx.GraphModule, list[Any]]:
@@ -127,7 +128,7 @@ def test_a_failing_size_oblivious_compile_falls_back_to_guarded_code(
     KV-cache graph with it): a variant whose size-oblivious compile fails is compiled
     again with 0/1 guards, which refuse the sizes it was not traced for: 1 then gets a
     variant of its own (the range holds it)."""
-    compile_once = compile_adapter._compile_once
+    compile_once = _variant_compile._compile_once
     attempts: list[bool] = []
 
     def failing_when_oblivious(*args: Any) -> Any:
@@ -139,7 +140,7 @@ def test_a_failing_size_oblivious_compile_falls_back_to_guarded_code(
             raise InductorError(KeyError("unbacked_bindings"), None)
         return compile_once(*args)
 
-    monkeypatch.setattr(compile_adapter, "_compile_once", failing_when_oblivious)
+    monkeypatch.setattr(_variant_compile, "_compile_once", failing_when_oblivious)
     x = torch.randn(8, 4)
     torch._dynamo.mark_dynamic(x, 0)
     gm, inputs = _capture(lambda t: t * t.shape[0] + (t.sum(-1, keepdim=True) == 1), x)

@@ -40,11 +40,11 @@ def test_a_process_wide_config_choice_is_seen() -> None:
     process is a choice too: the adapter reports it among the changed entries."""
     import torch._inductor.config as config
 
-    from precompile import _torch_adapter as adapter
+    from precompile._compiler_config import inductor_config_changes
 
-    assert "max_autotune_gemm_backends" not in adapter.inductor_config_changes()
+    assert "max_autotune_gemm_backends" not in inductor_config_changes()
     with config.patch(max_autotune_gemm_backends="ATEN"):
-        assert "max_autotune_gemm_backends" in adapter.inductor_config_changes()
+        assert "max_autotune_gemm_backends" in inductor_config_changes()
 
 
 def test_both_cache_keys_name_the_policy() -> None:
@@ -79,7 +79,7 @@ def test_a_variant_templates_cannot_serve_compiles_with_the_callers_options(
             raise RuntimeError("NoValidChoicesError: no choices for mm")
         return "compiled"
 
-    monkeypatch.setattr(_standalone.adapter, "compile_variant", compile_variant)
+    monkeypatch.setattr(_standalone.variant_compile, "compile_variant", compile_variant)
     monkeypatch.setattr(_standalone, "_device_of", lambda graph: "cuda")
     request = VariantRequest("hint", (16,))
     with caplog.at_level(logging.INFO, logger="precompile.compile"):
@@ -111,7 +111,7 @@ def test_a_hint_variant_that_serves_one_size_keeps_inductors_gemms(
         calls.append(options)
         return "compiled"
 
-    monkeypatch.setattr(_standalone.adapter, "compile_variant", compile_variant)
+    monkeypatch.setattr(_standalone.variant_compile, "compile_variant", compile_variant)
     monkeypatch.setattr(_standalone, "_device_of", lambda graph: "cuda")
     batch, length = sympy.Symbol("s0"), sympy.Symbol("s1")
     request = VariantRequest("hint", (1, 1))

@@ -29,11 +29,12 @@ SIZES = (1, 3, 5, 16, 100, 300)
 def build_configs() -> str:
     """What this (building) process's compiler configs hold besides their defaults, and
     the variables of theirs set: what a serving process's lookup key must agree with."""
+    from precompile import _compiler_config as config
     from precompile import _torch_adapter as adapter
 
-    changed = {n: adapter._non_defaults(sys.modules[n]) for n in adapter._CONFIG_MODULES
+    changed = {n: config._non_defaults(sys.modules[n]) for n in adapter.CONFIG_MODULES
                if n in sys.modules}  # fmt: skip
-    return f"build configs: {changed}, environment: {adapter._config_environment()}"
+    return f"build configs: {changed}, environment: {config._config_environment()}"
 
 
 def child(*arguments: str, lean: bool = True) -> dict[str, Any]:

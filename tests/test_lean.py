@@ -407,16 +407,16 @@ def test_a_model_served_from_the_cache_imports_no_compiler(tmp_path: Any) -> Non
 
 DIGEST = """
 import os, sys, torch
-from precompile import _torch_adapter as adapter
-before = adapter.codegen_config_digest()
+from precompile import _compiler_config as compiler_config
+before = compiler_config.codegen_config_digest()
 # imported only where a variable the config reads is set
 assert ("torch._inductor.config" in sys.modules) == ("TORCHINDUCTOR_MAX_AUTOTUNE" in os.environ)
 import torch._inductor.config as config
-assert adapter.codegen_config_digest() == before  # imported, at its defaults
+assert compiler_config.codegen_config_digest() == before  # imported, at its defaults
 config.max_autotune = not config.max_autotune
-changed = adapter.codegen_config_digest()
+changed = compiler_config.codegen_config_digest()
 config.max_autotune = not config.max_autotune
-print(before, changed, adapter.codegen_config_digest())
+print(before, changed, compiler_config.codegen_config_digest())
 """
 
 

@@ -1,7 +1,7 @@
 """The GPU lean path's parts that need no GPU: reading a CUDA wrapper module for the lean
 path, the ``TritonLaunch`` schema (written, read back, hostile fields refused) and the
 launch functions built from it. Internal modules are this file's subject:
-``precompile._torch_adapter`` (source scan), ``precompile.runtime._manifest`` (schema) and
+``precompile._lean_scan`` (source scan), ``precompile.runtime._manifest`` (schema) and
 ``precompile.runtime._triton_launch`` (launch functions). The GPU runs are in
 ``test_gpu_lean.py``."""
 
@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 from synthetic import digest
 
-from precompile import _torch_adapter as adapter
+from precompile._lean_scan import scan_lean_source
 from precompile.runtime import (
     CorruptArtifactError,
     LeanCall,
@@ -37,11 +37,11 @@ with open(os.path.join(HERE, "data", "cuda_wrapper_torch211.txt"), encoding="utf
 
 
 def test_a_cuda_wrapper_is_lean_on_gpus_only() -> None:
-    scan = adapter.scan_lean_source(CUDA_WRAPPER, gpu=True)
+    scan = scan_lean_source(CUDA_WRAPPER, gpu=True)
     assert scan.blockers == ()
     assert scan.triton_kernels == ("triton_per__0", "triton_red__1")
     assert scan.externs == ("mm",)
-    cpu = adapter.scan_lean_source(CUDA_WRAPPER, gpu=False)
+    cpu = scan_lean_source(CUDA_WRAPPER, gpu=False)
     assert "imports triton" in cpu.blockers
     assert "compiles kernels with async_compile.triton" in cpu.blockers
 
@@ -69,7 +69,7 @@ def test_what_keeps_a_cuda_wrapper_off_the_lean_path(edit: tuple[str, str], bloc
     head, separator, tail = CUDA_WRAPPER.partition('\n"""\n')
     assert old in tail
     edited = head + separator + tail.replace(old, new, 1)
-    assert blocker in adapter.scan_lean_source(edited, gpu=True).blockers
+    assert blocker in scan_lean_source(edited, gpu=True).blockers
 
 
 def _launch(**changes: Any) -> TritonLaunch:

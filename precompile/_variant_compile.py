@@ -1,0 +1,299 @@
+"""``compile_variant``: one variant compiled with inductor.
+
+A variant is compiled from a fresh ShapeEnv whose symbols mirror the caller's, with
+their backed hints set to the variant's point. The caller's ShapeEnv is never handed to
+Inductor, so guards that one variant's compile adds stay with that variant.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import pickle
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import sympy
+import torch
+
+from precompile.runtime import NativeKernel, UnsupportedGraphError, build_dir
+
+from . import _torch_adapter as adapter
+from ._attention_policy import attention_backends, sdpa_backends, sdpa_switches
+from ._compiled_payload import InputUse, built_cpp_kernels, input_uses, settle_triton_kernels
+from ._graph import GraphDescription
+from ._graph_description import symbol_hint
+
+log = logging.getLogger("precompile.compile")
+
+
+@dataclass(frozen=True)
+class CompiledVariant:
+    payload: bytes
+    guards: tuple[sympy.Expr, ...]  # in the caller's symbols
+    kernels: tuple[tuple[NativeKernel, bytes], ...] = ()  # built C++ kernels and their .so
+    uses: tuple[InputUse, ...] = ()
+    training: bool = False  # a backward graph was compiled
+
+
+def _fresh_inputs(
+    graph: GraphDescription, point: Mapping[sympy.Symbol, int], dynamic: bool
+) -> tuple[list[Any], Any, dict[sympy.Symbol, sympy.Symbol]]:
+    fake_mode = adapter.new_fake_mode(specialize_zero_one=False, duck_shape=False)
+    shape_env = adapter.mode_shape_env(fake_mode)
+    mapping: dict[sympy.Symbol, sympy.Expr] = {}
+    for symbol in graph.symbols:
+        if dynamic:
+            mapping[symbol] = adapter.new_size_symbol(
+                shape_env, point[symbol], f"precompile_{symbol}"
+            )
+        else:
+            mapping[symbol] = sympy.Integer(point[symbol])
+
+    def concrete(expr: sympy.Expr) -> Any:
+        new = sympy.sympify(expr).xreplace(mapping)
+        if new.is_Integer:
+            return int(new)
+        hint = int(sympy.sympify(expr).xreplace({s: point[s] for s in graph.symbols}))
+        return adapter.new_symint(shape_env, new, hint)
+
+    values: list[Any] = []
+    for item in graph.inputs:
+        if item.kind == "int":
+            values.append(concrete(item.value))
+            continue
+        with fake_mode:
+            tensor = torch.empty_strided(
+                [concrete(s) for s in item.shape],
+                [concrete(s) for s in item.stride],
+                dtype=item.dtype,
+                device=item.device,
+                requires_grad=item.requires_grad,
+            )
+        if item.scalar is not None:
+            # item() of this input returns the constant: the variant is specialized to it.
+            adapter.set_item_memo(tensor, shape_env, item.scalar)
+        values.append(tensor)
+    reverse = {new: old for old, new in mapping.items() if isinstance(new, sympy.Symbol)}
+    return values, fake_mode, reverse
+
+
+def _pinned_to_a_size(shape_env: Any, symbols: Mapping[Any, Any]) -> bool:
+    """Whether a compile replaced one of the variant's symbols by a constant."""
+    return any(
+        symbol in symbols and sympy.sympify(value).is_Integer
+        for symbol, value in adapter.replacements(shape_env).items()
+    )
+
+
+@contextmanager
+def _compile_context(fake_mode: Any, size_oblivious: bool) -> Iterator[None]:
+    """Inductor's settings for one variant's compile. ``size_oblivious``: answer 0/1
+    questions about sizes (is this dim broadcast?) for every size instead of guarding
+    them at the hint, so a variant hinted at 8 also serves 1 (vLLM decodes at 1 token
+    through the artifact it compiled for a range traced at a larger size)."""
+    patches: dict[str, Any] = {"bundled_autograd_cache": True}
+    if adapter.functorch_config_has("force_non_lazy_backward_lowering"):
+        patches["force_non_lazy_backward_lowering"] = True
+    build = build_dir()
+    with ExitStack() as stack:
+        stack.enter_context(adapter.inductor_cache_dir(build))
+        # Variants of one graph share an AOTAutograd key; drop earlier entries so a later
+        # variant is compiled for its own hints instead of reusing an earlier one's code.
+        adapter.clear_aot_autograd_cache(build)
+        stack.enter_context(adapter.tracing(fake_mode))
+        autotune = {"triton.autotune_at_compile_time": True}
+        stack.enter_context(adapter.patch_inductor_config(autotune))
+        stack.enter_context(adapter.patch_functorch_config(patches))
+        if size_oblivious:
+            stack.enter_context(adapter.patch_shape_config({"backed_size_oblivious": True}))
+        yield
+
+
+def attention_lengths(gm: torch.fx.GraphModule) -> tuple[sympy.Expr, ...] | None:
+    """The query and key lengths (dim -2) of every scaled-dot-product-attention call in
+    ``gm``, in the trace's symbols; None where one cannot be read."""
+    lengths: list[sympy.Expr] = []
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or node.target not in adapter.SDPA_TARGETS:
+            continue
+        for index, name in ((0, "query"), (1, "key")):
+            arg = node.args[index] if len(node.args) > index else node.kwargs.get(name)
+            value = arg.meta.get("example_value") if isinstance(arg, torch.fx.Node) else None
+            if not isinstance(value, torch.Tensor) or value.dim() < 2:
+                return None
+            size = value.shape[-2]
+            symbolic = isinstance(size, torch.SymInt)
+            lengths.append(adapter.symint_expr(size) if symbolic else sympy.Integer(size))
+    return tuple(lengths)
+
+
+def graph_on_cuda(graph: GraphDescription) -> bool:
+    """Whether a graph takes a CUDA tensor (where the attention backend matters)."""
+    return any(item.device is not None and item.device.type == "cuda" for item in graph.inputs)
+
+
+def _lengths_pinned(
+    shape_env: Any, reverse: Mapping[sympy.Symbol, sympy.Symbol], lengths: Sequence[sympy.Expr]
+) -> bool:
+    """Whether a variant's guards (its ``shape_env``) hold each of ``lengths`` (in the
+    trace's symbols; ``reverse`` maps the variant's symbols to those) to one value."""
+    forward = {caller: own for own, caller in reverse.items()}
+    for length in lengths:
+        expr = sympy.sympify(length).xreplace(forward)
+        if expr.free_symbols - set(forward.values()):
+            return False
+        low, high = adapter.value_range(shape_env, adapter.apply_replacements(shape_env, expr))
+        if not (low is not None and low == high):
+            return False
+    return True
+
+
+# Triton cuts its cache files' names to 150 characters, while inductor looks a kernel's
+# cubin up under the kernel's full name: a longer name (inductor names fused kernels after
+# every op they fuse) is not statically launchable, and loading it builds Triton's C
+# launcher with gcc. Fused names are cut so that every kernel name stays under 150.
+FUSED_NAME_LIMIT = 100
+
+
+@contextmanager
+def _short_kernel_names() -> Iterator[None]:
+    if adapter.can_rename_fused_kernels():
+        with adapter.renaming_fused_kernels(lambda name: name[:FUSED_NAME_LIMIT]):
+            yield
+    else:  # a torch without the naming hook: plain numbered names
+        with adapter.patch_inductor_config({"triton.descriptive_names": False}):
+            yield
+
+
+def _compile_once(
+    gm: torch.fx.GraphModule,
+    graph: GraphDescription,
+    point: Mapping[sympy.Symbol, int],
+    dynamic: bool,
+    options: Mapping[str, Any],
+    size_oblivious: bool,
+    attention: Mapping[str, bool],
+) -> tuple[Any, ...]:
+    """One compile of a variant from fresh inputs, its attention backends switched as
+    ``attention`` says: their fake mode, the map back to the caller's symbols, the
+    payload, its built kernels and input uses."""
+    inputs, fake_mode, reverse = _fresh_inputs(graph, point, dynamic)
+    with (
+        _compile_context(fake_mode, size_oblivious),
+        attention_backends(attention),
+        _short_kernel_names(),
+    ):
+        compiled = adapter.compile_fx(copy.deepcopy(gm), inputs, options)
+        if not adapter.serializable(compiled):
+            raise UnsupportedGraphError(
+                "inductor returned a compiled graph that cannot be serialized (for example "
+                "a graph with no operations, or options such as freezing that upstream "
+                "cannot save)"
+            )
+        try:
+            payload = adapter.serialize_variant(compiled)
+        except (TypeError, AttributeError, pickle.PicklingError) as exc:
+            raise UnsupportedGraphError(
+                "inductor compiled the graph but could not serialize it "
+                f"({type(exc).__name__}: {exc}); graphs from torch.export's module() wrapper "
+                "are one known case: capture the graph with Dynamo (a torch.compile backend) "
+                "instead"
+            ) from exc
+        payload = settle_triton_kernels(payload)
+        kernels = built_cpp_kernels(payload)
+        uses, training = input_uses(payload, len(inputs))
+    return fake_mode, reverse, payload, kernels, uses, training
+
+
+def compile_variant(
+    gm: torch.fx.GraphModule,
+    graph: GraphDescription,
+    point: Mapping[sympy.Symbol, int],
+    *,
+    dynamic: bool,
+    options: Mapping[str, Any],
+) -> CompiledVariant:
+    """Compile one variant with inductor from a fresh ShapeEnv whose symbols mirror the
+    caller's, hinted at ``point`` (``dynamic=False``: fixed to it), so the guards this
+    compile adds are this variant's alone; returns its payload, those guards in the
+    caller's symbols, its built C++ kernels and how it uses its inputs."""
+    # A point at 0 or 1 is meant to specialize (a decode step's code for one row); any
+    # other dynamic point is traced for every size, 0 and 1 included. Size-oblivious
+    # tracing is experimental in torch: where it fails (torch 2.11 lowering a KV-cache
+    # graph raised KeyError 'unbacked_bindings'), the variant is compiled with 0/1 guards
+    # instead, which keep it away from the sizes it was not traced for.
+    size_oblivious = dynamic and all(int(v) >= 2 for v in point.values())
+    switches = sdpa_switches()
+    lengths = attention_lengths(gm) if dynamic else ()
+    # cuDNN attention is allowed where every attention length can be fixed in this
+    # variant (each symbol in them at 0 or 1, which a size-oblivious compile never has);
+    # the compile's guards confirm it below.
+    may_fix = (
+        graph_on_cuda(graph)
+        and lengths is not None
+        and all(
+            int(point.get(symbol, 2)) <= 1 for length in lengths for symbol in length.free_symbols
+        )
+    )
+    attention = sdpa_backends(switches, dynamic=dynamic, lengths_fixed=may_fix)
+    retry: str | None = None
+    try:
+        result = _compile_once(gm, graph, point, dynamic, options, size_oblivious, attention)
+    except UnsupportedGraphError:
+        raise
+    except Exception as exc:
+        if not size_oblivious or not type(exc).__module__.startswith("torch"):
+            raise  # only torch's own compile failures are worth a guarded retry
+        first_line = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else ""
+        retry = f"size-oblivious compile failed ({type(exc).__name__}: {first_line})"
+    else:
+        if size_oblivious and _pinned_to_a_size(adapter.mode_shape_env(result[0]), result[1]):
+            # Seen with a backward graph of masked attention: size-oblivious tracing held
+            # the dim to its hint (12 == s); traced with 0/1 guards it serves every size.
+            retry = "size-oblivious compile held a dynamic dim to one size"
+    if retry is not None:
+        log.info("%s; compiling with 0/1 guards", retry)
+        result = _compile_once(gm, graph, point, dynamic, options, False, attention)
+    unfixed = sdpa_backends(switches, dynamic=dynamic, lengths_fixed=False)
+    if attention != unfixed and not _lengths_pinned(
+        adapter.mode_shape_env(result[0]), result[1], lengths or ()
+    ):
+        log.info("an attention length stays free in this variant; compiling it without cuDNN")
+        result = _compile_once(gm, graph, point, dynamic, options, False, unfixed)
+    elif attention != unfixed and lengths:
+        log.info("variant at %s: attention lengths fixed, compiled with cuDNN allowed", point)
+    fake_mode, reverse, payload, kernels, uses, training = result
+    shape_env = adapter.mode_shape_env(fake_mode)
+    guards: list[sympy.Expr] = adapter.recorded_guards(shape_env)
+    for symbol, replacement in adapter.replacements(shape_env).items():
+        if symbol in reverse:
+            guards.append(sympy.Eq(symbol, replacement))
+    for symbol in reverse:
+        low, high = adapter.symbol_range(shape_env, symbol)
+        if low is not None and low > 0:
+            guards.append(sympy.Ge(symbol, low))
+        if high is not None:
+            guards.append(sympy.Le(symbol, high))
+    translated = []
+    for guard in guards:
+        expr = sympy.sympify(guard).xreplace(reverse)
+        if not dynamic or not graph.symbols:
+            # A static variant (or any variant of a graph with no symbol: one compiled
+            # from_example_inputs) has every size fixed, yet AOTAutograd still turns int
+            # inputs (a SymInt placeholder's value) into fresh symbols; each equals the
+            # int it was made from, which the variant's exact-size guards already pin.
+            leftover = expr.free_symbols - set(graph.symbols)
+            if leftover:
+                hints = {s: symbol_hint(shape_env, s) for s in leftover}
+                expr = sympy.simplify(expr.xreplace(hints))
+        if expr.free_symbols - set(graph.symbols):
+            raise UnsupportedGraphError(
+                f"variant guard {guard} involves symbols that are not graph inputs"
+            )
+        if expr is sympy.true:
+            continue
+        translated.append(expr)
+    return CompiledVariant(payload, tuple(dict.fromkeys(translated)), kernels, uses, training)
