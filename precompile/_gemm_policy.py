@@ -9,16 +9,28 @@ Steady state was no slower at any size measured (``benchmarks/gemm_backends.py``
 ``results/gemm-backends-h100.json``). The build costs more: the templates are autotuned
 at each hint.
 
-So CUDA hint variants that serve more than one size use Triton GEMM templates. Exact-size
-variants keep inductor's default: they serve one size, whose cuBLAS plan the warm-up makes.
-So does a hint variant whose point has every dynamic dim at 0 or 1, which the trace
-specializes (a decode step for one row): it serves one size too, and there the templates
-were slower, measured in one run on an H100 (``benchmarks/decode.py``'s Llama at batch 1:
-506 us of GPU time per step against 423 us with cuBLAS, the whole gap to the hand-captured
-graph). A caller who sets any
-of the GEMM autotuning options (in ``options["config_patches"]`` or in inductor's config)
-keeps their choice. A variant whose GEMMs no template can serve is compiled with the
-caller's options (see ``precompile._standalone``).
+So CUDA hint variants that serve more than one size use Triton GEMM templates, but two
+kinds keep inductor's default (cuBLAS):
+
+* exact-size variants: they serve one size, whose cuBLAS plan the warm-up makes. So does
+  a hint variant whose point has every dynamic dim at 0 or 1, which the trace specializes
+  (a decode step for one row): it serves one size too, and there the templates were
+  slower, measured in one run on an H100 (``benchmarks/decode.py``'s Llama at batch 1:
+  506 us of GPU time per step against 423 us with cuBLAS).
+* hint variants compiled with cuDNN attention because their attention lengths are fixed
+  there (a decode step on a static cache; see ``_attention_policy``): a batch size new
+  to one already builds a cuDNN plan on the host, beside which cuBLAS's choice is small,
+  and cuBLAS is faster per step. Both sides in one run on an H100
+  (``benchmarks/results/decode-gemm-h100.json``, ``CompiledModel.generate`` with CUDA
+  graphs, ms per token): 0.524 / 0.634 at batch 4 / 8 with cuBLAS against 0.548 / 0.658
+  with the templates (the hand-captured ``torch.compile`` graph: 0.526 / 0.638); a new
+  batch's first step 72-74 ms against 55-58 ms (the cuDNN plan is most of both). Where
+  the compile's guards leave a length free after all, the variant is compiled again
+  without cuDNN and keeps cuBLAS.
+
+A caller who sets any of the GEMM autotuning options (in ``options["config_patches"]``
+or in inductor's config) keeps their choice. A variant whose GEMMs no template can serve
+is compiled with the caller's options (see ``precompile._standalone``).
 """
 
 from __future__ import annotations
@@ -34,19 +46,25 @@ TRITON_GEMMS: Mapping[str, Any] = {
 CALLER_CHOICES = frozenset({"max_autotune", "max_autotune_gemm", "max_autotune_gemm_backends"})
 # In every cache key: a build under another policy compiled other code.
 POLICY = (
-    "gemm 2: CUDA hint variants that serve more than one size use Triton GEMM templates "
-    "unless the caller chose"
+    "gemm 3: CUDA hint variants that serve more than one size use Triton GEMM templates "
+    "unless the caller chose or the variant is a decode step on cuDNN attention"
 )
 
 
 def gemm_options(
-    options: Mapping[str, Any], *, device: str, dynamic: bool, caller_config: Set[str]
+    options: Mapping[str, Any],
+    *,
+    device: str,
+    dynamic: bool,
+    caller_config: Set[str],
+    cudnn_decode: bool = False,
 ) -> dict[str, Any] | None:
     """The compile options of a variant on ``device`` (``dynamic``: a hint variant that
-    serves more than one size), where the policy changes them, else None.
+    serves more than one size; ``cudnn_decode``: one compiled with cuDNN attention for
+    its fixed attention lengths), where the policy changes them, else None.
     ``caller_config``: the inductor config entries the caller holds at other than their
     defaults."""
-    if device != "cuda" or not dynamic:
+    if device != "cuda" or not dynamic or cudnn_decode:
         return None
     patches = options.get("config_patches") or {}
     if not isinstance(patches, Mapping):

@@ -304,8 +304,12 @@ def _compile_variant(
     dynamic = request.kind == "hint"
     # A point with every symbol at 0 or 1 is specialized by the trace: one size is served.
     serves_many = dynamic and any(int(value) >= 2 for value in point.values())
-    chosen = gemm_options(options, device=_device_of(graph), dynamic=serves_many,
-                          caller_config=inductor_config_changes())  # fmt: skip
+    device = _device_of(graph)
+    chosen = gemm_options(
+        options, device=device, dynamic=serves_many, caller_config=inductor_config_changes(),
+        cudnn_decode=serves_many and device == "cuda"
+        and variant_compile.decode_attention_on_cudnn(gm, graph, point),
+    )  # fmt: skip
     if chosen is not None:
         try:
             return variant_compile.compile_variant(

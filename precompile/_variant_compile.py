@@ -208,6 +208,34 @@ def _compile_once(
     return fake_mode, reverse, payload, kernels, uses, training
 
 
+def _may_fix_lengths(
+    graph: GraphDescription,
+    point: Mapping[sympy.Symbol, int],
+    lengths: Sequence[sympy.Expr] | None,
+) -> bool:
+    """Whether every attention length can be fixed in the variant at ``point``: each
+    symbol in them at 0 or 1 (which a size-oblivious compile never has); the compile's
+    guards confirm it (``compile_variant``)."""
+    return (
+        graph_on_cuda(graph)
+        and lengths is not None
+        and all(
+            int(point.get(symbol, 2)) <= 1 for length in lengths for symbol in length.free_symbols
+        )
+    )
+
+
+def decode_attention_on_cudnn(
+    gm: torch.fx.GraphModule, graph: GraphDescription, point: Mapping[sympy.Symbol, int]
+) -> bool:
+    """Whether the hint variant at ``point`` has attention whose lengths can be fixed
+    there (a decode step on a static cache) and is compiled with cuDNN attention for it."""
+    lengths = attention_lengths(gm)
+    if not lengths or not _may_fix_lengths(graph, point, lengths):
+        return False
+    return sdpa_backends(sdpa_switches(), dynamic=True, lengths_fixed=True).get("cudnn", False)
+
+
 def compile_variant(
     gm: torch.fx.GraphModule,
     graph: GraphDescription,
@@ -228,17 +256,9 @@ def compile_variant(
     size_oblivious = dynamic and all(int(v) >= 2 for v in point.values())
     switches = sdpa_switches()
     lengths = attention_lengths(gm) if dynamic else ()
-    # cuDNN attention is allowed where every attention length can be fixed in this
-    # variant (each symbol in them at 0 or 1, which a size-oblivious compile never has);
-    # the compile's guards confirm it below.
-    may_fix = (
-        graph_on_cuda(graph)
-        and lengths is not None
-        and all(
-            int(point.get(symbol, 2)) <= 1 for length in lengths for symbol in length.free_symbols
-        )
+    attention = sdpa_backends(
+        switches, dynamic=dynamic, lengths_fixed=_may_fix_lengths(graph, point, lengths)
     )
-    attention = sdpa_backends(switches, dynamic=dynamic, lengths_fixed=may_fix)
     retry: str | None = None
     try:
         result = _compile_once(gm, graph, point, dynamic, options, size_oblivious, attention)

@@ -353,6 +353,32 @@ def test_cudagraph_decode_matches_the_same_model_without_graphs(
 
 
 @pytest.mark.gpu
+def test_decode_variants_on_cudnn_attention_keep_cublas_gemms(
+    cuda_llama: tuple[Any, Any, Any],
+) -> None:
+    """The GEMM policy (``precompile._gemm_policy``): a hint variant that serves many
+    batch sizes of a decode step (attention lengths fixed, so cuDNN attention) keeps
+    inductor's cuBLAS GEMMs; a prefill hint variant (lengths free) takes Triton
+    templates."""
+    _, plain, _ = cuda_llama
+    blas: dict[str, set[bool]] = {"decode": set(), "prefill": set()}
+    for compiled in (plain, *plain.pieces.values()):
+        manifest = compiled.artifact.manifest
+        leaf, dim = compiled.plan.tokens  # input_ids' sequence dim
+        index = compiled.plan.bindings.index(("leaf", leaf))
+        tokens = manifest.inputs[index].shape[dim]  # 1, or a symbol's name
+        for variant in manifest.variants:
+            if variant.kind != "hint" or variant.lean is None:
+                continue
+            if all(value <= 1 for value in variant.point.values()):
+                continue  # specialized to one size: cuBLAS whatever its attention
+            decode = tokens == 1 or variant.point.get(tokens) == 1
+            kind = "decode" if decode else "prefill"
+            blas[kind].add(bool({"mm", "addmm", "bmm"} & set(variant.lean.externs)))
+    assert blas == {"decode": {True}, "prefill": {False}}, blas
+
+
+@pytest.mark.gpu
 def test_generate_with_cudagraphs_matches_without(
     cuda_llama: tuple[Any, Any, Any], cache_dir: str
 ) -> None:

@@ -1,6 +1,7 @@
 """The GEMM policy (``precompile._gemm_policy``, an internal module: its subject): CUDA
-hint variants use Triton GEMM templates, everything else compiles as inductor would, and
-a caller's own choice of GEMM autotuning stays theirs. The GPU side (which kernels the
+hint variants use Triton GEMM templates, everything else (and a decode variant on cuDNN
+attention) compiles as inductor would, and a caller's own choice of GEMM autotuning stays
+theirs. The GPU side (which kernels the
 variants hold, and that they run lean) is in ``test_gpu_lean.py``."""
 
 from __future__ import annotations
@@ -18,6 +19,13 @@ def test_cuda_hint_variants_take_triton_templates() -> None:
 @pytest.mark.parametrize(("device", "dynamic"), [("cpu", True), ("cuda", False), ("cpu", False)])
 def test_other_variants_compile_as_inductor_would(device: str, dynamic: bool) -> None:
     assert gemm_options({}, device=device, dynamic=dynamic, caller_config=frozenset()) is None
+
+
+def test_a_decode_variant_on_cudnn_attention_keeps_inductors_gemms() -> None:
+    """A new batch builds a cuDNN plan there anyway; cuBLAS was faster per step."""
+    chosen = gemm_options({}, device="cuda", dynamic=True, caller_config=frozenset(),
+                          cudnn_decode=True)  # fmt: skip
+    assert chosen is None
 
 
 def test_the_callers_other_options_and_patches_are_kept() -> None:
@@ -80,6 +88,8 @@ def test_a_variant_templates_cannot_serve_compiles_with_the_callers_options(
         return "compiled"
 
     monkeypatch.setattr(_standalone.variant_compile, "compile_variant", compile_variant)
+    monkeypatch.setattr(_standalone.variant_compile, "decode_attention_on_cudnn",
+                        lambda gm, graph, point: False)  # fmt: skip
     monkeypatch.setattr(_standalone, "_device_of", lambda graph: "cuda")
     request = VariantRequest("hint", (16,))
     with caplog.at_level(logging.INFO, logger="precompile.compile"):
@@ -111,7 +121,10 @@ def test_a_hint_variant_that_serves_one_size_keeps_inductors_gemms(
         calls.append(options)
         return "compiled"
 
+    cudnn: list[bool] = [False]
     monkeypatch.setattr(_standalone.variant_compile, "compile_variant", compile_variant)
+    monkeypatch.setattr(_standalone.variant_compile, "decode_attention_on_cudnn",
+                        lambda gm, graph, point: cudnn[0])  # fmt: skip
     monkeypatch.setattr(_standalone, "_device_of", lambda graph: "cuda")
     batch, length = sympy.Symbol("s0"), sympy.Symbol("s1")
     request = VariantRequest("hint", (1, 1))
@@ -119,3 +132,6 @@ def test_a_hint_variant_that_serves_one_size_keeps_inductors_gemms(
     assert calls == [{}]
     _standalone._compile_variant(None, None, {batch: 8, length: 1}, request, {}, 1)  # type: ignore[arg-type]
     assert calls[1] == {"config_patches": dict(TRITON_GEMMS)}
+    cudnn[0] = True  # the same point, its attention on cuDNN (a decode step): cuBLAS
+    _standalone._compile_variant(None, None, {batch: 8, length: 1}, request, {}, 2)  # type: ignore[arg-type]
+    assert calls[2] == {}
