@@ -438,13 +438,20 @@ def test_served_decode_steps_never_wait_for_the_gpu(cuda_llama: tuple[Any, Any, 
         graphs.generate(prompt, new_cache(model), max_new_tokens=4)  # captures
 
         # A new cache is initialized outside: transformers' own initialization copies its
-        # length counter to the GPU, which waits (once per cache, not per call).
+        # length counter to the GPU, which waits (once per cache, not per call). Each is
+        # kept alive, so that no later cache takes its addresses (and its step graph).
+        caches: list[Any] = []
+
         def generate(steps: int) -> Callable[[], object]:
-            fresh = new_cache(model, 2, dtype=torch.bfloat16, device="cuda")
+            caches.append(new_cache(model, 2, dtype=torch.bfloat16, device="cuda"))
+            fresh = caches[-1]
             return lambda: graphs.generate(prompt, fresh, max_new_tokens=steps)
 
         waits = [_synchronizations(generate(steps)) for steps in (4, STEPS)]
         assert waits[0] == waits[1] <= 2, waits
+        caches[-1].reset()  # the same cache again: its step graph replays, none captured
+        again = _synchronizations(lambda: graphs.generate(prompt, caches[-1], max_new_tokens=STEPS))
+        assert again <= 1, again
 
 
 @pytest.mark.gpu
@@ -492,11 +499,13 @@ def test_generate_replays_its_step_graph_only_where_it_is_sound(
     assert torch.equal(graphs.generate(prompt, cache, max_new_tokens=STEPS), want)
     steps = graphs._decode_graphs
     assert steps is not None
-    captured = dict(steps._graphs)
-    assert len(captured) == 1 and not steps._refused, steps._refused
+    # the module's tests share the model's graphs: this generate's is the latest used
+    assert steps._graphs and not steps._refused, steps._refused
+    captured, latest = dict(steps._graphs), next(reversed(steps._graphs.values()))
     cache.reset()
     assert torch.equal(graphs.generate(prompt, cache, max_new_tokens=STEPS), want)
     assert dict(steps._graphs) == captured  # replayed: nothing captured again
+    assert next(reversed(steps._graphs.values())) is latest
 
     eos = int(want[1, 7 + 3])  # row 1 stops at its 4th token
     options: dict[str, Any] = dict(max_new_tokens=STEPS, eos_token_id=eos, pad_token_id=0)
