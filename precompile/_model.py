@@ -72,11 +72,13 @@ def _dynamic_dims(
 ) -> dict[int, set[int]]:
     """Per tensor leaf, the dims to trace as dynamic: from ``dynamic`` (positional index or
     kwarg name -> dims) or from ``torch._dynamo.mark_dynamic`` on the example tensors."""
+    from . import _torch_adapter as adapter  # lazily, as below: a warm lookup needs little
+
     dims: dict[int, set[int]] = {}
     for index, leaf in enumerate(leaves):
-        marked = getattr(leaf, "_dynamo_dynamic_indices", None)
+        marked = adapter.marked_dynamic_dims(leaf)
         if marked:
-            dims[index] = set(marked)
+            dims[index] = marked
     if dynamic is None:
         return dims
     if not isinstance(dynamic, Mapping):

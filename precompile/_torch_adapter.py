@@ -21,15 +21,17 @@ import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import sympy
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from precompile.cache import sha256_hex
 from precompile.runtime import TritonLaunch
 from precompile.runtime import _torch_adapter as runtime_adapter
+
+if TYPE_CHECKING:  # sympy is imported where it is used: a warm lookup imports none of it
+    import sympy
 
 
 # -- standalone_compile's signature -------------------------------------------------
@@ -46,6 +48,12 @@ def upstream_standalone_parameters() -> frozenset[str]:
 def mark_dynamic(tensor: torch.Tensor, dim: int) -> None:
     """Dynamo's ``mark_dynamic``: trace ``dim`` of ``tensor`` as a symbol."""
     torch._dynamo.mark_dynamic(tensor, dim)
+
+
+def marked_dynamic_dims(value: Any) -> set[int]:
+    """The dims ``torch._dynamo.mark_dynamic`` marked on ``value`` (none for a non-tensor);
+    Dynamo keeps them in a private attribute."""
+    return set(getattr(value, "_dynamo_dynamic_indices", None) or ())
 
 
 def maybe_mark_dynamic(tensor: torch.Tensor, dim: int) -> None:
@@ -279,6 +287,7 @@ def item_memo(value: Any) -> Any:
 def set_item_memo(tensor: Any, shape_env: Any, value: float) -> None:
     """Make ``item()`` of a 0-d FakeTensor return ``value`` (a SymFloat of ``shape_env``
     hinted at it, which the fake tensor keeps across retraces)."""
+    import sympy
     from torch.fx.experimental.sym_node import SymNode
 
     tensor.item_memo = torch.SymFloat(SymNode(sympy.Float(value), shape_env, float, hint=value))
