@@ -18,8 +18,10 @@ so it is the same either way).
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from collections.abc import Callable, Collection, Mapping, Sequence
+import threading
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -86,19 +88,51 @@ def next_tokens(
     return torch.multinomial(probabilities, num_samples=1, generator=generator).squeeze(1)
 
 
-def _eos_ids(eos_token_id: int | Sequence[int] | None) -> tuple[Any, ...]:
-    return (eos_token_id,) if isinstance(eos_token_id, int) else tuple(eos_token_id or ())
+def _eos_ids(eos_token_id: Any) -> tuple[int, ...]:
+    """The stopping ids as ints (an int, a sequence of them, or an integer tensor, as
+    transformers takes them), else ``InvalidOptionError`` naming the argument."""
+    if isinstance(eos_token_id, torch.Tensor) and not eos_token_id.dtype.is_floating_point:
+        ids: Any = eos_token_id.reshape(-1).tolist()
+    elif eos_token_id is None:
+        ids = []
+    elif isinstance(eos_token_id, int):
+        ids = [eos_token_id]
+    elif isinstance(eos_token_id, (list, tuple)):
+        ids = list(eos_token_id)
+    else:
+        ids = [None]
+    if any(isinstance(v, bool) or not isinstance(v, int) or v < 0 for v in ids):
+        raise InvalidOptionError(
+            "eos_token_id must be a token id (an int >= 0), a list of them or an integer "
+            f"tensor, got {eos_token_id!r}"
+        )
+    return tuple(ids)
 
 
-def _eos_tensor(eos_token_id: int | Sequence[int] | None, device: torch.device) -> torch.Tensor:
-    ids = list(_eos_ids(eos_token_id))
-    for value in ids:
-        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+def _eos_tensor(eos_ids: Sequence[int], device: torch.device) -> torch.Tensor:
+    return torch.tensor(list(eos_ids), dtype=torch.long, device=device)
+
+
+# The caches a generate is writing now: one cache serves one generate at a time (two
+# would race on its tokens, and on the check that it starts empty).
+_WRITING: set[int] = set()
+_WRITING_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def _writing(cache: Any) -> Iterator[None]:
+    with _WRITING_LOCK:
+        if id(cache) in _WRITING:
             raise InvalidOptionError(
-                f"eos_token_id must be a token id (an int >= 0) or a list of them, got "
-                f"{eos_token_id!r}"
+                "past_key_values is being written by another generate (in another thread): "
+                "a cache serves one generate at a time; give each its own cache"
             )
-    return torch.tensor(ids, dtype=torch.long, device=device)
+        _WRITING.add(id(cache))
+    try:
+        yield
+    finally:
+        with _WRITING_LOCK:
+            _WRITING.discard(id(cache))
 
 
 def _mask_buffer(
@@ -231,7 +265,16 @@ def decode_loop(
         raise InvalidOptionError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
     check_sampling(do_sample, temperature, top_k, top_p)
     device = input_ids.device
-    eos = _eos_tensor(eos_token_id, device)
+    if generator is not None and (
+        not isinstance(generator, torch.Generator) or generator.device.type != device.type
+    ):
+        raise InvalidOptionError(
+            f"generator must be a torch.Generator on input_ids' device ({device}) or None, "
+            f"got {generator!r}"
+            + (f" on {generator.device}" if isinstance(generator, torch.Generator) else "")
+        )
+    eos_ids = _eos_ids(eos_token_id)
+    eos = _eos_tensor(eos_ids, device)
     if eos.numel() and (
         pad_token_id is None
         or isinstance(pad_token_id, bool)
@@ -250,155 +293,156 @@ def decode_loop(
             f"max_new_tokens={max_new_tokens} writes {total - 1}; pass a larger cache or "
             "ask for fewer tokens"
         )
-    filled = held(cache) if held is not None else 0
-    if filled:
-        raise InvalidOptionError(
-            f"past_key_values already holds {filled} tokens: generate starts from an empty "
-            "cache (the prompt is the whole context); pass a fresh cache or reset() this one"
-        )
-    mask = _mask_buffer(attention_mask, names, input_ids, capacity)
-    choose = functools.partial(next_tokens, do_sample=do_sample, temperature=temperature,
-                               top_k=top_k, top_p=top_p)  # fmt: skip
-    fill = pad_token_id or 0
-    tokens = torch.empty(batch, total, dtype=torch.long, device=device)
-    tokens[:, :length] = input_ids
-    unfinished = torch.ones(batch, dtype=torch.bool, device=device)
-    sync_every = 1 if device.type == "cpu" else _SYNC_EVERY
+    with _writing(cache):
+        filled = held(cache) if held is not None else 0
+        if filled:
+            raise InvalidOptionError(
+                f"past_key_values already holds {filled} tokens: generate starts from an empty "
+                "cache (the prompt is the whole context); pass a fresh cache or reset() this one"
+            )
+        mask = _mask_buffer(attention_mask, names, input_ids, capacity)
+        choose = functools.partial(next_tokens, do_sample=do_sample, temperature=temperature,
+                                   top_k=top_k, top_p=top_p)  # fmt: skip
+        fill = pad_token_id or 0
+        tokens = torch.empty(batch, total, dtype=torch.long, device=device)
+        tokens[:, :length] = input_ids
+        unfinished = torch.ones(batch, dtype=torch.bool, device=device)
+        sync_every = 1 if device.type == "cpu" else _SYNC_EVERY
 
-    # The prefill: the prompt, every row's positions from its mask.
-    arguments: dict[str, Any] = {"input_ids": input_ids, "past_key_values": cache}
-    if "use_cache" in names:
-        arguments["use_cache"] = constants.get("use_cache", True)
-    if "cache_position" in names:
-        arguments["cache_position"] = torch.arange(0, length, device=device)
-    positions = None
-    if mask is not None:
-        arguments["attention_mask"] = mask
-        if "position_ids" in names:
-            # the running count of the prompt's tokens - 1, 1 at padding
-            counts = mask[:, :length].cumsum(dim=-1) - 1
-            positions = counts.masked_fill(mask[:, :length] == 0, 1)
-            arguments["position_ids"] = positions
-    chosen = choose(call(**arguments).logits, generator=generator)
-    if eos.numel():
-        unfinished &= ~torch.isin(chosen, eos)
-    tokens[:, length] = chosen
-    written = length + 1
-
-    def all_finished(step: int, flags: torch.Tensor) -> bool:
-        """Whether to stop after ``step`` (0: the prefill): every row at EOS, read once
-        every ``sync_every`` steps (never after the last, which stops anyway)."""
-        return (
-            bool(eos.numel())
-            and step < max_new_tokens - 1
-            and (step + 1) % sync_every == 0
-            and not bool(flags.any())
-        )
-
-    if max_new_tokens == 1 or all_finished(0, unfinished):
-        return _cut_after_eos(tokens[:, :written], eos, length, sync_every)
-
-    # The decode steps: one token per row, every step on the same buffers, advanced in
-    # place (the step a graph captures).
-    def step_arguments(b: StepBuffers) -> dict[str, Any]:
-        found: dict[str, Any] = {"input_ids": b.ids, "past_key_values": cache}
+        # The prefill: the prompt, every row's positions from its mask.
+        arguments: dict[str, Any] = {"input_ids": input_ids, "past_key_values": cache}
         if "use_cache" in names:
-            found["use_cache"] = constants.get("use_cache", True)
+            arguments["use_cache"] = constants.get("use_cache", True)
         if "cache_position" in names:
-            found["cache_position"] = b.position
-        if b.mask is not None:
-            found["attention_mask"] = b.mask
-        if b.positions is not None:
-            found["position_ids"] = b.positions
-        return found
+            arguments["cache_position"] = torch.arange(0, length, device=device)
+        positions = None
+        if mask is not None:
+            arguments["attention_mask"] = mask
+            if "position_ids" in names:
+                # the running count of the prompt's tokens - 1, 1 at padding
+                counts = mask[:, :length].cumsum(dim=-1) - 1
+                positions = counts.masked_fill(mask[:, :length] == 0, 1)
+                arguments["position_ids"] = positions
+        chosen = choose(call(**arguments).logits, generator=generator)
+        if eos.numel():
+            unfinished &= ~torch.isin(chosen, eos)
+        tokens[:, length] = chosen
+        written = length + 1
 
-    def decode_step(
-        b: StepBuffers, forward: Callable[..., Any], drawn: torch.Generator | None
-    ) -> None:
-        if b.mask is not None:
-            b.mask.index_fill_(1, b.position, 1)
-        if b.positions is not None:
-            b.positions.add_(1)  # one token more per row: its position follows the last
-        chosen = choose(forward(**step_arguments(b)).logits, generator=drawn)
-        if b.eos.numel():
-            chosen = torch.where(b.unfinished, chosen, torch.full_like(chosen, fill))
-            b.unfinished &= ~torch.isin(chosen, b.eos)
-        b.ids.copy_(chosen[:, None])
-        b.position.add_(1)
+        def all_finished(step: int, flags: torch.Tensor) -> bool:
+            """Whether to stop after ``step`` (0: the prefill): every row at EOS, read once
+            every ``sync_every`` steps (never after the last, which stops anyway)."""
+            return (
+                bool(eos.numel())
+                and step < max_new_tokens - 1
+                and (step + 1) % sync_every == 0
+                and not bool(flags.any())
+            )
 
-    # A graph draws from a generator of its own (a graph bakes in the generator it was
-    # captured with): given the caller's state before its steps, and the state after them
-    # given back, so the caller's generator advances as eager's would. Without one, the
-    # default generator (which registers itself with every graph).
-    own_generator = do_sample and generator is not None
-    if own_generator and generator is not None and generator.device != device:
-        graphed = None  # the eager path raises torch's own error for it
-    key = (
-        batch, tuple(names), do_sample, temperature, top_k, top_p, own_generator,
-        _eos_ids(eos_token_id), fill, _cache_addresses(cache),
-    )  # fmt: skip
-    graph = None
-    if graphed is not None and not graphed.graphs.refused(key):
-        graph = graphed.graphs.take(key)
-    if graph is not None and graphed is not None:
-        buffers = graph.buffers  # the graph's own: this generate's values copied in
-        buffers.ids.copy_(chosen[:, None])
-        buffers.position.fill_(length)
-        buffers.unfinished.copy_(unfinished)
-        if buffers.mask is not None and mask is not None:
-            buffers.mask.copy_(mask)
-        if buffers.positions is not None and positions is not None:
-            buffers.positions.copy_(positions[:, -1:])
-        if not graphed.graphs.current(graph, key, step_arguments(buffers)):
-            graph = None
-    drawn = generator if do_sample else None  # what the steps draw from
-    if graph is not None:
-        drawn = graph.generator if own_generator else drawn
-    elif graphed is not None and own_generator:
-        drawn = torch.Generator(device=device)
-    if drawn is not None and drawn is not generator and generator is not None:
-        drawn.set_state(generator.get_state())
-    if graph is None:
-        buffers = StepBuffers(
-            ids=chosen[:, None].clone(),
-            position=torch.full((1,), length, dtype=torch.long, device=device),
-            unfinished=unfinished,
-            eos=eos,
-            mask=mask,
-            positions=None if positions is None else positions[:, -1:].clone(),
-        )
-    unguarded = False  # steps ran where the cache guard's mirror did not see them
-    try:
-        for step in range(1, max_new_tokens):
-            if graph is not None:
-                graph.graph.replay()
-                unguarded = True
-            elif graphed is not None and step >= 2 and not graphed.graphs.refused(key):
-                unguarded = True
-                graph = graphed.graphs.capture(
-                    key,
-                    functools.partial(decode_step, buffers, graphed.call, drawn),
-                    buffers,
-                    step_arguments(buffers),
-                    drawn if own_generator else None,
-                )  # ran this step, then captured it for the next ones
-            elif graphed is not None and not graphed.graphs.refused(key):
-                with plain_calls():  # checked, not captured by the per-size graphs
-                    decode_step(buffers, call, drawn)
-            else:
-                decode_step(buffers, call, drawn)
-            tokens[:, written] = buffers.ids[:, 0]
-            written += 1
-            if all_finished(step, buffers.unfinished):
-                break
-    finally:
-        if drawn is not None and drawn is not generator and generator is not None:
-            generator.set_state(drawn.get_state())  # the caller's, advanced as eager's
+        if max_new_tokens == 1 or all_finished(0, unfinished):
+            return _cut_after_eos(tokens[:, :written], eos, length, sync_every)
+
+        # The decode steps: one token per row, every step on the same buffers, advanced in
+        # place (the step a graph captures).
+        def step_arguments(b: StepBuffers) -> dict[str, Any]:
+            found: dict[str, Any] = {"input_ids": b.ids, "past_key_values": cache}
+            if "use_cache" in names:
+                found["use_cache"] = constants.get("use_cache", True)
+            if "cache_position" in names:
+                found["cache_position"] = b.position
+            if b.mask is not None:
+                found["attention_mask"] = b.mask
+            if b.positions is not None:
+                found["position_ids"] = b.positions
+            return found
+
+        def decode_step(
+            b: StepBuffers, forward: Callable[..., Any], drawn: torch.Generator | None
+        ) -> None:
+            if b.mask is not None:
+                b.mask.index_fill_(1, b.position, 1)
+            if b.positions is not None:
+                b.positions.add_(1)  # one token more per row: its position follows the last
+            chosen = choose(forward(**step_arguments(b)).logits, generator=drawn)
+            if b.eos.numel():
+                chosen = torch.where(b.unfinished, chosen, torch.full_like(chosen, fill))
+                b.unfinished &= ~torch.isin(chosen, b.eos)
+            b.ids.copy_(chosen[:, None])
+            b.position.add_(1)
+
+        # A graph draws from a generator of its own (a graph bakes in the generator it was
+        # captured with): given the caller's state before its steps, and the state after them
+        # given back, so the caller's generator advances as eager's would. Without one, the
+        # default generator (which registers itself with every graph).
+        own_generator = do_sample and generator is not None
+        if own_generator and generator is not None and generator.device != device:
+            graphed = None  # the eager path raises torch's own error for it
+        key = (
+            batch, tuple(names), do_sample, temperature, top_k, top_p, own_generator,
+            eos_ids, fill, _cache_addresses(cache),
+        )  # fmt: skip
+        graph = None
+        if graphed is not None and not graphed.graphs.refused(key):
+            graph = graphed.graphs.take(key)
         if graph is not None and graphed is not None:
-            graphed.graphs.give(graph)
-        if unguarded and graphed is not None:
-            graphed.stale(cache)
-    return _cut_after_eos(tokens[:, :written], eos, length, sync_every)
+            buffers = graph.buffers  # the graph's own: this generate's values copied in
+            buffers.ids.copy_(chosen[:, None])
+            buffers.position.fill_(length)
+            buffers.unfinished.copy_(unfinished)
+            if buffers.mask is not None and mask is not None:
+                buffers.mask.copy_(mask)
+            if buffers.positions is not None and positions is not None:
+                buffers.positions.copy_(positions[:, -1:])
+            if not graphed.graphs.current(graph, key, step_arguments(buffers)):
+                graph = None
+        drawn = generator if do_sample else None  # what the steps draw from
+        if graph is not None:
+            drawn = graph.generator if own_generator else drawn
+        elif graphed is not None and own_generator:
+            drawn = torch.Generator(device=device)
+        if drawn is not None and drawn is not generator and generator is not None:
+            drawn.set_state(generator.get_state())
+        if graph is None:
+            buffers = StepBuffers(
+                ids=chosen[:, None].clone(),
+                position=torch.full((1,), length, dtype=torch.long, device=device),
+                unfinished=unfinished,
+                eos=eos,
+                mask=mask,
+                positions=None if positions is None else positions[:, -1:].clone(),
+            )
+        unguarded = False  # steps ran where the cache guard's mirror did not see them
+        try:
+            for step in range(1, max_new_tokens):
+                if graph is not None:
+                    graph.graph.replay()
+                    unguarded = True
+                elif graphed is not None and step >= 2 and not graphed.graphs.refused(key):
+                    unguarded = True
+                    graph = graphed.graphs.capture(
+                        key,
+                        functools.partial(decode_step, buffers, graphed.call, drawn),
+                        buffers,
+                        step_arguments(buffers),
+                        drawn if own_generator else None,
+                    )  # ran this step, then captured it for the next ones
+                elif graphed is not None and not graphed.graphs.refused(key):
+                    with plain_calls():  # checked, not captured by the per-size graphs
+                        decode_step(buffers, call, drawn)
+                else:
+                    decode_step(buffers, call, drawn)
+                tokens[:, written] = buffers.ids[:, 0]
+                written += 1
+                if all_finished(step, buffers.unfinished):
+                    break
+        finally:
+            if drawn is not None and drawn is not generator and generator is not None:
+                generator.set_state(drawn.get_state())  # the caller's, advanced as eager's
+            if graph is not None and graphed is not None:
+                graphed.graphs.give(graph)
+            if unguarded and graphed is not None:
+                graphed.stale(cache)
+        return _cut_after_eos(tokens[:, :written], eos, length, sync_every)
 
 
 def _cut_after_eos(

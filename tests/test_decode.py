@@ -592,11 +592,35 @@ def test_generate_refuses_bad_requests_by_name(llama: tuple[Any, Any]) -> None:
         ({"max_new_tokens": 4, "do_sample": True, "top_k": 0}, "top_k must be"),
         ({"max_new_tokens": 4, "eos_token_id": 3}, "pad_token_id .* is needed"),
         ({"max_new_tokens": 4, "eos_token_id": -1, "pad_token_id": 0}, "eos_token_id must be"),
+        ({"max_new_tokens": 4, "eos_token_id": 2.0, "pad_token_id": 0}, "eos_token_id must be"),
+        (
+            {"max_new_tokens": 4, "eos_token_id": torch.tensor([1.0]), "pad_token_id": 0},
+            "eos_token_id must be",
+        ),
         ({"max_new_tokens": MAX_CACHE}, f"the cache holds {MAX_CACHE} tokens"),
+        ({"max_new_tokens": 4, "do_sample": True, "generator": "gen"}, "generator must be"),
     ]
     for options, message in bad:
+        cache = new_cache(model)
         with pytest.raises(precompile.InvalidOptionError, match=message):
-            compiled.generate(prompt, new_cache(model), **options)
+            compiled.generate(prompt, cache, **options)
+        assert int(cache.layers[0].cumulative_length) == 0  # refused before any step
+    # EOS ids as an integer tensor, as transformers takes them
+    listed = compiled.generate(prompt, new_cache(model), max_new_tokens=6, eos_token_id=[3, 5],
+                               pad_token_id=0)  # fmt: skip
+    for ids in (torch.tensor([3, 5]), (3, 5)):
+        got = compiled.generate(prompt, new_cache(model), max_new_tokens=6, eos_token_id=ids,
+                                pad_token_id=0)  # fmt: skip
+        assert torch.equal(got, listed)
+    # One cache serves one generate at a time: a second one on it (another thread's) is
+    # refused before it touches the cache.
+    from precompile.runtime._decode_loop import _writing
+
+    shared = new_cache(model)
+    with _writing(shared), pytest.raises(precompile.InvalidOptionError, match="another generate"):
+        compiled.generate(prompt, shared, max_new_tokens=4)
+    assert int(shared.layers[0].cumulative_length) == 0
+    compiled.generate(prompt, shared, max_new_tokens=4)  # the claim is released
     with pytest.raises(precompile.InvalidOptionError, match="input_ids must be"):
         compiled.generate(prompt.float(), new_cache(model), max_new_tokens=4)
     with pytest.raises(precompile.InvalidOptionError, match="past_key_values must be"):
