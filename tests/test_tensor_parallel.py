@@ -245,10 +245,12 @@ def test_remote_tier_one_rank_compiles_each_graph_the_other_waits_and_downloads(
         assert report["head"]["groups"] == [["2", 2, "gloo", [0, 1]]], report
     # single flight across machines: each of compile_model's two traces of the head (its
     # length at 2 or more, and at 1) is the same graph on both ranks: one rank compiles
-    # it, the other waits for the lease and downloads it
+    # it, the other waits for the lease and downloads it (or, reaching it after the
+    # upload, downloads it without waiting: which one depends on the ranks' timing)
     assert sum(r["head"]["compiles"] for r in reports) == 2, reports
+    assert sum(r["stats"]["remote_hits"] for r in reports) >= 2, reports
     waited = [w for r in reports for w in r["lease_waits"] if not w["leased"]]
-    assert len(waited) == 2, [r["lease_waits"] for r in reports]
+    assert len(waited) <= 2, [r["lease_waits"] for r in reports]
     for wait in waited:
         lag = _wait_after_entry(remote["shared"], wait)
         print(f"waited {wait['seconds']:.2f} s for {wait['key'][:12]}, {lag:.2f} s after upload")
