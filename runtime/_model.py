@@ -640,7 +640,10 @@ class CompiledModel:
         0 at padding), for a model compiled with an ``attention_mask`` of
         ``[batch, max_cache_len]`` (and ``position_ids``, derived from the mask as
         transformers does). The cache is written in place: pass a fresh (or ``reset()``)
-        one, large enough for the prompt and the new tokens."""
+        one, large enough for the prompt and the new tokens; one cache serves one
+        generate at a time. With CUDA graphs on, the whole decode step (forward, token
+        choice, the advance of its inputs) is captured once per batch, cache and
+        settings and replayed per token (docs/decode.md)."""
         names = [n for n in dict.fromkeys(self._names) if n]
         constants = {self._names[i]: v for i, v in self.plan.constants.items()}
         with torch.no_grad():
