@@ -29,7 +29,7 @@ import torch
 from ._cudagraphs import plain_calls
 from ._decode_graphs import GraphedSteps, StepBuffers
 from ._errors import InvalidOptionError
-from ._kv_cache import CACHE_FIELDS, is_kv_cache, kv_cache_capacity
+from ._kv_cache import cache_tensors, is_kv_cache, kv_cache_capacity
 
 _DRIVEN = (
     "input_ids",
@@ -197,12 +197,7 @@ def _mask_buffer(
 
 def _cache_addresses(cache: Any) -> tuple[int, ...]:
     """The data addresses of a cache's tensors (a step graph writes them in place)."""
-    found = []
-    for layer in getattr(cache, "layers", ()):
-        for name in CACHE_FIELDS:
-            tensor = getattr(layer, name, None)
-            found.append(tensor.data_ptr() if isinstance(tensor, torch.Tensor) else 0)
-    return tuple(found)
+    return tuple(tensor.data_ptr() for _, _, tensor in cache_tensors(cache))
 
 
 def _described(value: object) -> str:
