@@ -122,9 +122,12 @@ class InputContract:
             for i in indices
         ]
         static_strides = [
-            [stride if isinstance(stride, int) else None for stride in self._tensors[i].strides]
-            for i in indices
-        ]
+            [
+                stride if isinstance(stride, int) and size != 1 else None
+                for size, stride in zip(spec.shape, spec.strides, strict=True)
+            ]
+            for spec in (self._tensors[i] for i in indices)
+        ]  # a dim of size 1 is never stepped along: its stride is not part of the contract
         guard = adapter.tensor_guard([args[i] for i in indices], static_sizes, static_strides)
         if guard is not None:
             grad_sensitive = any(
@@ -194,7 +197,10 @@ class InputContract:
                     deferred.append(f"{arg} != {to_python(spec.value, symbols)}")
                 continue
             static_shape = all(isinstance(size, int) for size in spec.shape)
-            static_stride = all(isinstance(stride, int) for stride in spec.strides)
+            # the strides of dims that can be longer than 1 (a dim of size 1 is never
+            # stepped along: its stride is not part of the contract, as in coerce)
+            stepped = [dim for dim, size in enumerate(spec.shape) if size != 1]
+            static_stride = all(isinstance(spec.strides[dim], int) for dim in stepped)
             offset = spec.storage_offset if spec.aliased else None
             needs_python = spec.value is not None or offset is not None
             if guard is not None and static_shape and static_stride and not needs_python:
@@ -238,11 +244,12 @@ class InputContract:
                     else:
                         deferred.append(f"sh{index}_{dim} != {to_python(size, symbols)}")
                         lines.append(f"        sh{index}_{dim} = sh[{dim}]")
-            if not (static_stride and guard is not None):
-                strides = ", ".join(_text(s, symbols) for s in spec.strides)
-                comma = "," if len(spec.strides) == 1 else ""
+            if stepped and not (static_stride and guard is not None):
+                strides = ", ".join(_text(spec.strides[dim], symbols) for dim in stepped)
+                actual = ", ".join(f"st{index}[{dim}]" for dim in stepped)
+                comma = "," if len(stepped) == 1 else ""
                 lines.append(f"        st{index} = {arg}.stride()")
-                deferred.append(f"st{index} != ({strides}{comma})")
+                deferred.append(f"({actual}{comma}) != ({strides}{comma})")
             if offset is not None:
                 lines.append(f"        if {arg}.storage_offset() != {offset}:")
                 lines.append("            return None")
