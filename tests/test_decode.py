@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -135,6 +136,38 @@ def test_batches_one_to_eight_from_one_compile(llama: tuple[Any, Any]) -> None:
     # both are traces of their own (as Dynamo would trace them), compiled into the model
     assert sorted(tuple(v.point.values()) for v in compiled.artifact.variants) == [(8, 8)]
     assert sorted(sorted(ones) for ones in compiled.pieces) == [[0], [0, 1], [1]]
+
+
+def test_batch_one_steps_pass_the_fast_input_check(
+    llama: tuple[Any, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The trace at batch 1 (a piece) was made from a slice of the example call, its
+    input_ids strided (7, 1); a dim of size 1 is never stepped along, so its stride is no
+    part of the contract: batch-1 steps pass the fast check (the C++ guard after the
+    first), not the slow path, whose host time made batch-1 GPU steps host-bound."""
+    model, compiled = llama
+    cache = new_cache(model)
+    prompt = torch.randint(0, VOCAB, (1, 5))
+    with torch.no_grad():
+        out = compiled(input_ids=prompt, past_key_values=cache, use_cache=True,
+                       cache_position=torch.arange(5))  # fmt: skip
+        step = {"past_key_values": cache, "use_cache": True}
+        leaves = compiled._leaves((), {"input_ids": prompt[:, :1], **step,
+                                       "cache_position": torch.arange(1)})  # fmt: skip
+        serving = compiled._serving(leaves)
+        assert serving is not compiled  # the batch-1 piece
+        ids_spec = serving.artifact.manifest.inputs[0]
+        assert ids_spec.shape == (1, 1) and ids_spec.stride == (7, 1)
+        contract = serving.artifact._contract
+        slow: list[object] = []
+        real = contract._coerce
+        monkeypatch.setattr(contract, "_coerce", lambda *a: slow.append(a) or real(*a))
+        for position in range(5, 9):
+            ids = out.logits[:, -1:].argmax(-1)
+            assert ids.stride() == (1, 1)
+            out = compiled(input_ids=ids, cache_position=torch.tensor([position]), **step)
+    assert slow == []
+    assert "GUARD" in contract.read_key.__code__.co_names
 
 
 def test_bad_caches_are_refused_naming_what_differs(llama: tuple[Any, Any]) -> None:
@@ -534,6 +567,66 @@ def test_generate_replays_its_step_graph_only_where_it_is_sound(
             graphs.generate(prompt, cache, max_new_tokens=4)
     finally:
         model.eval()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("sample", [False, True])
+def test_prepare_generate_captures_the_step_graph_before_a_request(
+    cuda_llama: tuple[Any, Any, Any], sample: bool
+) -> None:
+    """``prepare_generate`` captures the step graph a later ``generate`` on that cache
+    replays (in another thread here: a graph replays in any thread), so the request
+    captures nothing; its tokens are those of the model without graphs, the cache is
+    left empty, and neither the caller's generator nor torch's default one moves."""
+    model, plain, graphs = cuda_llama
+    options: dict[str, Any] = {"do_sample": True, "top_k": 20} if sample else {}
+    torch.manual_seed(31)
+    prompt = torch.randint(0, VOCAB, (5, 7), device="cuda")  # a batch no other test runs
+    cache = new_cache(model)
+    generator = torch.Generator(device="cuda").manual_seed(3)
+    state, default = generator.get_state(), torch.cuda.get_rng_state()
+    prepared: list[bool] = []
+
+    def prepare() -> None:
+        prepared.append(graphs.prepare_generate(cache, 5, generator=generator, **options))
+
+    side = threading.Thread(target=prepare)
+    side.start()
+    side.join()
+    assert prepared == [True]
+    assert torch.equal(generator.get_state(), state)
+    assert torch.equal(torch.cuda.get_rng_state(), default)
+    assert graphs._caches.held(cache) == 0
+    assert not any(bool(layer.keys.any()) for layer in cache.layers)
+
+    steps = graphs._decode_graphs
+    captures: list[object] = []
+    real = steps.capture
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        captures.append(args)
+        return real(*args, **kwargs)
+
+    outputs = []
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(steps, "capture", counted)
+        for compiled, target in ((plain, new_cache(model)), (graphs, cache)):
+            drawn = torch.Generator(device="cuda").manual_seed(9)
+            outputs.append(compiled.generate(prompt, target, max_new_tokens=STEPS,
+                                             generator=drawn, **options))  # fmt: skip
+    assert captures == []  # the request replayed the prepared graph
+    assert torch.equal(outputs[0], outputs[1])
+
+
+def test_prepare_generate_refuses_a_model_without_cuda_graphs(llama: tuple[Any, Any]) -> None:
+    model, compiled = llama
+    cache = new_cache(model)
+    with pytest.raises(precompile.InvalidOptionError, match="CUDA graphs are off"):
+        compiled.prepare_generate(cache, 2)
+    with pytest.raises(precompile.InvalidOptionError, match="batch_size"):
+        compiled.prepare_generate(cache, 0)
+    with pytest.raises(precompile.InvalidOptionError, match="StaticCache"):
+        compiled.prepare_generate(object(), 2)
 
 
 def _reference(model: torch.nn.Module, prompt: torch.Tensor, **options: Any) -> torch.Tensor:
