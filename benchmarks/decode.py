@@ -283,6 +283,43 @@ def new_batch_first_calls(row: Callable[..., Any], model: torch.nn.Module, cache
     return found
 
 
+def new_batch_generate(
+    compiled: Any, model: torch.nn.Module, cache_len: int, batches: list[int], prepare: bool
+) -> dict[str, dict[str, float]]:
+    """``CompiledModel.generate`` at a batch size first seen now, on its own new cache
+    (``prepare``: ``prepare_generate`` on it first, in another thread, as a server would
+    while it waits for requests): ms of the first generate of 9 new tokens, of the same
+    generate again (the cache reset), and the difference (what being new cost)."""
+    import threading
+
+    import transformers
+
+    found: dict[str, dict[str, float]] = {}
+    for batch in batches:
+        cache = transformers.StaticCache(config=model.config, max_cache_len=cache_len)
+        prompt = torch.randint(0, model.config.vocab_size, (batch, PROMPT), device="cuda")
+        entry: dict[str, float] = {}
+        if prepare:
+            began = time.perf_counter()
+            side = threading.Thread(target=compiled.prepare_generate, args=(cache, batch))
+            side.start()
+            side.join()
+            entry["prepare_ms"] = (time.perf_counter() - began) * 1e3
+        times = []
+        for _ in range(2):
+            cache.reset()
+            torch.cuda.synchronize()
+            began = time.perf_counter()
+            compiled.generate(prompt, cache, max_new_tokens=9)
+            torch.cuda.synchronize()
+            times.append((time.perf_counter() - began) * 1e3)
+        entry.update(first_generate_ms=times[0], again_ms=times[1],
+                     extra_ms=times[0] - times[1])  # fmt: skip
+        found[str(batch)] = entry
+    print(f"[decode] new batch, generate, prepared={prepare}: {found}", flush=True)
+    return found
+
+
 def generate_run(model: torch.nn.Module, prompt: torch.Tensor, cache: Any,
                  served: Any = None) -> float:  # fmt: skip
     """transformers' generate on a static cache the caller keeps (``reset()`` before each
@@ -436,6 +473,15 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             )
             if name in rows and (name in ROWS or name.startswith(CUBLAS))
         }
+        # The generate row's new batches (sizes no row ran before, so no cuDNN plan of
+        # this thread helps): unprepared, then on caches prepared in another thread.
+        generate_new_batch = {}
+        if "ours CompiledModel.generate + cudagraphs" in ROWS:
+            compiled = rows["ours CompiledModel.generate + cudagraphs"]
+            generate_new_batch = {
+                "unprepared": new_batch_generate(compiled, model, args.cache_len, [10, 14], False),
+                "prepared": new_batch_generate(compiled, model, args.cache_len, [2, 12], True),
+            }
         captured = {k: [list(s) for s in v.artifact.captured_sizes] for k, v in artifacts.items()}
         host = host_profile(rows["ours + cudagraphs"], prompts[1], shared[1])
         host_generate = (
@@ -468,6 +514,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         "ours_cudagraphs_first_difference": parting,
         "captured_sizes": captured,
         "new_batch_first_call_ms": new_batch,
+        "new_batch_generate_ms": generate_new_batch,
         "host_profile_ours_cudagraphs": host,
         "host_profile_ours_generate": host_generate,
         "warm_start": warm_start(args.smoke, cache_dir, args.cache_len),
@@ -690,6 +737,9 @@ def summarize(document: dict[str, Any]) -> str:
         f"{k} {v:.1f}" for k, v in document["ready_s"].items()))  # fmt: skip
     lines.append(f"ours + cudagraphs tokens identical to ours: "
                  f"{document['ours_cudagraphs_tokens_identical']}")  # fmt: skip
+    for label, numbers in document.get("new_batch_generate_ms", {}).items():
+        lines.append(f"generate at a new batch, {label} cache: " + ", ".join(
+            f"batch {b}: +{v['extra_ms']:.1f} ms" for b, v in numbers.items()))  # fmt: skip
     for label, numbers in document["warm_start"].items():
         lines.append(f"{label}: {numbers}")
     return "\n".join(lines)

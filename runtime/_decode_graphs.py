@@ -73,6 +73,10 @@ class DecodeGraphs:
     def __len__(self) -> int:
         return len(self._graphs)
 
+    def __contains__(self, key: Hashable) -> bool:
+        with self._lock:
+            return key in self._graphs
+
     def take(self, key: Hashable) -> StepGraph | None:
         """The graph for ``key``, held for this generate (release it with ``give``), or
         None where there is none or another thread holds it."""

@@ -21,7 +21,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import threading
-from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Hashable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -200,6 +200,46 @@ def _cache_addresses(cache: Any) -> tuple[int, ...]:
     return tuple(tensor.data_ptr() for _, _, tensor in cache_tensors(cache))
 
 
+def step_graph_key(
+    batch: int,
+    names: Collection[str],
+    do_sample: bool,
+    temperature: float,
+    top_k: int | None,
+    top_p: float | None,
+    own_generator: bool,
+    eos_ids: tuple[int, ...],
+    fill: int,
+    cache: Any,
+) -> Hashable:
+    """What a decode-step graph bakes in, so what a kept one is found by: the batch, the
+    call's arguments, the choice settings, whether it draws from a generator of its own,
+    the EOS ids and fill, and the cache's addresses."""
+    return (
+        batch, tuple(names), do_sample, temperature, top_k, top_p, own_generator,
+        eos_ids, fill, _cache_addresses(cache),
+    )  # fmt: skip
+
+
+def step_graph_key_for(
+    batch: int,
+    names: Collection[str],
+    cache: Any,
+    *,
+    do_sample: bool,
+    temperature: float,
+    top_k: int | None,
+    top_p: float | None,
+    generator: torch.Generator | None,
+    eos_token_id: int | Sequence[int] | None,
+    pad_token_id: int | None,
+) -> Hashable:
+    """``step_graph_key`` of a generate given these options."""
+    return step_graph_key(batch, names, do_sample, temperature, top_k, top_p,
+                          do_sample and generator is not None, _eos_ids(eos_token_id),
+                          pad_token_id or 0, cache)  # fmt: skip
+
+
 def _described(value: object) -> str:
     if isinstance(value, torch.Tensor):
         return f"{value.dtype} {list(value.shape)} on {value.device}"
@@ -372,10 +412,8 @@ def decode_loop(
         own_generator = do_sample and generator is not None
         if own_generator and generator is not None and generator.device != device:
             graphed = None  # the eager path raises torch's own error for it
-        key = (
-            batch, tuple(names), do_sample, temperature, top_k, top_p, own_generator,
-            eos_ids, fill, _cache_addresses(cache),
-        )  # fmt: skip
+        key = step_graph_key(batch, names, do_sample, temperature, top_k, top_p,
+                             own_generator, eos_ids, fill, cache)  # fmt: skip
         graph = None
         if graphed is not None and not graphed.graphs.refused(key):
             graph = graphed.graphs.take(key)

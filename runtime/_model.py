@@ -36,7 +36,7 @@ from ._binary_format import read_binary_with_model, write_binary
 from ._cached import load_cached_model
 from ._cudagraphs import why_not_capturable
 from ._decode_graphs import DecodeGraphs, GraphedSteps
-from ._decode_loop import decode_loop
+from ._decode_loop import decode_loop, step_graph_key_for
 from ._environment import check_compatible
 from ._errors import (
     ArtifactNotFoundError,
@@ -656,6 +656,78 @@ class CompiledModel:
                 held=None if self._caches is None else self._caches.held,
                 graphed=self._graphed_steps(input_ids),
             )  # fmt: skip
+
+    def prepare_generate(
+        self,
+        past_key_values: Any,
+        batch_size: int,
+        *,
+        do_sample: bool = False,
+        temperature: float = 1.0,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        generator: torch.Generator | None = None,
+        eos_token_id: int | Sequence[int] | None = None,
+        pad_token_id: int | None = None,
+    ) -> bool:
+        """Capture, now, the decode-step graph that ``generate`` replays on this cache for
+        ``batch_size`` prompts with these options (as ``generate`` takes them;
+        ``generator``: only whether one is given counts, its state is neither read nor
+        advanced), so that a request's first decode step is a replay: no capture and no
+        per-shape setup (cuDNN's plans are built per thread; a graph replays in any).
+        Runs one short made-up generate on the cache, then ``reset()`` s it: pass an empty
+        cache; it is left empty, initialized (as its first write would). Returns whether
+        a graph is kept for it (False: capturing failed, logged; ``generate`` on it runs
+        its steps without one, as it would have). Needs CUDA graphs on and a CUDA model."""
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+            raise InvalidOptionError(f"batch_size must be an int >= 1, got {batch_size!r}")
+        if not is_kv_cache(past_key_values):
+            raise InvalidOptionError(
+                "past_key_values must be a transformers StaticCache, got "
+                f"{type(past_key_values).__name__}"
+            )
+        device = torch.device(self._input_device("input_ids"))
+        ids = torch.zeros(batch_size, 1, dtype=torch.long, device=device)
+        graphed = self._graphed_steps(ids)
+        if graphed is None:
+            why = (
+                "CUDA graphs are off (compile or load with cudagraphs=True)"
+                if self.artifact.cudagraphs is None
+                else why_not_capturable(self.artifact.manifest)
+                or f"the model takes input_ids on {device}, not a CUDA device"
+            )
+            raise InvalidOptionError(f"prepare_generate captures CUDA graphs, but {why}")
+        if generator is not None and (
+            not isinstance(generator, torch.Generator) or generator.device.type != device.type
+        ):
+            raise InvalidOptionError(
+                f"generator must be a torch.Generator on {device} or None, got {generator!r}"
+            )
+        # A generator of its own stands for the caller's (the key says only "one given");
+        # without one, sampling draws from torch's default, whose state is given back.
+        scratch = None if generator is None else torch.Generator(device=generator.device)
+        with torch.random.fork_rng(devices=[device]):
+            self.generate(
+                ids, past_key_values, max_new_tokens=3, do_sample=do_sample,
+                temperature=temperature, top_k=top_k, top_p=top_p, generator=scratch,
+                eos_token_id=eos_token_id, pad_token_id=pad_token_id,
+            )  # fmt: skip
+        past_key_values.reset()
+        names = [n for n in dict.fromkeys(self._names) if n]
+        key = step_graph_key_for(
+            batch_size, names, past_key_values, do_sample=do_sample, temperature=temperature,
+            top_k=top_k, top_p=top_p, generator=generator, eos_token_id=eos_token_id,
+            pad_token_id=pad_token_id,
+        )  # fmt: skip
+        return key in graphed.graphs
+
+    def _input_device(self, name: str) -> str:
+        """The device the model was compiled to take argument ``name`` on."""
+        for index, (kind, target) in enumerate(self.plan.bindings):
+            spec = self.artifact.manifest.inputs[index]
+            if kind == "leaf" and self._names[target] == name and isinstance(spec, TensorInput):
+                return spec.device
+        raise InvalidOptionError(f"this model was compiled without a tensor argument {name!r}")
 
     def _graphed_steps(self, input_ids: Any) -> GraphedSteps | None:
         """How generate captures its decode step, where CUDA graphs are on and can
