@@ -240,6 +240,13 @@ def step_graph_key_for(
                           pad_token_id or 0, cache)  # fmt: skip
 
 
+def _on(generator: torch.Generator, device: torch.device) -> bool:
+    """Whether ``generator`` draws for ``device``: ``torch.Generator(device="cuda")`` says no
+    index (it serves whichever device it is used on), a tensor's device always has one."""
+    where = generator.device
+    return where.type == device.type and where.index in (None, device.index)
+
+
 def _described(value: object) -> str:
     if isinstance(value, torch.Tensor):
         return f"{value.dtype} {list(value.shape)} on {value.device}"
@@ -410,7 +417,7 @@ def decode_loop(
         # given back, so the caller's generator advances as eager's would. Without one, the
         # default generator (which registers itself with every graph).
         own_generator = do_sample and generator is not None
-        if own_generator and generator is not None and generator.device != device:
+        if own_generator and generator is not None and not _on(generator, device):
             graphed = None  # the eager path raises torch's own error for it
         key = step_graph_key(batch, names, do_sample, temperature, top_k, top_p,
                              own_generator, eos_ids, fill, cache)  # fmt: skip

@@ -505,6 +505,9 @@ def test_compiled_generate_with_cudagraphs_matches_without(
         assert torch.equal(outputs[0], outputs[1]) and torch.equal(outputs[0], outputs[2])
         # the caller's generator is left where the run without graphs leaves it
         assert torch.equal(states[0], states[1]) and torch.equal(states[0], states[2])
+    # the sampled steps ran in a graph drawing from its own generator (a generator made
+    # for "cuda" has no device index; it was once taken for another device's)
+    assert any(key[6] for key in graphs._decode_graphs._graphs)
     outputs = []  # sampling from torch's default generator, inside the graph too
     for compiled in (plain, graphs, graphs):
         torch.manual_seed(5)
@@ -572,7 +575,7 @@ def test_generate_replays_its_step_graph_only_where_it_is_sound(
 @pytest.mark.gpu
 @pytest.mark.parametrize("sample", [False, True])
 def test_prepare_generate_captures_the_step_graph_before_a_request(
-    cuda_llama: tuple[Any, Any, Any], sample: bool
+    cuda_llama: tuple[Any, Any, Any], sample: bool, caplog: pytest.LogCaptureFixture
 ) -> None:
     """``prepare_generate`` captures the step graph a later ``generate`` on that cache
     replays (in another thread here: a graph replays in any thread), so the request
@@ -593,7 +596,7 @@ def test_prepare_generate_captures_the_step_graph_before_a_request(
     side = threading.Thread(target=prepare)
     side.start()
     side.join()
-    assert prepared == [True]
+    assert prepared == [True], caplog.text
     assert torch.equal(generator.get_state(), state)
     assert torch.equal(torch.cuda.get_rng_state(), default)
     assert graphs._caches.held(cache) == 0
