@@ -187,6 +187,15 @@ def plain_calls() -> Iterator[None]:
         _plain.on = before
 
 
+def _first_error(exc: BaseException) -> BaseException:
+    """The error a failed capture hit first: ending a capture that failed inside makes
+    torch raise again (an allocator assert, say), hiding the cause in ``__context__``."""
+    seen = [exc]
+    while seen[-1].__context__ is not None and len(seen) < 8:
+        seen.append(seen[-1].__context__)
+    return seen[-1]
+
+
 class CaptureFailed(RuntimeError):
     """Capturing failed after the run before capture, which was the call itself (a graph
     that writes its inputs): ``outputs`` are that call's, so it must not run again."""
@@ -377,12 +386,15 @@ class CudaGraphExecutor:
                 self._refused[sizes] = f"max_graphs={self.options.max_graphs} reached"
                 self._say(f"CUDA graphs: {self._refused[sizes]}; other sizes run plainly")
                 return None, None
-            if self._pool is None:
+            if self._pool is None or not self._graphs:
+                # A pool whose graphs were all dropped may still hold their blocks (torch
+                # keeps it until they are freed) and cannot take a new capture (an
+                # allocator assert): a new pool, once no graph of the old one is left.
                 self._pool = torch.cuda.graph_pool_handle()
             try:
                 graph = _capture(function, args, self._pool, self._static, self._writes)
             except Exception as exc:  # capture failed: the size runs plainly
-                failed = exc.reason if isinstance(exc, CaptureFailed) else exc
+                failed = _first_error(exc.reason if isinstance(exc, CaptureFailed) else exc)
                 text = str(failed).splitlines()[0][:200] if str(failed) else ""
                 reason = f"{type(failed).__name__}: {text}"
                 self._refused[sizes] = reason
