@@ -168,8 +168,8 @@ def test_the_docs_site_builds_strict(tmp_path: Path) -> None:
     )  # fmt: skip
     assert done.returncode == 0, done.stdout + done.stderr
     decode = (tmp_path / "site" / "decode" / "index.html").read_text()
-    assert 'src="../results/decode-llama-h100.png"' in decode  # plots copied in (docs/_hooks.py)
-    assert (tmp_path / "site" / "results" / "decode-llama-h100.png").is_file()
+    assert 'src="../results/decode-llama-h200.png"' in decode  # plots copied in (docs/_hooks.py)
+    assert (tmp_path / "site" / "results" / "decode-llama-h200.png").is_file()
     reference = (tmp_path / "site" / "reference" / "index.html").read_text()
     for name in ("standalone_compile", "CompiledArtifact", "ArtifactCache", "NoVariantError"):
         assert f'id="precompile.{name}"' in reference, name
