@@ -203,27 +203,6 @@ def _cache_addresses(cache: Any) -> tuple[int, ...]:
 def step_graph_key(
     batch: int,
     names: Collection[str],
-    do_sample: bool,
-    temperature: float,
-    top_k: int | None,
-    top_p: float | None,
-    own_generator: bool,
-    eos_ids: tuple[int, ...],
-    fill: int,
-    cache: Any,
-) -> Hashable:
-    """What a decode-step graph bakes in, so what a kept one is found by: the batch, the
-    call's arguments, the choice settings, whether it draws from a generator of its own,
-    the EOS ids and fill, and the cache's addresses."""
-    return (
-        batch, tuple(names), do_sample, temperature, top_k, top_p, own_generator,
-        eos_ids, fill, _cache_addresses(cache),
-    )  # fmt: skip
-
-
-def step_graph_key_for(
-    batch: int,
-    names: Collection[str],
     cache: Any,
     *,
     do_sample: bool,
@@ -234,10 +213,15 @@ def step_graph_key_for(
     eos_token_id: int | Sequence[int] | None,
     pad_token_id: int | None,
 ) -> Hashable:
-    """``step_graph_key`` of a generate given these options."""
-    return step_graph_key(batch, names, do_sample, temperature, top_k, top_p,
-                          do_sample and generator is not None, _eos_ids(eos_token_id),
-                          pad_token_id or 0, cache)  # fmt: skip
+    """What a decode-step graph of a generate with these options bakes in, so what a kept
+    one is found by: the batch, the call's arguments, the choice settings, whether it
+    draws from a generator of its own (one was given), the EOS ids and fill, and the
+    cache's addresses."""
+    return (
+        batch, tuple(names), do_sample, temperature, top_k, top_p,
+        do_sample and generator is not None, _eos_ids(eos_token_id), pad_token_id or 0,
+        _cache_addresses(cache),
+    )  # fmt: skip
 
 
 def _on(generator: torch.Generator, device: torch.device) -> bool:
@@ -419,8 +403,10 @@ def decode_loop(
         own_generator = do_sample and generator is not None
         if own_generator and generator is not None and not _on(generator, device):
             graphed = None  # the eager path raises torch's own error for it
-        key = step_graph_key(batch, names, do_sample, temperature, top_k, top_p,
-                             own_generator, eos_ids, fill, cache)  # fmt: skip
+        key = step_graph_key(
+            batch, names, cache, do_sample=do_sample, temperature=temperature, top_k=top_k,
+            top_p=top_p, generator=generator, eos_token_id=eos_ids, pad_token_id=pad_token_id,
+        )  # fmt: skip
         graph = None
         if graphed is not None and not graphed.graphs.refused(key):
             graph = graphed.graphs.take(key)

@@ -36,7 +36,7 @@ from ._binary_format import read_binary_with_model, write_binary
 from ._cached import load_cached_model
 from ._cudagraphs import why_not_capturable
 from ._decode_graphs import DecodeGraphs, GraphedSteps
-from ._decode_loop import decode_loop, step_graph_key_for
+from ._decode_loop import decode_loop, step_graph_key
 from ._environment import check_compatible
 from ._errors import (
     ArtifactNotFoundError,
@@ -714,7 +714,7 @@ class CompiledModel:
             )  # fmt: skip
         past_key_values.reset()
         names = [n for n in dict.fromkeys(self._names) if n]
-        key = step_graph_key_for(
+        key = step_graph_key(
             batch_size, names, past_key_values, do_sample=do_sample, temperature=temperature,
             top_k=top_k, top_p=top_p, generator=generator, eos_token_id=eos_token_id,
             pad_token_id=pad_token_id,
