@@ -216,7 +216,9 @@ def step_graph_key(
     """What a decode-step graph of a generate with these options bakes in, so what a kept
     one is found by: the batch, the call's arguments, the choice settings, whether it
     draws from a generator of its own (one was given), the EOS ids and fill, and the
-    cache's addresses."""
+    cache's addresses. Greedy steps read no sampling setting: they are left out."""
+    if not do_sample:
+        temperature, top_k, top_p = 1.0, None, None
     return (
         batch, tuple(names), do_sample, temperature, top_k, top_p,
         do_sample and generator is not None, _eos_ids(eos_token_id), pad_token_id or 0,

@@ -625,6 +625,39 @@ def test_prepare_generate_captures_the_step_graph_before_a_request(
     assert torch.equal(outputs[0], outputs[1])
 
 
+def test_step_graph_keys_tell_apart_what_a_step_graph_bakes_in() -> None:
+    """A kept step graph is found by what it bakes in: greedy steps read no sampling
+    setting (a prepared greedy graph serves a generate passing a temperature), while the
+    batch, sampling settings, a generator of its own, EOS ids, fill and the cache's
+    addresses each pick another graph."""
+    import types
+
+    from precompile.runtime._decode_loop import step_graph_key
+
+    def cache() -> Any:
+        counter = torch.zeros((), dtype=torch.long)
+        layer = types.SimpleNamespace(keys=torch.zeros(2), values=torch.zeros(2),
+                                      cumulative_length=counter)  # fmt: skip
+        return types.SimpleNamespace(layers=[layer])
+
+    first, second = cache(), cache()
+    names = ["input_ids", "past_key_values"]
+    base: dict[str, Any] = dict(do_sample=False, temperature=1.0, top_k=None, top_p=None,
+                                generator=None, eos_token_id=None, pad_token_id=None)  # fmt: skip
+
+    def key(batch: int = 2, kept: Any = first, **options: Any) -> Any:
+        return step_graph_key(batch, names, kept, **{**base, **options})
+
+    assert key(temperature=0.7, top_k=5, top_p=0.9) == key()
+    assert key(generator=torch.Generator()) == key()  # greedy draws from none
+    sampled = key(do_sample=True)
+    assert sampled != key() and key(do_sample=True, temperature=0.7) != sampled
+    assert key(do_sample=True, generator=torch.Generator()) != sampled
+    assert key(eos_token_id=2, pad_token_id=0) == key(eos_token_id=[2], pad_token_id=0)
+    assert key(eos_token_id=2, pad_token_id=0) != key(eos_token_id=2, pad_token_id=1)
+    assert key(batch=3) != key() and key(kept=second) != key()
+
+
 def test_prepare_generate_refuses_a_model_without_cuda_graphs(llama: tuple[Any, Any]) -> None:
     model, compiled = llama
     cache = new_cache(model)
