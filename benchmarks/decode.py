@@ -596,20 +596,65 @@ def first_difference(plain: Callable[..., Any], graphs: Callable[..., Any],
 
 
 def generate_profile(model: torch.nn.Module, prompt: torch.Tensor, cache: Any, served: Any) -> str:
-    """cProfile of one served ``generate`` of 64 tokens: where a step's host time goes."""
+    """Where a served ``generate`` of 64 tokens spends its host time: cProfile (own time,
+    and our code's cumulative time), then, unprofiled, the share inside our forward (the
+    router and the compiled call) and the GPU waits per call site."""
+    import collections
     import cProfile
     import io
     import pstats
+    import warnings
+
+    from precompile import GenerateServer
+
+    def run() -> None:
+        cache.reset()
+        with served:
+            model.generate(prompt, max_new_tokens=STEPS, min_new_tokens=STEPS, do_sample=False,
+                           past_key_values=cache, pad_token_id=0)  # fmt: skip
 
     profile = cProfile.Profile()
-    cache.reset()
-    with served:
-        profile.enable()
-        model.generate(prompt, max_new_tokens=STEPS, min_new_tokens=STEPS, do_sample=False,
-                       past_key_values=cache, pad_token_id=0)  # fmt: skip
-        profile.disable()
+    profile.enable()
+    run()
+    profile.disable()
     text = io.StringIO()
-    pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(25)
+    stats = pstats.Stats(profile, stream=text)
+    stats.sort_stats("tottime").print_stats(25)
+    stats.sort_stats("cumulative").print_stats("precompile", 15)
+    inside = [0.0]
+    real = GenerateServer.__call__
+
+    def timed(self: Any, *args: Any, **kwargs: Any) -> Any:
+        began = time.perf_counter()
+        try:
+            return real(self, *args, **kwargs)
+        finally:
+            inside[0] += time.perf_counter() - began
+
+    GenerateServer.__call__ = timed  # type: ignore[method-assign]
+    try:
+        torch.cuda.synchronize()
+        began = time.perf_counter()
+        run()
+        torch.cuda.synchronize()
+        total = time.perf_counter() - began
+    finally:
+        GenerateServer.__call__ = real  # type: ignore[method-assign]
+    sites: collections.Counter[str] = collections.Counter()
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            run()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    for warning in caught:
+        if "synchronizing CUDA operation" in str(warning.message):
+            sites[f"{os.path.relpath(warning.filename, ROOT)}:{warning.lineno}"] += 1
+    text.write(f"\nunprofiled: {total * 1e3:.1f} ms for {STEPS} tokens with the prefill, "
+               f"{inside[0] * 1e3:.1f} ms of it inside our forward (router and compiled "
+               f"call)\nGPU waits per call site: {dict(sites.most_common(10))}\n")  # fmt: skip
     print(text.getvalue(), flush=True)
     return text.getvalue()
 
