@@ -706,13 +706,24 @@ class CompiledModel:
         # A generator of its own stands for the caller's (the key says only "one given");
         # without one, sampling draws from torch's default, whose state is given back.
         scratch = None if generator is None else torch.Generator(device=generator.device)
-        with torch.random.fork_rng(devices=[device]):
-            self.generate(
-                ids, past_key_values, max_new_tokens=3, do_sample=do_sample,
-                temperature=temperature, top_k=top_k, top_p=top_p, generator=scratch,
-                eos_token_id=eos_token_id, pad_token_id=pad_token_id,
-            )  # fmt: skip
-        past_key_values.reset()
+        caches = self._caches
+        assert caches is not None  # a model without a cache has no graphed steps
+        held = caches.held(past_key_values)
+        if held:  # refused before anything is written (reset() would lose its tokens)
+            raise InvalidOptionError(
+                f"past_key_values already holds {held} tokens: prepare_generate takes an "
+                "empty cache (it runs a made-up generate on it, then resets it)"
+            )
+        try:
+            with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+                self.generate(
+                    ids, past_key_values, max_new_tokens=3, do_sample=do_sample,
+                    temperature=temperature, top_k=top_k, top_p=top_p, generator=scratch,
+                    eos_token_id=eos_token_id, pad_token_id=pad_token_id,
+                )  # fmt: skip
+        finally:  # made-up tokens never stay in the caller's cache
+            if caches.held(past_key_values):
+                past_key_values.reset()
         names = [n for n in dict.fromkeys(self._names) if n]
         key = step_graph_key(
             batch_size, names, past_key_values, do_sample=do_sample, temperature=temperature,

@@ -667,6 +667,35 @@ def test_step_graph_keys_tell_apart_what_a_step_graph_bakes_in() -> None:
     assert key(batch=3) != key() and key(kept=second) != key()
 
 
+def test_prepare_generate_neither_loses_tokens_nor_leaves_made_up_ones(
+    llama: tuple[Any, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A cache that holds tokens is refused before anything is written (resetting it
+    would lose them); a made-up generate that fails after writing leaves the cache
+    empty. (CUDA graphs stood in for: this runs on the CPU.)"""
+    model, compiled = llama
+    monkeypatch.setattr(compiled, "_graphed_steps", lambda ids: object())
+    cache = new_cache(model)
+    with torch.no_grad():
+        compiled(input_ids=torch.randint(0, VOCAB, (2, 5)), past_key_values=cache,
+                 use_cache=True, cache_position=torch.arange(5))  # fmt: skip
+    kept = cache.layers[0].keys.clone()
+    with pytest.raises(precompile.InvalidOptionError, match="already holds 5 tokens"):
+        compiled.prepare_generate(cache, 2)
+    assert torch.equal(cache.layers[0].keys, kept) and compiled._caches.held(cache) == 5
+
+    def fails_after_writing(ids: torch.Tensor, written: Any, **options: Any) -> None:
+        compiled(input_ids=ids, past_key_values=written, use_cache=True,
+                 cache_position=torch.arange(1))  # fmt: skip
+        raise RuntimeError("a capture failed")
+
+    fresh = new_cache(model)
+    monkeypatch.setattr(compiled, "generate", fails_after_writing)
+    with torch.no_grad(), pytest.raises(RuntimeError, match="capture failed"):
+        compiled.prepare_generate(fresh, 2)
+    assert compiled._caches.held(fresh) == 0
+
+
 def test_prepare_generate_refuses_a_model_without_cuda_graphs(llama: tuple[Any, Any]) -> None:
     model, compiled = llama
     cache = new_cache(model)
