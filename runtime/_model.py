@@ -690,12 +690,12 @@ class CompiledModel:
         ids = torch.zeros(batch_size, 1, dtype=torch.long, device=device)
         graphed = self._graphed_steps(ids)
         if graphed is None:
-            why = (
-                "CUDA graphs are off (compile or load with cudagraphs=True)"
-                if self.artifact.cudagraphs is None
-                else why_not_capturable(self.artifact.manifest)
-                or f"the model takes input_ids on {device}, not a CUDA device"
-            )
+            if device.type != "cuda":
+                why = f"this model takes input_ids on {device} (a graph replays GPU work only)"
+            elif self.artifact.cudagraphs is None:
+                why = "CUDA graphs are off (compile or load with cudagraphs=True)"
+            else:
+                why = why_not_capturable(self.artifact.manifest) or "its graph cannot be captured"
             raise InvalidOptionError(f"prepare_generate captures CUDA graphs, but {why}")
         if generator is not None and (
             not isinstance(generator, torch.Generator) or generator.device.type != device.type

@@ -699,7 +699,7 @@ def test_prepare_generate_neither_loses_tokens_nor_leaves_made_up_ones(
 def test_prepare_generate_refuses_a_model_without_cuda_graphs(llama: tuple[Any, Any]) -> None:
     model, compiled = llama
     cache = new_cache(model)
-    with pytest.raises(precompile.InvalidOptionError, match="CUDA graphs are off"):
+    with pytest.raises(precompile.InvalidOptionError, match="takes input_ids on cpu"):
         compiled.prepare_generate(cache, 2)
     with pytest.raises(precompile.InvalidOptionError, match="batch_size"):
         compiled.prepare_generate(cache, 0)
