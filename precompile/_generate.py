@@ -36,6 +36,7 @@ from precompile.runtime import (
     InvalidOptionError,
     UnsupportedGraphError,
     is_kv_cache,
+    kv_cache_capacity,
     tree_flatten,
 )
 
@@ -208,6 +209,13 @@ class GenerateServer:
         return compiled(**kwargs)
 
     def _compile(self, key: tuple[Any, ...], kwargs: Mapping[str, Any]) -> CompiledModel:
+        for name, value in kwargs.items():
+            if is_kv_cache(value) and kv_cache_capacity(value) is None:
+                raise UnsupportedGraphError(
+                    f"generate passed {name} as a {type(value).__name__}, whose length grows "
+                    "every step; serve_generate serves static caches: call generate with "
+                    "cache_implementation='static' (or past_key_values=StaticCache(...))"
+                )
         with self._lock:
             found = self.compiled.get(key)
             if found is not None:

@@ -309,6 +309,20 @@ def test_generate_is_served_by_compiled_models(arch: str, cache_dir: str) -> Non
     assert 2 <= len(served.compiled) <= 6  # prefill and decode, per cache length
 
 
+def test_serve_generate_names_the_static_cache_a_dynamic_one_needs() -> None:
+    """``generate`` without a static cache passes a growing cache: refused before any
+    compile, saying what to pass; the model is itself again after the block."""
+    model = build("llama")
+    prompt = torch.randint(0, VOCAB, (1, 5))
+    with (
+        torch.no_grad(),
+        pytest.raises(precompile.UnsupportedGraphError, match="cache_implementation='static'"),
+        precompile.serve_generate(model, hints=[8]) as served,
+    ):
+        model.generate(prompt, max_new_tokens=2, do_sample=False, pad_token_id=0)
+    assert not served.compiled and "forward" not in vars(model)
+
+
 # -- CUDA graphs ---------------------------------------------------------------------------
 def test_graphs_that_write_a_static_cache_are_capturable(llama: tuple[Any, Any]) -> None:
     """The cache tensors the graph writes are static-address inputs: captured in place
