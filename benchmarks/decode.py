@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import statistics
 import subprocess
@@ -349,11 +350,28 @@ def generate_run(model: torch.nn.Module, prompt: torch.Tensor, cache: Any,
     return (times[1] - times[0]) * 1e3 / STEPS
 
 
+class _Warnings(logging.Handler):
+    """precompile's warnings in this run (a capture that failed, graphs turned off):
+    kept in the result, since a row run without its graphs reads as slow, not as off."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        message = record.getMessage()[:400]
+        if message not in self.messages:
+            self.messages.append(message)
+
+
 def measure(args: argparse.Namespace) -> dict[str, Any]:
     import transformers
     from _common import environment
 
     import precompile
+
+    warned = _Warnings()
+    logging.getLogger("precompile").addHandler(warned)
 
     torch._dynamo.config.recompile_limit = 64  # the torch.compile rows: every batch and S
     model = build(args.smoke)
@@ -483,12 +501,20 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                 "prepared": new_batch_generate(compiled, model, args.cache_len, [2, 12], True),
             }
         captured = {k: [list(s) for s in v.artifact.captured_sizes] for k, v in artifacts.items()}
+        captured.update({
+            "serve_generate " + ",".join(str(part[0]) for part in key[:-1]): [
+                [list(s) for s in piece.artifact.captured_sizes]
+                for piece in (compiled, *compiled.pieces.values())
+            ]
+            for key, compiled in served.compiled.items()
+        })  # fmt: skip
         host = host_profile(rows["ours + cudagraphs"], prompts[1], shared[1])
         host_generate = (
             generate_profile(model, prompts[1], shared[1], served)
             if "ours generate + cudagraphs" in ROWS
             else ""
         )
+    print(f"[decode] precompile warnings: {warned.messages}", flush=True)
     if "transformers generate" in ROWS:
         generate = generate_child(args.smoke, args.cache_len, args.rounds)
         if "ms_per_token" in generate:
@@ -518,6 +544,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         "host_profile_ours_cudagraphs": host,
         "host_profile_ours_generate": host_generate,
         "warm_start": warm_start(args.smoke, cache_dir, args.cache_len),
+        "precompile_warnings": warned.messages,
     }
 
 

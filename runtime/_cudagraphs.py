@@ -16,17 +16,17 @@ zero-padded at the end of those dims, and its outputs are sliced back. Before pa
 trusted, one padded run is checked against an unpadded one.
 
 Graphs that write their inputs (a KV cache, a buffer updated in place): an input the
-graph writes is captured in place when its address is static (Dynamo marked it, as
-transformers marks a StaticCache's tensors), so a replay writes the caller's own
-storage; its address is checked before every replay with the parameters' (one C++
-compare of the recorded pointers), and a moved one (another cache object) drops that
-graph: the call runs plainly and the size is captured again. Such a size is captured at
-its second call, and the run before capture is that call itself (a warm-up run would
-write the cache twice). A graph keeps no reference to the tensors it uses in place.
+graph writes is captured in place, marked static by Dynamo or not (transformers marks a
+StaticCache's tensors, but not those first filled inside another torch.compile trace),
+so a replay writes the caller's own storage; its address is checked before every
+replay with the parameters' (one C++ compare of the recorded pointers), and a moved one
+(another cache object) drops that graph: the call runs plainly and the size is captured
+again. Such a size is captured at its second call, and the run before capture is that
+call itself (a warm-up run would write the cache twice). A graph keeps no reference
+to the tensors it uses in place.
 
-What cannot be captured (CPU inputs, an input the graph writes that is not static, a
-synchronizing op, a capture error) runs plainly, logged once with the reason:
-correctness first.
+What cannot be captured (CPU inputs, an input the graph resizes, a synchronizing op, a
+capture error) runs plainly, logged once with the reason: correctness first.
 """
 
 from __future__ import annotations
@@ -126,11 +126,6 @@ def why_not_capturable(manifest: Manifest) -> str | None:
             return f"input {index} is a {spec.device} tensor (a graph replays GPU work only)"
         if spec.mutation == "metadata":
             return f"the graph resizes input {index} in place (a replay cannot follow that)"
-        if spec.mutation != "none" and not spec.static_address:
-            return (
-                f"the graph writes input {index}, whose address is not static: a replay would "
-                "write its static copy, not the caller's tensor"
-            )
     if manifest.training:
         return "the artifact carries a backward graph (only inference is captured)"
     return None
@@ -298,10 +293,14 @@ class CudaGraphExecutor:
         self._said: set[str] = set()
         self._padding_refused: str | None = None
         self._pad: tuple[str, ...] = tuple(options.pad)
+        # Used in place, bound to their address (checked before every replay): what
+        # Dynamo marked static, and every input the graph writes, marked or not (a cache
+        # first filled inside another torch.compile trace carries no mark): a copy would
+        # take the write, not the caller's tensor.
         self._static = frozenset(
             i
             for i, spec in enumerate(manifest.inputs)
-            if isinstance(spec, TensorInput) and spec.static_address
+            if isinstance(spec, TensorInput) and (spec.static_address or spec.mutation == "data")
         )
         # The graph writes inputs in place (a KV cache): sizes are captured at their
         # second call, and nothing is padded (padded rows would be written too).

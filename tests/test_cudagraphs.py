@@ -248,3 +248,35 @@ def test_a_failed_capture_after_the_call_ran_does_not_run_it_again() -> None:
     assert failed.value.outputs[0].tolist() == [2.0] * 4
     with pytest.raises(RuntimeError):  # a graph that writes nothing: the error itself
         _capture(step, [torch.zeros(4, device="cuda")], pool, frozenset({0}), writes=False)
+
+
+class _Accumulate(torch.nn.Module):
+    def forward(self, x: torch.Tensor, total: torch.Tensor) -> torch.Tensor:
+        total.add_(x)
+        return total * 2
+
+
+@cuda
+def test_a_written_input_dynamo_did_not_mark_is_written_in_place() -> None:
+    """A buffer the graph writes, passed as a plain tensor (no static mark: a KV cache
+    first filled inside another torch.compile trace is one): replays write the caller's
+    own buffer, and another buffer drops the graph, never writing the first one."""
+    x = torch.randn(4, 8, device="cuda")
+    captured = capture(_Accumulate(), x, torch.zeros(4, 8, device="cuda"))
+    with torch.no_grad():
+        art = precompile.standalone_compile(captured.gm, captured.example_inputs, cache=False)
+    spec = [s for s in art.manifest.inputs if getattr(s, "mutation", "none") == "data"]
+    assert len(spec) == 1 and not spec[0].static_address
+    graphs = _fresh(art)
+    first, second = torch.zeros(4, 8, device="cuda"), torch.zeros(4, 8, device="cuda")
+    with torch.no_grad():
+        for step in range(1, 5):  # plain, captured at the 2nd call, then replays
+            out = graphs(*captured.flat(x, first))[0]
+            torch.testing.assert_close(first, x * step, rtol=0, atol=0)
+            torch.testing.assert_close(out, x * step * 2, rtol=0, atol=0)
+        assert graphs.captured_sizes, "the written buffer kept the size from being captured"
+        for step in range(1, 4):  # another buffer: dropped, plain, captured again
+            out = graphs(*captured.flat(x, second))[0]
+            torch.testing.assert_close(second, x * step, rtol=0, atol=0)
+            torch.testing.assert_close(out, x * step * 2, rtol=0, atol=0)
+    torch.testing.assert_close(first, x * 4, rtol=0, atol=0)
