@@ -81,8 +81,11 @@ CUBLAS_OPTIONS = {"config_patches": {"max_autotune_gemm_backends": "ATEN"}}
 BATCH_ONE_ONLY = {"precompile.backend", "transformers generate", "ours generate + cudagraphs"}
 # transformers' own compiled generate runs in a child process of its own: in one run its
 # reduce-overhead graphs hit a device-side assert (an index past the cache), which
-# poisons the CUDA context of every row beside it.
-IN_CHILD = {"transformers generate"}
+# poisons the CUDA context of every row beside it. serve_generate, the row it is compared
+# with, runs in one too: both drive transformers' Python loop, whose host time (it waits
+# for the GPU every step) grew by up to 40% beside the other rows' objects in one process.
+SERVE = "ours generate + cudagraphs"
+IN_CHILD = {"transformers generate", SERVE}
 GENERATE_ROWS = {
     "transformers generate",
     "ours generate + cudagraphs",
@@ -234,12 +237,12 @@ def make_rows(model: torch.nn.Module, cache_dir: str, cache_len: int) -> dict[st
     return rows
 
 
-def driver(name: str, rows: dict[str, Any], served: Any) -> Any:
-    """What a generate row runs: our CompiledModel's own loop, transformers' generate
-    under ``serve_generate`` (``served``), or transformers' own (None)."""
+def driver(name: str, rows: dict[str, Any]) -> Any:
+    """What a generate row of this process runs: our CompiledModel's own loop, or
+    transformers' own generate (None); serve_generate's row runs in a child."""
     if name in ("ours CompiledModel.generate + cudagraphs", CUBLAS):
         return rows[name]
-    return served if name.startswith("ours") else None
+    return None
 
 
 def decode_run(
@@ -364,11 +367,32 @@ class _Warnings(logging.Handler):
             self.messages.append(message)
 
 
+def run_children(args: argparse.Namespace, cache_dir: str, decode: dict[str, Any],
+                 ready_s: dict[str, float], captured: dict[str, Any],
+                 warned: _Warnings) -> str:  # fmt: skip
+    """The rows run in fresh processes of their own, into ``decode``: serve_generate's
+    profile, the host's time in a served generate."""
+    host_generate = ""
+    for name in (SERVE, "transformers generate"):
+        if name not in ROWS:
+            continue
+        generate = generate_child(args.smoke, args.cache_len, args.rounds,
+                                  cache_dir if name == SERVE else None)  # fmt: skip
+        if "ms_per_token" in generate:
+            ready_s[name] = generate.pop("ready_s")
+            host_generate = generate.pop("profile", None) or host_generate
+            if "captured" in generate:
+                captured["serve_generate"] = generate.pop("captured")
+                warned.messages.extend(generate.pop("warnings"))
+            decode[name]["1"] = generate
+        else:
+            decode[name]["error"] = generate
+    return host_generate
+
+
 def measure(args: argparse.Namespace) -> dict[str, Any]:
     import transformers
     from _common import environment
-
-    import precompile
 
     warned = _Warnings()
     logging.getLogger("precompile").addHandler(warned)
@@ -378,13 +402,22 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     vocab = model.config.vocab_size
     cache_dir = args.cache or tempfile.mkdtemp(prefix="precompile-decode-")
     batches = [1, 4] if args.smoke else [1, 4, 8]
+    if all(name in IN_CHILD for name in ROWS):  # only the generate loops, each alone
+        decode: dict[str, dict[str, Any]] = {name: {} for name in ROWS}
+        ready_s: dict[str, float] = {}
+        captured: dict[str, Any] = {}
+        profile = run_children(args, cache_dir, decode, ready_s, captured, warned)
+        return {"environment": environment("cuda"), "transformers": transformers.__version__,
+                "model": "smoke" if args.smoke else "llama-2048x4", "cache_len": args.cache_len,
+                "prompt": PROMPT, "steps": STEPS, "batches": [1], "rounds": args.rounds,
+                "decode": decode, "ready_s": ready_s, "captured_sizes": captured,
+                "host_profile_ours_generate": profile,
+                "precompile_warnings": warned.messages}  # fmt: skip
     memory: dict[str, float] = {}
     ready_s: dict[str, float] = {}
     with torch.no_grad():
         rows = make_rows(model, cache_dir, args.cache_len)
         artifacts = rows.pop("_artifacts")
-        served = precompile.serve_generate(model, cache=cache_dir, cudagraphs=True,
-                                           hints=[PROMPT], warmup=True)  # fmt: skip
         # One cache per batch size, shared by the rows (reset before each run): its
         # tensors keep their addresses, as a server keeps its cache.
         shared = {
@@ -406,7 +439,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                 for _ in range(2):  # graphs that write their inputs capture at a 2nd call
                     if name in GENERATE_ROWS:
                         generate_run(model, prompts[batch], caches[(name, batch)],
-                                     driver(name, rows, served))  # fmt: skip
+                                     driver(name, rows))  # fmt: skip
                     else:
                         decode_run(rows[name], prompts[batch], caches[(name, batch)])
             torch.cuda.synchronize()
@@ -424,7 +457,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                         continue
                     if name in GENERATE_ROWS:
                         ms = generate_run(model, prompts[batch], caches[(name, batch)],
-                                          driver(name, rows, served))  # fmt: skip
+                                          driver(name, rows))  # fmt: skip
                     else:
                         ms, tokens[(name, batch)] = decode_run(
                             rows[name], prompts[batch], caches[(name, batch)]
@@ -501,27 +534,9 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                 "prepared": new_batch_generate(compiled, model, args.cache_len, [2, 12], True),
             }
         captured = {k: [list(s) for s in v.artifact.captured_sizes] for k, v in artifacts.items()}
-        captured.update({
-            "serve_generate " + ",".join(str(part[0]) for part in key[:-1]): [
-                [list(s) for s in piece.artifact.captured_sizes]
-                for piece in (compiled, *compiled.pieces.values())
-            ]
-            for key, compiled in served.compiled.items()
-        })  # fmt: skip
         host = host_profile(rows["ours + cudagraphs"], prompts[1], shared[1])
-        host_generate = (
-            generate_profile(model, prompts[1], shared[1], served)
-            if "ours generate + cudagraphs" in ROWS
-            else ""
-        )
     print(f"[decode] precompile warnings: {warned.messages}", flush=True)
-    if "transformers generate" in ROWS:
-        generate = generate_child(args.smoke, args.cache_len, args.rounds)
-        if "ms_per_token" in generate:
-            decode["transformers generate"]["1"] = generate
-            ready_s["transformers generate"] = generate.pop("ready_s")
-        else:
-            decode["transformers generate"]["error"] = generate
+    host_generate = run_children(args, cache_dir, decode, ready_s, captured, warned)
     return {
         "environment": environment("cuda"),
         "transformers": transformers.__version__,
@@ -552,33 +567,56 @@ GENERATE = """
 import sys, time, statistics
 sys.path.insert(0, {here!r})
 sys.path.insert(0, {root!r})
+import logging
 import torch, transformers
-from decode import PROMPT, build, generate_run
+from decode import PROMPT, _Warnings, build, generate_profile, generate_run
 torch.manual_seed(0)
 model = build({smoke})
 cache = transformers.StaticCache(config=model.config, max_cache_len={cache_len})
 if {new_caches}:
     cache = {cache_len}  # a new static cache per generate call, transformers' default
 prompt = torch.randint(0, model.config.vocab_size, (1, PROMPT), device="cuda")
+served, found, serve_cache = None, {{}}, {serve_cache!r}
+if serve_cache is not None:  # transformers' generate under our serve_generate
+    import precompile
+    warned = _Warnings()
+    logging.getLogger("precompile").addHandler(warned)
+    served = precompile.serve_generate(model, cache=serve_cache, cudagraphs=True,
+                                       hints=[PROMPT], warmup=True)
 began = time.perf_counter()
 with torch.no_grad():
-    generate_run(model, prompt, cache)
+    for _ in range(2 if served else 1):  # graphs that write their inputs: 2nd call
+        generate_run(model, prompt, cache, served)
     ready = time.perf_counter() - began
-    rounds = [generate_run(model, prompt, cache) for _ in range({rounds})]
+    rounds = [generate_run(model, prompt, cache, served) for _ in range({rounds})]
+    if served is not None and not isinstance(cache, int):
+        found["profile"] = generate_profile(model, prompt, cache, served)
+        found["captured"] = {{
+            ",".join(str(part[0]) for part in key[:-1]): [
+                [list(s) for s in piece.artifact.captured_sizes]
+                for piece in (compiled, *compiled.pieces.values())]
+            for key, compiled in served.compiled.items()}}
+        found["warnings"] = warned.messages
 ms = statistics.median(rounds)
-print("RESULT", {{"ms_per_token": ms, "tokens_per_s": 1e3 / ms, "rounds": rounds,
-                  "ready_s": ready, "transformers": transformers.__version__}})
+found.update({{"ms_per_token": ms, "tokens_per_s": 1e3 / ms, "rounds": rounds,
+               "ready_s": ready, "transformers": transformers.__version__}})
+print("RESULT", found)
 """
 
 
-def generate_child(smoke: bool, cache_len: int, rounds: int) -> dict[str, Any]:
-    """transformers' own ``generate`` (it compiles the decode steps itself) in a fresh
-    process, batch 1, on a cache it is passed; the error where it fails."""
+def generate_child(smoke: bool, cache_len: int, rounds: int,
+                   serve_cache: str | None = None) -> dict[str, Any]:  # fmt: skip
+    """transformers' ``generate`` in a fresh process, batch 1, on a cache it is passed:
+    its own (it compiles the decode steps itself), or under ``serve_generate`` on our
+    artifact cache ``serve_cache`` (then with its profile and captured sizes); the error
+    where it fails."""
     failures: dict[str, Any] = {}
+    label = SERVE if serve_cache is not None else "transformers generate"
     for new_caches in (False, True):
         how = "a new cache per call" if new_caches else "a cache it is passed, reset per call"
         code = GENERATE.format(here=HERE, root=ROOT, smoke=smoke, cache_len=cache_len,
-                               rounds=rounds, new_caches=new_caches)  # fmt: skip
+                               rounds=rounds, new_caches=new_caches,
+                               serve_cache=serve_cache)  # fmt: skip
         try:
             out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                                  timeout=240)  # fmt: skip
@@ -591,12 +629,15 @@ def generate_child(smoke: bool, cache_len: int, rounds: int) -> dict[str, Any]:
             asserts = len(out.stderr.splitlines()) - len(lines)
             failures[how] = {"error": "\n".join(lines[-25:]), "rc": out.returncode,
                              "device_asserts": asserts}  # fmt: skip
-            print(f"[decode] transformers generate, {how}: failed {failures[how]}", flush=True)
+            print(f"[decode] {label}, {how}: failed {failures[how]}", flush=True)
             continue
         found: dict[str, Any] = eval(line[len("RESULT ") :])  # our own child's dict literal
         found["how"] = how
         found["failed_before"] = failures
-        print(f"[decode] transformers generate, {how}: {found}", flush=True)
+        print(f"[decode] {label}, {how}: " + str({k: v for k, v in found.items()
+                                                 if k != "profile"}), flush=True)  # fmt: skip
+        if "profile" in found:
+            print(found["profile"], flush=True)
         return found
     return failures
 
@@ -800,19 +841,19 @@ def summarize(document: dict[str, Any]) -> str:
             continue
         cells += [decode[str(b)]["ms_per_token"] if str(b) in decode else "-" for b in batches]
         cells += [decode[str(b)]["tokens_per_s"] if str(b) in decode else "-" for b in batches]
-        prefill = document["prefill_ms"].get(name, {})
+        prefill = document.get("prefill_ms", {}).get(name, {})
         cells += [prefill.get(str(n), "-") for n in PREFILLS]
-        cells.append(document["graph_memory_mb"].get(name, "-"))
+        cells.append(document.get("graph_memory_mb", {}).get(name, "-"))
         body.append(cells)
     lines = [table(headers, body), ""]
     lines.append("ready (compiles and captures of the first runs), s: " + ", ".join(
         f"{k} {v:.1f}" for k, v in document["ready_s"].items()))  # fmt: skip
     lines.append(f"ours + cudagraphs tokens identical to ours: "
-                 f"{document['ours_cudagraphs_tokens_identical']}")  # fmt: skip
+                 f"{document.get('ours_cudagraphs_tokens_identical')}")  # fmt: skip
     for label, numbers in document.get("new_batch_generate_ms", {}).items():
         lines.append(f"generate at a new batch, {label} cache: " + ", ".join(
             f"batch {b}: +{v['extra_ms']:.1f} ms" for b, v in numbers.items()))  # fmt: skip
-    for label, numbers in document["warm_start"].items():
+    for label, numbers in document.get("warm_start", {}).items():
         lines.append(f"{label}: {numbers}")
     return "\n".join(lines)
 

@@ -45,6 +45,7 @@ from ._model import compile_model
 log = logging.getLogger("precompile.compile")
 _PLAIN = (bool, int, float, str, type(None))
 _SEQUENCE_ARGUMENTS = ("attention_mask", "position_ids", "token_type_ids")
+_SIGNATURES_KEPT = 256
 
 
 def _structure(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> tuple[Any, ...]:
@@ -130,6 +131,27 @@ def _static_sizes(kwargs: Mapping[str, Any], dynamic_batch: bool) -> tuple[Any, 
     return tuple(sizes)
 
 
+def _call_signature(kwargs: Mapping[str, Any]) -> tuple[Any, ...] | None:
+    """What ``_structure`` and ``_static_sizes`` read, in a form cheap enough for every
+    decode step: each argument's name, a tensor's whole shape, a cache's type and its
+    layers' lengths, a plain value with its type. Equal signatures have equal keys, so a
+    signature seen before names its compiled model without the full key (which flattens
+    every argument). None where an argument is anything else: the full key decides."""
+    parts: list[Any] = []
+    for name, value in kwargs.items():
+        if isinstance(value, torch.Tensor):
+            parts.append((name, value.shape))
+        elif is_kv_cache(value):
+            layers = getattr(value, "layers", None) or ()
+            lengths = tuple(getattr(layer, "max_cache_len", None) for layer in layers)
+            parts.append((name, type(value), lengths))
+        elif isinstance(value, _PLAIN):
+            parts.append((name, type(value), value))
+        else:
+            return None
+    return tuple(parts)
+
+
 def _pad_mask_to_cache(kwargs: dict[str, Any]) -> None:
     """A 2-d attention mask (batch, tokens so far), which grows by one every decode step,
     padded with zeros to the static cache's length: what transformers' mask code does to
@@ -159,6 +181,8 @@ class GenerateServer:
         self.dynamic_batch = dynamic_batch
         self.options = dict(options)
         self.compiled: dict[tuple[Any, ...], CompiledModel] = {}
+        # call signature -> compiled model, for calls whose signature was seen before
+        self._by_signature: dict[tuple[Any, ...], CompiledModel] = {}
         self.calls = 0
         self._lock = threading.RLock()
         self._saved: dict[str, Any] = {}
@@ -201,10 +225,17 @@ class GenerateServer:
     # -- serving -----------------------------------------------------------------------
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         _pad_mask_to_cache(kwargs)
-        key = (*_structure(args, kwargs), _static_sizes(kwargs, self.dynamic_batch))
-        compiled = self.compiled.get(key)
+        signature = None if args else _call_signature(kwargs)
+        compiled = self._by_signature.get(signature) if signature is not None else None
         if compiled is None:
-            compiled = self._compile(key, kwargs)
+            key = (*_structure(args, kwargs), _static_sizes(kwargs, self.dynamic_batch))
+            compiled = self.compiled.get(key)
+            if compiled is None:
+                compiled = self._compile(key, kwargs)
+            if signature is not None:
+                if len(self._by_signature) >= _SIGNATURES_KEPT:  # prompt lengths, mostly
+                    self._by_signature.clear()
+                self._by_signature[signature] = compiled
         self.calls += 1
         return compiled(**kwargs)
 

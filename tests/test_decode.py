@@ -323,6 +323,35 @@ def test_serve_generate_names_the_static_cache_a_dynamic_one_needs() -> None:
     assert not served.compiled and "forward" not in vars(model)
 
 
+def test_serve_generate_call_signatures_tell_apart_what_its_keys_do() -> None:
+    """The router's per-step shortcut: a call signature seen before names the compiled
+    model its full key chose. Equal signatures must mean equal keys (else a call would
+    reach a model compiled for another cache length, plain value or shape); anything the
+    signature cannot describe has none and takes the full key."""
+    from precompile._generate import _call_signature, _static_sizes, _structure
+
+    model = build("llama")
+
+    def key(kwargs: dict[str, Any]) -> tuple[Any, ...]:
+        return (*_structure((), kwargs), _static_sizes(kwargs, False))
+
+    base = {"input_ids": torch.zeros(1, 1, dtype=torch.long), "past_key_values": new_cache(model),
+            "use_cache": True, "logits_to_keep": 1}  # fmt: skip
+    variants = [
+        {**base, "input_ids": torch.zeros(2, 1, dtype=torch.long)},  # another batch
+        {**base, "input_ids": torch.zeros(1, 5, dtype=torch.long)},  # a prompt
+        {**base, "past_key_values": new_cache(model, length=MAX_CACHE * 2)},  # longer cache
+        {**base, "use_cache": 1},  # a plain value of another type
+        {**base, "logits_to_keep": 0},
+        {**base, "attention_mask": torch.ones(1, 1, 1, MAX_CACHE)},  # one argument more
+    ]
+    assert _call_signature(base) == _call_signature({**base, "past_key_values": new_cache(model)})
+    for other in variants:
+        assert key(other) != key(base)
+        assert _call_signature(other) != _call_signature(base), other
+    assert _call_signature({**base, "labels": [torch.zeros(1)]}) is None
+
+
 # -- CUDA graphs ---------------------------------------------------------------------------
 def test_graphs_that_write_a_static_cache_are_capturable(llama: tuple[Any, Any]) -> None:
     """The cache tensors the graph writes are static-address inputs: captured in place
