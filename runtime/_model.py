@@ -53,6 +53,7 @@ from ._kv_cache import (
     CacheSlot,
     caches_from_json,
     is_kv_cache,
+    kv_cache_capacity,
     layouts_to_json,
     parse_cache_binding,
     slot_specs,
@@ -279,6 +280,20 @@ def stale_reason(plan: ModelPlan) -> str | None:
     if not plan.identity:
         return "it was saved by an older precompile, without what it was compiled from"
     return None
+
+
+def _prompt_lengths(lengths: Any, capacity: int | None) -> list[int]:
+    """``prepare_generate``'s prompt lengths, checked: ints >= 1 that fit the cache."""
+    if isinstance(lengths, (str, bytes)) or not isinstance(lengths, Sequence):
+        raise InvalidOptionError(f"prompt_lengths must be a sequence of ints, got {lengths!r}")
+    for n in lengths:
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise InvalidOptionError(f"prompt_lengths must hold ints >= 1, got {n!r}")
+        if capacity is not None and n > capacity:
+            raise InvalidOptionError(
+                f"prompt length {n} does not fit the cache, which holds {capacity} tokens"
+            )
+    return list(dict.fromkeys(lengths))
 
 
 class CompiledModel:
@@ -669,16 +684,20 @@ class CompiledModel:
         generator: torch.Generator | None = None,
         eos_token_id: int | Sequence[int] | None = None,
         pad_token_id: int | None = None,
+        prompt_lengths: Sequence[int] = (),
     ) -> bool:
         """Capture, now, the decode-step graph that ``generate`` replays on this cache for
         ``batch_size`` prompts with these options (as ``generate`` takes them;
         ``generator``: only whether one is given counts, its state is neither read nor
         advanced), so that a request's first decode step is a replay: no capture and no
         per-shape setup (cuDNN's plans are built per thread; a graph replays in any).
-        Runs one short made-up generate on the cache, then ``reset()`` s it: pass an empty
+        ``prompt_lengths``: also the prefill's graph at each of these prompt lengths (a
+        server's length buckets), so a request's prefill at one is a replay too.
+        Runs short made-up generates on the cache, ``reset()`` after each: pass an empty
         cache; it is left empty, initialized (as its first write would). Returns whether
-        a graph is kept for it (False: capturing failed, logged; ``generate`` on it runs
-        its steps without one, as it would have). Needs CUDA graphs on and a CUDA model."""
+        the step graph is kept for it (False: capturing failed, logged; ``generate`` on it
+        runs its steps without one, as it would have; a prefill size whose capture fails
+        is logged and runs plainly). Needs CUDA graphs on and a CUDA model."""
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
             raise InvalidOptionError(f"batch_size must be an int >= 1, got {batch_size!r}")
         if not is_kv_cache(past_key_values):
@@ -686,6 +705,7 @@ class CompiledModel:
                 "past_key_values must be a transformers StaticCache, got "
                 f"{type(past_key_values).__name__}"
             )
+        lengths = _prompt_lengths(prompt_lengths, kv_cache_capacity(past_key_values))
         device = torch.device(self._input_device("input_ids"))
         ids = torch.zeros(batch_size, 1, dtype=torch.long, device=device)
         graphed = self._graphed_steps(ids)
@@ -714,16 +734,24 @@ class CompiledModel:
                 f"past_key_values already holds {held} tokens: prepare_generate takes an "
                 "empty cache (it runs a made-up generate on it, then resets it)"
             )
-        try:
-            with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-                self.generate(
-                    ids, past_key_values, max_new_tokens=3, do_sample=do_sample,
-                    temperature=temperature, top_k=top_k, top_p=top_p, generator=scratch,
-                    eos_token_id=eos_token_id, pad_token_id=pad_token_id,
-                )  # fmt: skip
-        finally:  # made-up tokens never stay in the caller's cache
-            if caches.held(past_key_values):
-                past_key_values.reset()
+        # The step graph (3 tokens: its capture is at the 2nd step), then each prefill
+        # size twice (a graph that writes the cache is captured at its 2nd call).
+        runs = [(ids, 3)] + [
+            (torch.zeros(batch_size, n, dtype=torch.long, device=device), 1)
+            for n in lengths
+            for _ in range(2)
+        ]
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            for prompt, new in runs:
+                try:
+                    self.generate(
+                        prompt, past_key_values, max_new_tokens=new, do_sample=do_sample,
+                        temperature=temperature, top_k=top_k, top_p=top_p, generator=scratch,
+                        eos_token_id=eos_token_id, pad_token_id=pad_token_id,
+                    )  # fmt: skip
+                finally:  # made-up tokens never stay in the caller's cache
+                    if caches.held(past_key_values):
+                        past_key_values.reset()
         names = [n for n in dict.fromkeys(self._names) if n]
         key = step_graph_key(
             batch_size, names, past_key_values, do_sample=do_sample, temperature=temperature,

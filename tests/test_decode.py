@@ -12,6 +12,7 @@ import os
 import threading
 import warnings
 from collections.abc import Callable
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -638,8 +639,12 @@ def test_prepare_generate_captures_the_step_graph_before_a_request(
 ) -> None:
     """``prepare_generate`` captures the step graph a later ``generate`` on that cache
     replays (in another thread here: a graph replays in any thread), so the request
-    captures nothing; its tokens are those of the model without graphs, the cache is
-    left empty, and neither the caller's generator nor torch's default one moves."""
+    captures nothing, and the prefill's graph at a prompt length it is given, so the
+    request's prefill is a replay; its tokens are those of the model without graphs, the
+    cache is left empty, and neither the caller's generator nor torch's default one
+    moves."""
+    from precompile.runtime._cudagraphs import _Graph
+
     model, plain, graphs = cuda_llama
     options: dict[str, Any] = {"do_sample": True, "top_k": 20} if sample else {}
     torch.manual_seed(31)
@@ -650,7 +655,8 @@ def test_prepare_generate_captures_the_step_graph_before_a_request(
     prepared: list[bool] = []
 
     def prepare() -> None:
-        prepared.append(graphs.prepare_generate(cache, 5, generator=generator, **options))
+        prepared.append(graphs.prepare_generate(cache, 5, generator=generator,
+                                                prompt_lengths=[7], **options))  # fmt: skip
 
     side = threading.Thread(target=prepare)
     side.start()
@@ -663,20 +669,27 @@ def test_prepare_generate_captures_the_step_graph_before_a_request(
 
     steps = graphs._decode_graphs
     captures: list[object] = []
-    real = steps.capture
+    replays: list[object] = []
+    real, replay = steps.capture, _Graph.replay
 
     def counted(*args: Any, **kwargs: Any) -> Any:
         captures.append(args)
         return real(*args, **kwargs)
 
+    def replayed(self: Any, *args: Any, **kwargs: Any) -> Any:
+        replays.append(args)
+        return replay(self, *args, **kwargs)
+
     outputs = []
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(steps, "capture", counted)
+        patch.setattr(_Graph, "replay", replayed)
         for compiled, target in ((plain, new_cache(model)), (graphs, cache)):
             drawn = torch.Generator(device="cuda").manual_seed(9)
             outputs.append(compiled.generate(prompt, target, max_new_tokens=STEPS,
                                              generator=drawn, **options))  # fmt: skip
-    assert captures == []  # the request replayed the prepared graph
+    assert captures == []  # the request replayed the prepared step graph
+    assert len(replays) == 1  # and the prepared prefill graph (the steps: the step graph)
     assert torch.equal(outputs[0], outputs[1])
 
 
@@ -741,6 +754,23 @@ def test_prepare_generate_neither_loses_tokens_nor_leaves_made_up_ones(
         compiled.prepare_generate(fresh, 2)
     assert compiled._caches.held(fresh) == 0
 
+    # prompt lengths: the step, then each length twice (a graph that writes the cache is
+    # captured at its 2nd call), every made-up generate on an empty cache, none left
+    runs: list[tuple[list[int], int, int]] = []
+
+    def writes(ids: torch.Tensor, written: Any, *, max_new_tokens: int, **options: Any) -> None:
+        runs.append((list(ids.shape), max_new_tokens, compiled._caches.held(written)))
+        compiled(input_ids=ids, past_key_values=written, use_cache=True,
+                 cache_position=torch.arange(ids.shape[1]))  # fmt: skip
+
+    monkeypatch.setattr(compiled, "generate", writes)
+    monkeypatch.setattr(compiled, "_graphed_steps", lambda ids: SimpleNamespace(graphs=[]))
+    with torch.no_grad():
+        assert not compiled.prepare_generate(fresh, 2, prompt_lengths=[4, 6, 4])  # none kept
+    assert runs == [([2, 1], 3, 0), ([2, 4], 1, 0), ([2, 4], 1, 0), ([2, 6], 1, 0),
+                    ([2, 6], 1, 0)]  # fmt: skip
+    assert compiled._caches.held(fresh) == 0
+
 
 def test_prepare_generate_refuses_a_model_without_cuda_graphs(llama: tuple[Any, Any]) -> None:
     model, compiled = llama
@@ -751,6 +781,15 @@ def test_prepare_generate_refuses_a_model_without_cuda_graphs(llama: tuple[Any, 
         compiled.prepare_generate(cache, 0)
     with pytest.raises(precompile.InvalidOptionError, match="StaticCache"):
         compiled.prepare_generate(object(), 2)
+    for lengths, message in [
+        ([MAX_CACHE + 1], f"prompt length {MAX_CACHE + 1} does not fit the cache"),
+        ([0], "ints >= 1"),
+        ([True], "ints >= 1"),
+        ("16", "a sequence of ints"),
+        (16, "a sequence of ints"),
+    ]:
+        with pytest.raises(precompile.InvalidOptionError, match=message):
+            compiled.prepare_generate(cache, 2, prompt_lengths=lengths)  # type: ignore[arg-type]
 
 
 def _reference(model: torch.nn.Module, prompt: torch.Tensor, **options: Any) -> torch.Tensor:
