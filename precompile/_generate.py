@@ -23,6 +23,7 @@ share one compile.
 from __future__ import annotations
 
 import functools
+import inspect
 import logging
 import threading
 from collections.abc import Mapping
@@ -35,12 +36,14 @@ from precompile.runtime import (
     CompiledModel,
     InvalidOptionError,
     UnsupportedGraphError,
+    cudagraph_options,
     is_kv_cache,
     kv_cache_capacity,
     tree_flatten,
 )
 
 from ._model import compile_model
+from ._variant_plan import check_kinds
 
 log = logging.getLogger("precompile.compile")
 _PLAIN = (bool, int, float, str, type(None))
@@ -181,6 +184,8 @@ class GenerateServer:
         self.dynamic_batch = dynamic_batch
         self.options = dict(options)
         self.compiled: dict[tuple[Any, ...], CompiledModel] = {}
+        # call structures that could not be compiled: refused again without a new trace
+        self._refused: dict[tuple[Any, ...], UnsupportedGraphError] = {}
         # call signature -> compiled model, for calls whose signature was seen before
         self._by_signature: dict[tuple[Any, ...], CompiledModel] = {}
         self.calls = 0
@@ -251,6 +256,8 @@ class GenerateServer:
             found = self.compiled.get(key)
             if found is not None:
                 return found
+            if key in self._refused:
+                raise self._refused[key]
             model = self.model
             installed = {n: vars(model).pop(n) for n in ("forward", "get_compiled_call")
                          if n in vars(model)}  # fmt: skip
@@ -259,12 +266,39 @@ class GenerateServer:
                     model, (), dict(kwargs), dynamic=_dynamic(kwargs, self.dynamic_batch),
                     **self.options,
                 )  # fmt: skip
+            except UnsupportedGraphError as exc:
+                refused = UnsupportedGraphError(_refusal(kwargs, self.dynamic_batch, exc))
+                self._refused[key] = refused
+                raise refused from exc
             finally:
                 for name, value in installed.items():
                     setattr(model, name, value)
             log.info("serve_generate: compiled call structure %s", [k[0] for k in key])
             self.compiled[key] = compiled
             return compiled
+
+
+def _refusal(kwargs: Mapping[str, Any], dynamic_batch: bool, error: Exception) -> str:
+    """Which of generate's calls could not be compiled, and why."""
+    ids = kwargs.get("input_ids")
+    phase = "call"
+    if isinstance(ids, torch.Tensor) and ids.dim() == 2:
+        phase = "decode step" if int(ids.shape[1]) == 1 else "prefill"
+    names = ", ".join(sorted(kwargs))
+    message = f"serve_generate could not compile generate's {phase} (a call of {names}): {error}"
+    if dynamic_batch:
+        message += (
+            "; serve_generate(dynamic_batch=False) compiles each batch size apart, where "
+            "the model's code fixes the batch"
+        )
+    return message
+
+
+_OPTIONS = frozenset(
+    name
+    for name, parameter in inspect.signature(compile_model).parameters.items()
+    if parameter.kind is inspect.Parameter.KEYWORD_ONLY and name != "dynamic"
+)
 
 
 def serve_generate(
@@ -280,9 +314,23 @@ def serve_generate(
         with precompile.serve_generate(model, hints=[16, 256]) as served:
             out = model.generate(ids, max_new_tokens=32, cache_implementation="static")
     """
+    if not isinstance(model, torch.nn.Module):
+        raise InvalidOptionError(
+            f"serve_generate takes a torch.nn.Module, got {type(model).__name__}"
+        )
     if "dynamic" in options:
         raise InvalidOptionError(
             "serve_generate chooses the dynamic dims itself (the prompt's sequence dim; "
             "dynamic_batch=True for the batch)"
         )
+    if not isinstance(dynamic_batch, bool):
+        raise InvalidOptionError(f"dynamic_batch must be True or False, got {dynamic_batch!r}")
+    unknown = sorted(set(options) - _OPTIONS)
+    if unknown:
+        raise InvalidOptionError(
+            f"serve_generate got unknown options {unknown}; it takes compile_model's: "
+            f"{sorted(_OPTIONS)}"
+        )
+    check_kinds(options.get("hints"), options.get("sizes"))  # checked now, not at a call
+    cudagraph_options(options.get("cudagraphs"))
     return GenerateServer(model, dynamic_batch, options)

@@ -61,7 +61,7 @@ from precompile.runtime import plan_stale_reason as stale_reason
 from ._caller_state import CallerState
 from ._offline import is_offline, refuse
 from ._trace_read import trace_read
-from ._variant_plan import Hints, Sizes
+from ._variant_plan import Hints, Sizes, check_kinds
 
 log = logging.getLogger("precompile.compile")
 DynamicSpec = Mapping[int | str, Sequence[int]] | None
@@ -246,6 +246,7 @@ def compile_model(
     if not isinstance(model, torch.nn.Module):
         raise InvalidOptionError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     cudagraph_options(cudagraphs)  # validate early
+    check_kinds(hints, sizes)  # before tracing: inside Dynamo's backend it is wrapped
     hooked = hooks_on(model)
     if hooked:
         raise UnsupportedGraphError(

@@ -117,7 +117,7 @@ def _static_points(
     return points
 
 
-def _check_kinds(hints: Hints, sizes: Sizes) -> None:
+def check_kinds(hints: Hints, sizes: Sizes) -> None:
     """The container types ``hints`` and ``sizes`` accept, for graphs that use neither."""
     if hints is not None and (
         isinstance(hints, (str, bytes)) or not isinstance(hints, (Sequence, Mapping))
@@ -148,7 +148,7 @@ def plan_variants(
     if not names:
         # A static graph (Dynamo hands a backend one at size 1, say) has one possible
         # variant; the hints and sizes meant for its dynamic siblings do not apply.
-        _check_kinds(hints, sizes)
+        check_kinds(hints, sizes)
         if hints is not None or sizes is not None:
             log.debug("graph has no dynamic dims: hints and sizes ignored, one variant")
         return [VariantRequest("hint", ())]

@@ -291,7 +291,7 @@ def _prompt_lengths(lengths: Any, capacity: int | None) -> list[int]:
             raise InvalidOptionError(f"prompt_lengths must hold ints >= 1, got {n!r}")
         if capacity is not None and n > capacity:
             raise InvalidOptionError(
-                f"prompt length {n} does not fit the cache, which holds {capacity} tokens"
+                f"prompt length {n} does not fit the cache (max_cache_len {capacity})"
             )
     return list(dict.fromkeys(lengths))
 
@@ -920,10 +920,10 @@ def hooks_on(model: torch.nn.Module) -> str | None:
         return None  # the common case, per call: four dict truth tests
     for name in _MODULE_HOOKS:
         if getattr(model, name, None):
-            return f"a {name.strip('_').replace('_', ' ')} on the model"
+            return f"a {name.strip('_').replace('_', ' ').removesuffix('s')} on the model"
     for name in _GLOBAL_HOOKS:
         if getattr(_modules_of_torch, name, None):
-            return f"a global {name.removeprefix('_global_').replace('_', ' ')}"
+            return f"a global {name.removeprefix('_global_').replace('_', ' ').removesuffix('s')}"
     return None
 
 

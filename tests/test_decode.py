@@ -324,6 +324,48 @@ def test_serve_generate_names_the_static_cache_a_dynamic_one_needs() -> None:
     assert not served.compiled and "forward" not in vars(model)
 
 
+def test_serve_generate_checks_its_options_before_any_call(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Bad options are refused when the block is made, by name, with the library's own
+    error (``hints="abc"`` once surfaced at the first generate as Dynamo's
+    ``BackendCompilerFailed``); a call structure that cannot be compiled is refused
+    naming generate's call and what to try, and refused again without a new trace."""
+    model = build("llama")
+    for bad, message in [
+        (dict(model="not a model"), "takes a torch.nn.Module, got str"),
+        (dict(dynamic_batch="yes"), "dynamic_batch must be True or False"),
+        (dict(foo=1), r"unknown options \['foo'\]"),
+        (dict(hints="abc"), "hints must be"),
+        (dict(cudagraphs="yes"), "cudagraphs must be"),
+    ]:
+        with pytest.raises(precompile.InvalidOptionError, match=message):
+            precompile.serve_generate(**{"model": model, **bad})  # type: ignore[arg-type]
+    with pytest.raises(precompile.InvalidOptionError, match="hints must be"):
+        precompile.compile_model(model, (), {"input_ids": torch.zeros(1, 3, dtype=torch.long)},
+                                 hints="abc", cache=False)  # fmt: skip
+    from precompile import _generate
+
+    tried: list[object] = []
+
+    def refuses(*args: Any, **kwargs: Any) -> None:
+        tried.append(kwargs)
+        raise precompile.UnsupportedGraphError("dynamic dim 0 was specialized to 2")
+
+    monkeypatch.setattr(_generate, "compile_model", refuses)
+    prompt = torch.randint(0, VOCAB, (2, 4))
+    with torch.no_grad(), precompile.serve_generate(model, dynamic_batch=True, hints=[8]):
+        for _ in range(2):
+            with pytest.raises(precompile.UnsupportedGraphError) as refused:
+                model.generate(prompt, max_new_tokens=2, cache_implementation="static",
+                               do_sample=False, pad_token_id=0)  # fmt: skip
+            text = str(refused.value)
+            assert "generate's prefill" in text and "dynamic_batch=False" in text, text
+            assert "specialized to 2" in text
+    assert len(tried) == 1  # the second generate was refused without a new trace
+    assert "forward" not in vars(model)
+
+
 def test_serve_generate_call_signatures_tell_apart_what_its_keys_do() -> None:
     """The router's per-step shortcut: a call signature seen before names the compiled
     model its full key chose. Equal signatures must mean equal keys (else a call would
@@ -782,7 +824,7 @@ def test_prepare_generate_refuses_a_model_without_cuda_graphs(llama: tuple[Any, 
     with pytest.raises(precompile.InvalidOptionError, match="StaticCache"):
         compiled.prepare_generate(object(), 2)
     for lengths, message in [
-        ([MAX_CACHE + 1], f"prompt length {MAX_CACHE + 1} does not fit the cache"),
+        ([MAX_CACHE + 1], rf"length {MAX_CACHE + 1} does not fit the cache \(max_cache_len 64\)"),
         ([0], "ints >= 1"),
         ([True], "ints >= 1"),
         ("16", "a sequence of ints"),
