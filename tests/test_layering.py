@@ -231,8 +231,13 @@ INTERNAL_SUBJECTS = {
     },
     "tests/test_compile.py": {"precompile._variant_compile"},  # counts compiles
     "tests/test_cudagraphs.py": {"precompile.runtime._cudagraphs"},
-    # the decode loop driven by a plain callable: a refusal checked without a compile
-    "tests/test_decode.py": {"precompile.runtime._cudagraphs", "precompile.runtime._decode_loop"},
+    # the decode loop driven by a plain callable: a refusal checked without a compile;
+    # serve_generate's routing keys compared with its per-step signatures
+    "tests/test_decode.py": {
+        "precompile._generate",
+        "precompile.runtime._cudagraphs",
+        "precompile.runtime._decode_loop",
+    },
     # the installed torch's standalone_compile parameters; a failing compile
     "tests/test_dropin.py": {"precompile._torch_adapter", "precompile._variant_compile"},
     "tests/test_expressions.py": {"precompile.runtime._expressions"},
