@@ -7,6 +7,7 @@ import os
 import platform
 import statistics
 import sys
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -55,6 +56,24 @@ def write_json(name: str, document: dict[str, Any]) -> str:
         json.dump(document, handle, indent=2)
         handle.write("\n")
     return path
+
+
+def gpu_waits(run: Callable[[], object]) -> list[tuple[str, int]]:
+    """Where ``run`` waited for the GPU (file, line), one entry per wait: torch's sync
+    debug mode, as warnings. Shared by the decode benchmark's profile and the GPU tests'
+    no-sync checks."""
+    import torch
+
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            run()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return [(w.filename, w.lineno) for w in caught
+            if "synchronizing CUDA operation" in str(w.message)]  # fmt: skip
 
 
 def table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:

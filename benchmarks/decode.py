@@ -671,7 +671,8 @@ def generate_profile(model: torch.nn.Module, prompt: torch.Tensor, cache: Any, s
     import cProfile
     import io
     import pstats
-    import warnings
+
+    from _common import gpu_waits
 
     from precompile import GenerateServer
 
@@ -708,18 +709,9 @@ def generate_profile(model: torch.nn.Module, prompt: torch.Tensor, cache: Any, s
         total = time.perf_counter() - began
     finally:
         GenerateServer.__call__ = real  # type: ignore[method-assign]
-    sites: collections.Counter[str] = collections.Counter()
-    torch.cuda.synchronize()
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            run()
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-    for warning in caught:
-        if "synchronizing CUDA operation" in str(warning.message):
-            sites[f"{os.path.relpath(warning.filename, ROOT)}:{warning.lineno}"] += 1
+    sites = collections.Counter(
+        f"{os.path.relpath(filename, ROOT)}:{line}" for filename, line in gpu_waits(run)
+    )
     text.write(f"\nunprofiled: {total * 1e3:.1f} ms for {STEPS} tokens with the prefill, "
                f"{inside[0] * 1e3:.1f} ms of it inside our forward (router and compiled "
                f"call)\nGPU waits per call site: {dict(sites.most_common(10))}\n")  # fmt: skip

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import threading
-import warnings
 from collections.abc import Callable
 from types import SimpleNamespace
 from typing import Any
@@ -533,15 +533,10 @@ def test_generate_with_cudagraphs_matches_without(
 
 def _synchronizations(run: Callable[[], object]) -> int:
     """How many times ``run`` waited for the GPU (torch's sync debug mode, as warnings)."""
-    torch.cuda.synchronize()
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            run()
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-    return sum("synchronizing CUDA operation" in str(w.message) for w in caught)
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "benchmarks"))
+    from _common import gpu_waits
+
+    return len(gpu_waits(run))
 
 
 @pytest.mark.gpu
