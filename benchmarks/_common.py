@@ -160,23 +160,28 @@ def is_compiler(program: str) -> bool:
     return program.split("-")[0] in COMPILERS or "ptxas" in program
 
 
-def llama(size: str, device: str, dtype: Any, max_positions: int = 4096) -> Any:
+def llama(
+    size: str, device: str, dtype: Any, max_positions: int = 4096, layers: int | None = None
+) -> Any:
     """The benchmarks' random-initialized ``transformers`` Llama: ``"tiny"`` (2 layers,
     hidden 64, vocab 512) or ``"issue"`` (4 layers, hidden 2048, vocab 32000, the model
-    of the serving issue), built on ``device`` (random init there: seconds less)."""
+    of the serving issue), built on ``device`` (random init there: seconds less);
+    ``layers`` instead of its own depth."""
     import torch
     import transformers
 
     torch.manual_seed(0)
     if size == "tiny":
         config = transformers.LlamaConfig(
-            hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            hidden_size=64, intermediate_size=128, num_hidden_layers=layers or 2,
+            num_attention_heads=4,
             num_key_value_heads=2, vocab_size=512, max_position_embeddings=max_positions,
             use_cache=False,
         )  # fmt: skip
     else:
         config = transformers.LlamaConfig(
-            hidden_size=2048, intermediate_size=5632, num_hidden_layers=4, num_attention_heads=16,
+            hidden_size=2048, intermediate_size=5632, num_hidden_layers=layers or 4,
+            num_attention_heads=16,
             num_key_value_heads=4, vocab_size=32000, max_position_embeddings=max_positions,
             use_cache=False,
         )  # fmt: skip

@@ -36,6 +36,7 @@ from precompile.runtime import registered_process_groups as registered_groups
 from ._compiler_config import codegen_config_digest
 from ._gemm_policy import POLICY as GEMM_POLICY
 from ._graph import GraphDescription
+from ._repeated_blocks import policy as blocks_policy
 from ._variant_plan import Hints, Sizes, VariantRequest
 
 
@@ -58,7 +59,12 @@ def graph_digest(gm: torch.fx.GraphModule) -> str:
             value = gm
             for part in str(node.target).split("."):
                 value = getattr(value, part)
-            text = _tensor_digest(value) if isinstance(value, torch.Tensor) else repr(value)
+            if isinstance(value, torch.fx.GraphModule):  # a subgraph: its own code counts
+                text = graph_digest(value)
+            elif isinstance(value, torch.Tensor):
+                text = _tensor_digest(value)
+            else:
+                text = repr(value)
             digest.update(f"\0{node.target}={text}".encode())
         elif node.op == "call_module":
             digest.update(f"\0{node.target}:{gm.get_submodule(str(node.target))!r}".encode())
@@ -104,6 +110,7 @@ def cache_factors(
         "options": _canonical(dict(options)),
         "codegen_config": codegen_config_digest(),
         "gemm_policy": GEMM_POLICY,
+        "repeated_blocks": blocks_policy(),
         "dynamic_shapes": dynamic_shapes,
         # what Dynamo's global-state guard holds: grad mode (a backward graph or not),
         # autocast per device and dtype, default dtype, deterministic algorithms, matmul
@@ -186,6 +193,7 @@ def model_factors(
         # inductor's config and the attention backends change the compiled code too
         "codegen_config": codegen_config_digest(),
         "gemm_policy": GEMM_POLICY,
+        "repeated_blocks": blocks_policy(),
         # grad mode, autocast, default dtype, ...: what Dynamo's global-state guard holds
         "global_state": _digest(describe_state(trace_state())),
         "torch": f"{environment.torch} ({environment.torch_git})",

@@ -40,6 +40,7 @@ from precompile.runtime import describe_process_groups as describe_groups
 from precompile.runtime import load_cached_artifact as load_cached
 
 from . import _gpu_lean as gpu_lean
+from . import _repeated_blocks as repeated_blocks
 from . import _torch_adapter as adapter
 from . import _variant_compile as variant_compile
 from ._cache_key import cache_factors, cache_key
@@ -253,6 +254,35 @@ def _within_the_graph(
     return kept
 
 
+def _reachable(graph: GraphDescription, requests: Sequence[VariantRequest]) -> list[VariantRequest]:
+    """The requested variants a call can reach. Inside a torch.compile backend, Dynamo
+    traced this graph for sizes of at least its symbols' lower bounds (2, where it traces
+    0 and 1 apart) and guards them: a variant at a point below one (a hint of 1 meant for
+    the decode steps, which Dynamo's trace at 1 serves) could never be called, so it is
+    not compiled. Where that leaves none, the traced sizes get a variant."""
+    env = graph.caller_shape_env
+    lows: dict[sympy.Symbol, int] = {}
+    for symbol in graph.symbols:
+        low = adapter.symbol_range(env, symbol)[0] if env is not None else None
+        if low is not None:
+            lows[symbol] = low
+    kept = []
+    for request in requests:
+        below = [f"{s}={v}" for s, v in zip(graph.symbols, request.point, strict=True)
+                 if s in lows and v < lows[s]]  # fmt: skip
+        if below:
+            log.info(
+                "%s variant at %s is not compiled: the traced graph serves %s and up (the "
+                "trace at smaller sizes is another graph)", request.kind, ", ".join(below),
+                ", ".join(f"{s} = {low}" for s, low in lows.items()),
+            )  # fmt: skip
+            continue
+        kept.append(request)
+    if not kept and requests:
+        kept.append(VariantRequest("hint", tuple(graph.hints[s] for s in graph.symbols)))
+    return kept
+
+
 def _size_one_requests(
     graph: GraphDescription,
     requests: Sequence[VariantRequest],
@@ -298,6 +328,7 @@ def _compile_variant(
     request: VariantRequest,
     options: Mapping[str, Any],
     number: int,
+    to_compile: torch.fx.GraphModule,
 ) -> variant_compile.CompiledVariant:
     """One variant, its GEMMs as ``_gemm_policy`` says; where inductor cannot compile
     them so, with the caller's options (an INFO log says why)."""
@@ -313,7 +344,7 @@ def _compile_variant(
     if chosen is not None:
         try:
             return variant_compile.compile_variant(
-                gm, graph, point, dynamic=dynamic, options=chosen
+                gm, graph, point, dynamic=dynamic, options=chosen, to_compile=to_compile
             )
         except PrecompileError:
             raise
@@ -326,7 +357,9 @@ def _compile_variant(
                 type(exc).__name__,
                 reason,
             )
-    return variant_compile.compile_variant(gm, graph, point, dynamic=dynamic, options=options)
+    return variant_compile.compile_variant(
+        gm, graph, point, dynamic=dynamic, options=options, to_compile=to_compile
+    )
 
 
 def _compile_all(
@@ -337,6 +370,19 @@ def _compile_all(
     options: Mapping[str, Any],
     groups: tuple[ProcessGroupSpec, ...] = (),
     called_at_one: bool = True,
+) -> tuple[CompiledArtifact, list[sympy.Expr]]:
+    with variant_compile.compiling_in_build_dir():
+        return _compile_each(gm, graph, symbols, requests, options, groups, called_at_one)
+
+
+def _compile_each(
+    gm: torch.fx.GraphModule,
+    graph: GraphDescription,
+    symbols: tuple[Symbol, ...],
+    requests: Sequence[VariantRequest],
+    options: Mapping[str, Any],
+    groups: tuple[ProcessGroupSpec, ...],
+    called_at_one: bool,
 ) -> tuple[CompiledArtifact, list[sympy.Expr]]:
     names = [s.name for s in symbols]
     payloads: dict[str, bytes] = {}
@@ -349,6 +395,7 @@ def _compile_all(
     training = False
     grad_enabled = torch.is_grad_enabled()
     queue = _within_the_graph(graph, requests)  # then any variant a dim's 1 needs
+    outlined = repeated_blocks.outline(gm)
     number = -1
     while number + 1 < len(queue):
         number += 1
@@ -356,7 +403,21 @@ def _compile_all(
         point = dict(zip(graph.symbols, request.point, strict=True))
         started = time.perf_counter()
         try:
-            compiled = _compile_variant(gm, graph, point, request, options, number)
+            try:
+                compiled = _compile_variant(gm, graph, point, request, options, number,
+                                            outlined.gm)  # fmt: skip
+            except PrecompileError:
+                raise
+            except Exception as exc:
+                if outlined.gm is gm:
+                    raise
+                log.info(
+                    "variant %d: compiling with repeated blocks outlined failed (%s: %s); "
+                    "compiling the graph as traced", number, type(exc).__name__,
+                    _first_line(exc, 200),
+                )  # fmt: skip
+                outlined = repeated_blocks.Outlined(gm, ())
+                compiled = _compile_variant(gm, graph, point, request, options, number, gm)
         except PrecompileError:
             raise
         except Exception as exc:  # inductor's own failure, whatever its type
@@ -639,6 +700,8 @@ def standalone_compile(
     requests = plan_variants(
         names, dims, default_point, hints=hints, sizes=sizes, max_variants=max_variants
     )
+    if dynamic_shapes == "from_tracing_context":
+        requests = _reachable(graph, requests)
     if not symbols and (hints or sizes) and dynamic_shapes != "from_tracing_context":
         # (inside a backend, Dynamo's static first trace is routine: the backend says so)
         log.warning(

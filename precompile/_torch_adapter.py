@@ -365,6 +365,41 @@ def treespec_json(value: Any) -> str:
     return str(pytree.treespec_dumps(spec))
 
 
+def module_stack(node: torch.fx.Node) -> list[tuple[str, str]]:
+    """The modules Dynamo recorded a node as traced inside, outermost first: each one's
+    source path (``L['self'].model.layers.0``, or ``...layers[0]`` in older torch) and
+    its class's qualified name. Empty for a node Dynamo did not trace."""
+    stack = node.meta.get("nn_module_stack") or {}
+    found = []
+    for entry in stack.values():
+        if not isinstance(entry, tuple) or len(entry) != 2:
+            continue
+        path, kind = entry
+        if isinstance(kind, type):
+            kind = f"{kind.__module__}.{kind.__qualname__}"
+        found.append((str(path), str(kind)))
+    return found
+
+
+def example_value(node: torch.fx.Node) -> Any:
+    """The value Dynamo (``example_value``) or a tracer (``val``) recorded for a node."""
+    value = node.meta.get("example_value")
+    return node.meta.get("val") if value is None else value
+
+
+def invoke_subgraph_op() -> Any:
+    """The higher-order operator that calls one subgraph from many places of a graph,
+    which AOTAutograd traces and inductor compiles once per identifier."""
+    return torch.ops.higher_order.invoke_subgraph
+
+
+def storage_of(value: Any) -> Any:
+    """A tensor's storage, comparable across views of it (fake tensors too)."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    return StorageWeakRef(value.untyped_storage())
+
+
 def graph_returns_tuple(gm: torch.fx.GraphModule) -> bool:
     """Whether inductor's compile_fx takes the graph's output as it is (a flat tuple)."""
     from torch._inductor.compile_fx import graph_returns_tuple as returns_tuple

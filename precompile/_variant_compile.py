@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import logging
 import pickle
+import threading
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
@@ -89,6 +90,31 @@ def _pinned_to_a_size(shape_env: Any, symbols: Mapping[Any, Any]) -> bool:
 
 
 @contextmanager
+def compiling_in_build_dir() -> Iterator[None]:
+    """Inductor's cache pointed at this process's build dir for the duration. Entering
+    it clears inductor's in-memory caches (compiled kernels, autotuning) and so does
+    leaving it: around all the variants of one graph, a kernel or GEMM choice one variant
+    compiled is found in memory by the next (and by the recording of their launches),
+    instead of being loaded again per variant. Nested, it is entered once."""
+    if _in_build_dir.active:
+        yield
+        return
+    with adapter.inductor_cache_dir(build_dir()):
+        _in_build_dir.active = True
+        try:
+            yield
+        finally:
+            _in_build_dir.active = False
+
+
+class _BuildDirState(threading.local):
+    active = False
+
+
+_in_build_dir = _BuildDirState()
+
+
+@contextmanager
 def _compile_context(fake_mode: Any, size_oblivious: bool) -> Iterator[None]:
     """Inductor's settings for one variant's compile. ``size_oblivious``: answer 0/1
     questions about sizes (is this dim broadcast?) for every size instead of guarding
@@ -97,12 +123,11 @@ def _compile_context(fake_mode: Any, size_oblivious: bool) -> Iterator[None]:
     patches: dict[str, Any] = {"bundled_autograd_cache": True}
     if adapter.functorch_config_has("force_non_lazy_backward_lowering"):
         patches["force_non_lazy_backward_lowering"] = True
-    build = build_dir()
     with ExitStack() as stack:
-        stack.enter_context(adapter.inductor_cache_dir(build))
+        stack.enter_context(compiling_in_build_dir())
         # Variants of one graph share an AOTAutograd key; drop earlier entries so a later
         # variant is compiled for its own hints instead of reusing an earlier one's code.
-        adapter.clear_aot_autograd_cache(build)
+        adapter.clear_aot_autograd_cache(build_dir())
         stack.enter_context(adapter.tracing(fake_mode))
         autotune = {"triton.autotune_at_compile_time": True}
         stack.enter_context(adapter.patch_inductor_config(autotune))
@@ -243,11 +268,15 @@ def compile_variant(
     *,
     dynamic: bool,
     options: Mapping[str, Any],
+    to_compile: torch.fx.GraphModule | None = None,
 ) -> CompiledVariant:
     """Compile one variant with inductor from a fresh ShapeEnv whose symbols mirror the
     caller's, hinted at ``point`` (``dynamic=False``: fixed to it), so the guards this
     compile adds are this variant's alone; returns its payload, those guards in the
-    caller's symbols, its built C++ kernels and how it uses its inputs."""
+    caller's symbols, its built C++ kernels and how it uses its inputs. ``to_compile``:
+    the graph inductor is given, where it is not ``gm`` itself (``gm`` with its repeated
+    blocks outlined: ``_repeated_blocks``); ``gm`` is what is read (its attention)."""
+    compiled_gm = gm if to_compile is None else to_compile
     # A point at 0 or 1 is meant to specialize (a decode step's code for one row); any
     # other dynamic point is traced for every size, 0 and 1 included. Size-oblivious
     # tracing is experimental in torch: where it fails (torch 2.11 lowering a KV-cache
@@ -261,7 +290,9 @@ def compile_variant(
     )
     retry: str | None = None
     try:
-        result = _compile_once(gm, graph, point, dynamic, options, size_oblivious, attention)
+        result = _compile_once(
+            compiled_gm, graph, point, dynamic, options, size_oblivious, attention
+        )
     except UnsupportedGraphError:
         raise
     except Exception as exc:
@@ -276,13 +307,13 @@ def compile_variant(
             retry = "size-oblivious compile held a dynamic dim to one size"
     if retry is not None:
         log.info("%s; compiling with 0/1 guards", retry)
-        result = _compile_once(gm, graph, point, dynamic, options, False, attention)
+        result = _compile_once(compiled_gm, graph, point, dynamic, options, False, attention)
     unfixed = sdpa_backends(switches, dynamic=dynamic, lengths_fixed=False)
     if attention != unfixed and not _lengths_pinned(
         adapter.mode_shape_env(result[0]), result[1], lengths or ()
     ):
         log.info("an attention length stays free in this variant; compiling it without cuDNN")
-        result = _compile_once(gm, graph, point, dynamic, options, False, unfixed)
+        result = _compile_once(compiled_gm, graph, point, dynamic, options, False, unfixed)
     elif attention != unfixed and lengths:
         log.info("variant at %s: attention lengths fixed, compiled with cuDNN allowed", point)
     fake_mode, reverse, payload, kernels, uses, training = result

@@ -1,0 +1,279 @@
+"""What the build costs: a transformers Llama compiled from nothing to its first output.
+
+    python benchmarks/build.py                        # CPU: the tiny Llama at 2, 4, 8 layers
+    python benchmarks/build.py --device cuda          # GPU: the docs' Llama at 4, 2, 8, 16 layers
+    python benchmarks/build.py --device cuda --layers 4 --rows 'compile_model;torch.compile'
+
+Every row runs in a fresh process with empty inductor, Triton and precompile caches, and
+reports the wall time from the compile call to the first output (the first call's output
+included), the CPU seconds of the process and of the processes it started over that time
+(inductor's compile workers are shut down first, so theirs count), the inductor compiles
+(``compile_fx`` calls) and the compiler processes (gcc, ptxas, ...) the process started.
+
+Rows: ``torch.compile`` (default: the first call compiles for its sizes),
+``torch.compile dynamic`` (``dynamic=True``), ``aot_compile`` (upstream's
+``torch.compile(...).aot_compile`` with ``skip_all_guards_unsafe``, the filter it works
+with on this model), ``compile_model`` (the docs' call: sequence dim dynamic, hints
+16/256/2048), ``compile_model + cudagraphs`` (GPU). ``--before PATH`` adds
+``compile_model before``: the same call on the source tree at PATH (a checkout's
+``precompile``, ``runtime`` and ``cache`` folders), for a change's before and after in one
+run. ``compile_model, blocks off``: with ``PRECOMPILE_REPEATED_BLOCKS=0``;
+``compile_model, cuBLAS GEMMs``: with ``options={"config_patches": {"max_autotune_gemm":
+False}}`` (inductor's default GEMMs, no autotuning). ``--logs DIR`` keeps each row's log.
+
+Results merge into ``benchmarks/results/build-<device>.json`` (``rows`` -> row -> layers),
+so runs of other depths or rows add to one table; the plot is build time against depth.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import resource
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+sys.path.insert(0, HERE)
+
+ROWS = [
+    "torch.compile",
+    "torch.compile dynamic",
+    "aot_compile",
+    "compile_model",
+    "compile_model + cudagraphs",
+    "compile_model, blocks off",
+    "compile_model, cuBLAS GEMMs",
+    "compile_model before",
+]
+DEFAULT_ROWS = ROWS[:5]
+GPU_ONLY = ("compile_model + cudagraphs",)
+HINTS = [16, 256, 2048]  # the docs' hints (docs/whole-models.md)
+FIRST = 128
+CPU_LAYERS = [2, 4, 8]
+GPU_LAYERS = [4, 2, 8, 16]
+
+
+def _cpu_seconds() -> float:
+    own = resource.getrusage(resource.RUSAGE_SELF)
+    children = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+
+def child(row: str, layers: int, device: str) -> dict[str, Any]:
+    from _common import count_tracing_and_compiles, is_compiler, llama, watch_processes
+
+    spawned = watch_processes()
+    import logging
+
+    import torch
+
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s")
+    logging.getLogger("precompile").setLevel(logging.INFO)
+    if row.startswith("compile_model"):
+        import precompile
+    frames, compiles = count_tracing_and_compiles()
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    model = llama("tiny" if device == "cpu" else "issue", device, dtype, 4096, layers)
+    ids = torch.randint(0, model.config.vocab_size, (1, FIRST), device=device)
+
+    def sync() -> None:
+        if device == "cuda":
+            torch.cuda.synchronize()
+
+    sync()
+    cpu_before, started = _cpu_seconds(), time.perf_counter()
+    with torch.no_grad():
+        if row.startswith("compile_model"):
+            options = ({"config_patches": {"max_autotune_gemm": False}}
+                       if row == "compile_model, cuBLAS GEMMs" else None)  # fmt: skip
+            compiled = precompile.compile_model(
+                model, (ids,), {"use_cache": False}, dynamic={0: [1]}, hints=HINTS,
+                cudagraphs=True if row == "compile_model + cudagraphs" else None,
+                options=options,
+            )  # fmt: skip
+            out = compiled(ids, use_cache=False).logits
+        elif row == "aot_compile":
+            torch._dynamo.mark_dynamic(ids, 1)
+            torch._dynamo.config.enable_aot_compile = True
+
+            def call(x: Any) -> Any:
+                return model(x, use_cache=False).logits
+
+            aot = torch.compile(
+                call, fullgraph=True,
+                options={"guard_filter_fn": torch.compiler.skip_all_guards_unsafe},
+            ).aot_compile(((ids,), {}))  # fmt: skip
+            out = aot(ids)
+        else:
+            fn = torch.compile(model, dynamic=True if row == "torch.compile dynamic" else None)
+            out = fn(ids, use_cache=False).logits
+        sync()
+        first_output = time.perf_counter() - started
+        expected = model(ids, use_cache=False).logits
+    from torch._inductor.async_compile import shutdown_compile_workers
+
+    shutdown_compile_workers()  # its workers' CPU time counts once they are reaped
+    cpu = _cpu_seconds() - cpu_before
+    return {
+        "first_output_s": first_output,
+        "cpu_s": cpu,
+        "inductor_compiles": len(compiles),
+        "dynamo_frames": len(frames),
+        "compiler_processes": sum(1 for p in spawned if is_compiler(p)),
+        "max_abs_diff": float((out.float() - expected.float()).abs().max()),
+    }
+
+
+def run_row(
+    row: str, layers: int, device: str, before: str | None, logs: str | None = None
+) -> dict[str, Any]:
+    scratch = tempfile.mkdtemp(prefix="build-bench-")
+    env = {
+        **os.environ,
+        "TORCHINDUCTOR_CACHE_DIR": os.path.join(scratch, "inductor"),
+        "TRITON_CACHE_DIR": os.path.join(scratch, "triton"),
+        "PRECOMPILE_CACHE_DIR": os.path.join(scratch, "precompile"),
+    }
+    source = before if row == "compile_model before" else ROOT
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (source, os.environ.get("PYTHONPATH")) if p)
+    if row == "compile_model, blocks off":
+        env["PRECOMPILE_REPEATED_BLOCKS"] = "0"
+    command = [sys.executable, os.path.abspath(__file__), "--child", row,
+               "--layers", str(layers), "--device", device]  # fmt: skip
+    try:
+        out = subprocess.run(command, capture_output=True, text=True, env=env, cwd=scratch,
+                             timeout=1800)  # fmt: skip
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    if logs:
+        os.makedirs(logs, exist_ok=True)
+        slug = re.sub(r"[^a-z0-9]+", "-", row.lower()).strip("-")
+        with open(os.path.join(logs, f"{slug}-{layers}.log"), "w", encoding="utf-8") as handle:
+            handle.write(out.stderr)
+    if out.returncode != 0:
+        return {"error": (out.stderr.strip().splitlines() or ["?"])[-1][:300]}
+    return dict(json.loads(out.stdout.strip().splitlines()[-1]))
+
+
+def report(document: dict[str, Any]) -> str:
+    from _common import table
+
+    layers = sorted({int(n) for by in document["rows"].values() for n in by})
+    headers = ["row", *(f"{n} layers: first output s (cpu s, compiles, compilers)" for n in layers)]
+    rows = []
+    for row, by in document["rows"].items():
+        cells: list[Any] = [row]
+        for n in layers:
+            r = by.get(str(n))
+            if r is None:
+                cells.append("-")
+            elif "error" in r:
+                cells.append(f"fails: {r['error'][:60]}")
+            else:
+                cells.append(f"{r['first_output_s']:.1f} ({r['cpu_s']:.0f}, "
+                             f"{r['inductor_compiles']}, {r['compiler_processes']})")  # fmt: skip
+        rows.append(cells)
+    text = table(headers, rows)
+    base = document["rows"].get("torch.compile", {})
+    ours = document["rows"].get("compile_model", {})
+    ratios = [
+        f"{n} layers {ours[str(n)]['first_output_s'] / base[str(n)]['first_output_s']:.2f}x"
+        for n in layers
+        if "first_output_s" in ours.get(str(n), {}) and "first_output_s" in base.get(str(n), {})
+    ]
+    if ratios:
+        text += "\n\ncompile_model / torch.compile, first output: " + ", ".join(ratios)
+    flat = [n for n in layers if "first_output_s" in ours.get(str(n), {})]
+    if len(flat) >= 2 and 4 in flat:
+        deepest = max(flat)
+        ratio = ours[str(deepest)]["first_output_s"] / ours["4"]["first_output_s"]
+        text += f"\ncompile_model at {deepest} layers / at 4 layers: {ratio:.2f}x"
+    return text
+
+
+def plot(document: dict[str, Any], path: str) -> None:
+    from _common import pyplot
+
+    plt = pyplot()
+    if plt is None:
+        return
+    figure, axis = plt.subplots(figsize=(7, 4.2))
+    for row, by in document["rows"].items():
+        points = sorted((int(n), r["first_output_s"]) for n, r in by.items()
+                        if "first_output_s" in r)  # fmt: skip
+        if points:
+            axis.plot(*zip(*points, strict=True), marker="o", label=row)
+    axis.set_xlabel("decoder layers")
+    axis.set_ylabel("build to first output, s")
+    axis.set_ylim(bottom=0)
+    axis.set_title(f"Llama build, cold caches: {document['environment']['device']}", fontsize=10)
+    axis.legend(fontsize=8)
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    print(f"wrote {path}")
+
+
+def _write(path: str, document: dict[str, Any]) -> None:
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w", encoding="utf-8") as handle:
+        json.dump(document, handle, indent=2)
+        handle.write("\n")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--layers", help="comma-separated depths (default: the device's)")
+    parser.add_argument("--rows", help=f"rows of {ROWS}, separated by ';'")
+    parser.add_argument("--out", help="the result file (default: benchmarks/results/)")
+    parser.add_argument("--before", help="a source tree whose compile_model is 'before'")
+    parser.add_argument("--logs", help="a folder for each row's log (stderr)")
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        print(json.dumps(child(args.child, int(args.layers), args.device)))
+        return
+    from _common import RESULTS, environment
+
+    layers = ([int(n) for n in args.layers.split(",")] if args.layers
+              else CPU_LAYERS if args.device == "cpu" else GPU_LAYERS)  # fmt: skip
+    rows = [r.strip() for r in args.rows.split(";")] if args.rows else list(DEFAULT_ROWS)
+    if args.before:
+        rows.append("compile_model before")
+    unknown = sorted(set(rows) - set(ROWS))
+    if unknown:
+        raise SystemExit(f"unknown rows {unknown}; the rows are {ROWS}")
+    if args.device == "cpu":
+        rows = [r for r in rows if r not in GPU_ONLY]
+    env = environment(args.device)
+    chip = re.search(r"\b([A-Z]\d{2,3})\b", env["device"])
+    slug = "cpu" if args.device == "cpu" else chip[1].lower() if chip else "gpu"
+    name = f"build-{slug}.json"
+    path = args.out or os.path.join(RESULTS, name)
+    document: dict[str, Any] = {"environment": env, "rows": {}}
+    if os.path.exists(path):  # runs of other depths or rows add to the same table
+        with open(path, encoding="utf-8") as handle:
+            earlier = json.load(handle)
+        if earlier.get("environment", {}).get("device") == env["device"]:
+            document["rows"] = earlier.get("rows", {})
+    document["environment"] = env
+    for n in layers:  # by depth, rows side by side
+        for row in rows:
+            result = run_row(row, n, args.device, args.before, args.logs)
+            document["rows"].setdefault(row, {})[str(n)] = result
+            print(f"[build] {row} at {n} layers: {result}", flush=True)
+            _write(path, document)
+    print(report(document))
+    plot(document, path.replace(".json", ".png"))
+
+
+if __name__ == "__main__":
+    main()

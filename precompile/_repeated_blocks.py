@@ -1,0 +1,350 @@
+"""Repeated blocks compiled once: a model's identical layers as one subgraph.
+
+Inductor lowers, schedules and generates code for every node of the graph it is given,
+so a compile's cost grows with a model's depth, and each variant pays it again. Dynamo's
+graph of a transformer repeats one layer's nodes once per layer; here each run of them
+becomes one call of torch's ``invoke_subgraph`` operator on a shared subgraph, which
+AOTAutograd traces and inductor lowers and compiles once per variant, whatever the depth.
+
+This is a rewrite of the graph Dynamo handed over, after the trace: Dynamo's guards are
+those of the whole model (every layer's attributes are read and guarded, unlike with
+``torch.compiler.nested_compile_region``, whose reuse checks run at trace time only),
+and each call computes exactly what the nodes it replaces computed. A block is a module
+that is one of two or more instances of its class under one container
+(``model.layers.0``, ``model.layers.1``: Dynamo's ``nn_module_stack`` says which nodes
+each one traced). Instances share a subgraph only where their nodes are identical: the
+same operators in the same order on the same kinds of inputs, with equal constants (a
+layer with another ``eps`` or window keeps a subgraph of its own). In-place writes (a KV
+cache's ``index_copy_``) stay in the outer graph between the pieces of a block, and a
+piece whose output aliases its inputs is not outlined, so no subgraph writes or aliases
+what it is given. Anything not provably so stays as it was traced.
+
+What it costs: no fusion across a piece's edge (the residual add of one layer and the
+norm of the next), measured on the benchmarks page; ``PRECOMPILE_REPEATED_BLOCKS=0``
+compiles the graph as traced.
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import logging
+import operator
+import re
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from precompile.cache import env_flag
+
+from . import _torch_adapter as adapter
+
+log = logging.getLogger("precompile.compile")
+
+# In every cache key: a build under another policy compiled other code.
+POLICY = "blocks 1: identical runs of repeated modules' nodes as one invoke_subgraph"
+SETTING = "PRECOMPILE_REPEATED_BLOCKS"
+# A piece shorter than this is left inline: a call costs more than it saves.
+MIN_PIECE_NODES = 4
+_INDEXED = re.compile(r"^(?P<parent>.+?)(?:\.(?P<dot>\d+)|\[(?P<bracket>\d+)\])$")
+_CALLS = frozenset({"call_function", "call_method", "call_module"})
+_IN_PLACE_OPERATORS = frozenset(
+    {operator.setitem, operator.delitem, operator.iadd, operator.isub, operator.imul,
+     operator.itruediv, operator.ifloordiv, operator.imod, operator.ipow, operator.imatmul,
+     operator.iand, operator.ior, operator.ixor, operator.ilshift, operator.irshift}
+)  # fmt: skip
+
+
+def enabled() -> bool:
+    """Whether repeated blocks are outlined (``PRECOMPILE_REPEATED_BLOCKS``, on by
+    default)."""
+    return env_flag(SETTING, True)
+
+
+def policy() -> str:
+    """This policy as a cache key's factor (a build under another compiled other code)."""
+    return POLICY if enabled() else "blocks off"
+
+
+@dataclass(frozen=True)
+class BlockGroup:
+    """One subgraph and the module instances whose pieces call it."""
+
+    name: str
+    module_class: str
+    instances: tuple[str, ...]
+    piece: int  # which piece of each instance (pieces are split at in-place writes)
+    nodes: int  # nodes in the subgraph
+
+
+@dataclass(frozen=True)
+class Outlined:
+    """The graph to compile (the caller's is never changed) and what was outlined."""
+
+    gm: torch.fx.GraphModule
+    groups: tuple[BlockGroup, ...]
+
+    def summary(self) -> str:
+        if not self.groups:
+            return "no repeated blocks"
+        return "; ".join(
+            f"{g.name}: {len(g.instances)} x {g.nodes} nodes of {g.module_class.rsplit('.', 1)[-1]}"
+            for g in self.groups
+        )
+
+
+def _instances(nodes: Sequence[torch.fx.Node]) -> dict[torch.fx.Node, tuple[str, str]]:
+    """Per call node, the outermost repeated module instance it was traced inside."""
+    stacks = {n: adapter.module_stack(n) for n in nodes if n.op in _CALLS}
+    siblings: dict[tuple[str, str], set[str]] = {}
+    for stack in stacks.values():
+        for path, kind in stack:
+            match = _INDEXED.match(path)
+            if match:
+                siblings.setdefault((match["parent"], kind), set()).add(path)
+    owner: dict[torch.fx.Node, tuple[str, str]] = {}
+    for node, stack in stacks.items():
+        for path, kind in stack:
+            match = _INDEXED.match(path)
+            if match and len(siblings[(match["parent"], kind)]) >= 2:
+                owner[node] = (path, kind)
+                break
+    return owner
+
+
+def _writes(node: torch.fx.Node) -> bool:
+    """Whether a traced node may write a tensor in place (conservatively: any in-place
+    method or function name, item assignment, in-place operators, ``out=``, a mutable
+    operator schema, or a module call)."""
+    if node.op == "call_module":
+        return True
+    if "out" in node.kwargs or node.kwargs.get("inplace") is True:
+        return True
+    target = node.target
+    if getattr(target, "__module__", None) == "torch.nn.functional" and _inplace_arg(node):
+        return True
+    if node.op == "call_method":
+        name = str(target)
+    else:
+        if target in _IN_PLACE_OPERATORS:
+            return True
+        schema = getattr(target, "_schema", None)
+        if schema is not None and getattr(schema, "is_mutable", False):
+            return True
+        name = str(getattr(target, "__name__", ""))
+    return name.endswith("_") and not name.endswith("__")
+
+
+def _inplace_arg(node: torch.fx.Node) -> bool:
+    """Whether a ``torch.nn.functional`` call passes ``inplace=True`` positionally."""
+    try:
+        bound = inspect.signature(node.target).bind(*node.args, **node.kwargs)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        return True  # unreadable: assume it writes
+    return bound.arguments.get("inplace") is True
+
+
+def _pieces(nodes: Sequence[torch.fx.Node]) -> list[list[torch.fx.Node]]:
+    """An instance's nodes in runs between in-place writes (which stay outside)."""
+    runs: list[list[torch.fx.Node]] = [[]]
+    for node in nodes:
+        if _writes(node):
+            runs.append([])
+        else:
+            runs[-1].append(node)
+    return runs
+
+
+def _constant(value: Any, refs: Callable[[torch.fx.Node], Any]) -> Any:
+    """A node argument as a comparable value: nodes by their place, constants by type
+    and value (floats bit-exact), anything else by identity."""
+    if isinstance(value, torch.fx.Node):
+        return refs(value)
+    if isinstance(value, (list, tuple)):
+        return (type(value).__name__, tuple(_constant(v, refs) for v in value))
+    if isinstance(value, dict):
+        return ("dict", tuple((repr(k), _constant(v, refs)) for k, v in value.items()))
+    if isinstance(value, slice):
+        return ("slice", *(_constant(v, refs) for v in (value.start, value.stop, value.step)))
+    if isinstance(value, float):
+        return ("float", value.hex())
+    if value is None or isinstance(value, (bool, int, str)):
+        return (type(value).__name__, value)
+    if isinstance(value, (torch.dtype, torch.device, torch.layout, torch.memory_format)):
+        return ("torch", str(value))
+    if value is Ellipsis:
+        return ("...",)
+    return ("object", id(value))
+
+
+def _value_kind(value: Any) -> Any:
+    """What a piece's input is, for comparing pieces: a tensor's dtype, device, sizes,
+    strides and grad flag (symbolic sizes as expressions), a SymInt's expression."""
+    if isinstance(value, torch.Tensor):
+        return (
+            "tensor", str(value.dtype), str(value.device), value.requires_grad,
+            tuple(str(s) for s in value.shape), tuple(str(s) for s in value.stride()),
+        )  # fmt: skip
+    if isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+        return ("sym", type(value).__name__, str(value))
+    return ("value", type(value).__name__, repr(value))
+
+
+@dataclass
+class _Piece:
+    nodes: list[torch.fx.Node]
+    inputs: list[torch.fx.Node]
+    outputs: list[int]  # positions in ``nodes`` used after the piece
+    signature: Any
+
+
+def _describe(nodes: list[torch.fx.Node]) -> _Piece | None:
+    """A run of nodes as a piece (None where it cannot be one: an output or input that
+    is no tensor value, or an output that aliases an input or another output)."""
+    inside = {node: i for i, node in enumerate(nodes)}
+    inputs: list[torch.fx.Node] = []
+    place: dict[torch.fx.Node, int] = {}
+
+    def refs(node: torch.fx.Node) -> Any:
+        if node in inside:
+            return ("node", inside[node])
+        if node not in place:
+            place[node] = len(inputs)
+            inputs.append(node)
+        return ("input", place[node])
+
+    rows = []
+    for node in nodes:
+        args = _constant(node.args, refs)
+        kwargs = _constant(dict(node.kwargs), refs)
+        rows.append((node.op, node.target, args, kwargs))
+    outputs = [i for i, node in enumerate(nodes) if any(u not in inside for u in node.users)]
+    if not outputs:
+        return None
+    values = [adapter.example_value(n) for n in inputs]
+    results = [adapter.example_value(nodes[i]) for i in outputs]
+    if any(not isinstance(v, torch.Tensor) for v in results):
+        return None
+    if any(v is None for v in values):
+        return None
+    storages = [adapter.storage_of(v) for v in values if isinstance(v, torch.Tensor)]
+    seen = set(storages)
+    for value in results:
+        storage = adapter.storage_of(value)
+        if storage in seen:
+            return None  # an output aliasing an input or another output
+        seen.add(storage)
+    signature = (tuple(rows), tuple(_value_kind(v) for v in values))
+    return _Piece(nodes, inputs, outputs, signature)
+
+
+def _subgraph(piece: _Piece, outputs: Sequence[int], root: torch.nn.Module) -> torch.fx.GraphModule:
+    graph = torch.fx.Graph()
+    env: dict[torch.fx.Node, torch.fx.Node] = {}
+    for index, node in enumerate(piece.inputs):
+        placeholder = graph.placeholder(f"arg{index}")
+        placeholder.meta.update(node.meta)
+        env[node] = placeholder
+    for node in piece.nodes:
+        env[node] = graph.node_copy(node, lambda n: env[n])
+    graph.output(tuple(env[piece.nodes[i]] for i in outputs))
+    return torch.fx.GraphModule(root, graph)
+
+
+def _replace(
+    gm: torch.fx.GraphModule, piece: _Piece, outputs: Sequence[int], holder: torch.fx.Node,
+    identifier: str, replaced: dict[torch.fx.Node, torch.fx.Node],
+) -> None:  # fmt: skip
+    """Replace ``piece``'s nodes by one call of the subgraph; ``replaced`` maps nodes of
+    pieces replaced before (which this piece may read) to what stands for them now."""
+    graph = gm.graph
+    first = piece.nodes[0]
+    inputs = [replaced.get(node, node) for node in piece.inputs]
+    with graph.inserting_before(first):
+        call = graph.call_function(adapter.invoke_subgraph_op(), (holder, identifier, *inputs))
+        call.meta["example_value"] = tuple(adapter.example_value(piece.nodes[i]) for i in outputs)
+        call.meta["nn_module_stack"] = first.meta.get("nn_module_stack", {})
+        results = {}
+        for slot, index in enumerate(outputs):
+            item = graph.call_function(operator.getitem, (call, slot))
+            item.meta.update(piece.nodes[index].meta)
+            results[index] = item
+        replaced[piece.nodes[index]] = item
+    inside = set(piece.nodes)
+    for index, item in results.items():
+        node = piece.nodes[index]
+        node.replace_all_uses_with(item, delete_user_cb=lambda user: user not in inside)
+    for node in reversed(piece.nodes):
+        graph.erase_node(node)
+
+
+_Candidate = tuple[str, str, int, "_Piece"]  # instance path, class, piece number, piece
+
+
+def _groups(pieces: Iterable[_Candidate]) -> list[list[_Candidate]]:
+    """Pieces of one class, number and signature, where two or more share them."""
+    found: dict[Any, list[_Candidate]] = {}
+    for entry in pieces:
+        _, kind, number, piece = entry
+        found.setdefault((kind, number, piece.signature), []).append(entry)
+    return [group for group in found.values() if len(group) >= 2]
+
+
+def outline(gm: torch.fx.GraphModule) -> Outlined:
+    """A copy of ``gm`` whose repeated blocks call shared subgraphs (see the module
+    docstring); ``gm`` itself is not changed. Where nothing repeats, the copy is ``gm``'s
+    graph as it was."""
+    if not enabled():
+        return Outlined(gm, ())
+    owners = _instances(list(gm.graph.nodes))
+    if not owners:
+        return Outlined(gm, ())
+    copied = copy.deepcopy(gm)
+    mapping = dict(zip(gm.graph.nodes, copied.graph.nodes, strict=True))
+    nodes = list(copied.graph.nodes)
+    owner = {mapping[n]: who for n, who in owners.items()}
+    by_instance: dict[tuple[str, str], list[torch.fx.Node]] = {}
+    for node in nodes:
+        if node in owner:
+            by_instance.setdefault(owner[node], []).append(node)
+    position = {node: i for i, node in enumerate(nodes)}
+    candidates: list[_Candidate] = []
+    for (path, kind), members in by_instance.items():
+        calls = [n for n in nodes[position[members[0]] : position[members[-1]] + 1]
+                 if n.op in _CALLS]  # fmt: skip
+        if len(calls) != len(members):
+            log.debug("repeated block %s is not contiguous in the graph: left inline", path)
+            continue
+        for number, run in enumerate(_pieces(members)):
+            if len(run) < MIN_PIECE_NODES:
+                continue
+            piece = _describe(run)
+            if piece is not None:
+                candidates.append((path, kind, number, piece))
+    groups: list[BlockGroup] = []
+    replaced: dict[torch.fx.Node, torch.fx.Node] = {}
+    for members in _groups(candidates):
+        union = sorted({i for *_, piece in members for i in piece.outputs})
+        name = f"precompile_block_{len(groups)}"
+        template = members[0][3]
+        copied.add_submodule(name, _subgraph(template, union, copied))
+        first_call = next(n for n in copied.graph.nodes if n.op in _CALLS | {"output"})
+        with copied.graph.inserting_before(first_call):
+            holder = copied.graph.get_attr(name)
+        for *_, piece in members:
+            _replace(copied, piece, union, holder, name, replaced)
+        groups.append(
+            BlockGroup(
+                name, members[0][1], tuple(path for path, *_ in members), members[0][2],
+                len(template.nodes),
+            )
+        )  # fmt: skip
+    if not groups:
+        return Outlined(gm, ())
+    copied.graph.lint()
+    copied.recompile()
+    outlined = Outlined(copied, tuple(groups))
+    log.info("repeated blocks compiled once: %s", outlined.summary())
+    return outlined
