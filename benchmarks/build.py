@@ -133,7 +133,12 @@ def child(row: str, layers: int, device: str) -> dict[str, Any]:
 
 
 def run_row(
-    row: str, layers: int, device: str, before: str | None, logs: str | None = None
+    row: str,
+    layers: int,
+    device: str,
+    before: str | None,
+    logs: str | None = None,
+    extra_env: dict[str, str] | None = None,
 ) -> dict[str, Any]:
     scratch = tempfile.mkdtemp(prefix="build-bench-")
     env = {
@@ -146,6 +151,7 @@ def run_row(
     env["PYTHONPATH"] = os.pathsep.join(p for p in (source, os.environ.get("PYTHONPATH")) if p)
     if row == "compile_model, blocks off":
         env["PRECOMPILE_REPEATED_BLOCKS"] = "0"
+    env.update(extra_env or {})
     command = [sys.executable, os.path.abspath(__file__), "--child", row,
                "--layers", str(layers), "--device", device]  # fmt: skip
     try:
@@ -155,7 +161,8 @@ def run_row(
         shutil.rmtree(scratch, ignore_errors=True)
     if logs:
         os.makedirs(logs, exist_ok=True)
-        slug = re.sub(r"[^a-z0-9]+", "-", row.lower()).strip("-")
+        tags = "-".join(f"{k}-{v}" for k, v in (extra_env or {}).items())
+        slug = re.sub(r"[^a-z0-9]+", "-", f"{row} {tags}".lower()).strip("-")[:80]
         with open(os.path.join(logs, f"{slug}-{layers}.log"), "w", encoding="utf-8") as handle:
             handle.write(out.stderr)
     if out.returncode != 0:
@@ -236,6 +243,10 @@ def main() -> None:
     parser.add_argument("--out", help="the result file (default: benchmarks/results/)")
     parser.add_argument("--before", help="a source tree whose compile_model is 'before'")
     parser.add_argument("--logs", help="a folder for each row's log (stderr)")
+    parser.add_argument(
+        "--env", action="append", default=[], metavar="NAME=VALUE",
+        help="set in every row's process; the rows are recorded as 'row [NAME=VALUE]'",
+    )  # fmt: skip
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -265,10 +276,12 @@ def main() -> None:
         if earlier.get("environment", {}).get("device") == env["device"]:
             document["rows"] = earlier.get("rows", {})
     document["environment"] = env
+    extra = dict(item.split("=", 1) for item in args.env)
+    suffix = f" [{', '.join(args.env)}]" if args.env else ""
     for n in layers:  # by depth, rows side by side
         for row in rows:
-            result = run_row(row, n, args.device, args.before, args.logs)
-            document["rows"].setdefault(row, {})[str(n)] = result
+            result = run_row(row, n, args.device, args.before, args.logs, extra)
+            document["rows"].setdefault(row + suffix, {})[str(n)] = result
             print(f"[build] {row} at {n} layers: {result}", flush=True)
             _write(path, document)
     print(report(document))

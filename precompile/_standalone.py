@@ -514,7 +514,12 @@ def _compile_each(
         process_groups=groups,
     )
     if pending:
+        started = time.perf_counter()
         manifest = _complete_gpu_leans(manifest, payloads, pending)
+        log.info(
+            "recorded the Triton launches of %d variant(s) in %.1f s",
+            len(pending), time.perf_counter() - started,
+        )  # fmt: skip
     artifact = CompiledArtifact(manifest, MemoryPayloads(payloads))
     return artifact, _common_guards(graph, queue, all_guards)
 
