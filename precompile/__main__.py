@@ -89,11 +89,12 @@ def _printable(text: str, limit: int = 120) -> str:
 
 
 def _what(summary: EntrySummary) -> str:
+    blocks = f"; compiled once: {summary.blocks}" if summary.blocks else ""
     if summary.kind == "model":
         name = (summary.name or "?").rsplit(".", 1)[-1]  # the class, not its module path
-        return _printable(f"model {name} ({summary.config or '?'})")
+        return _printable(f"model {name} ({summary.config or '?'}{blocks})")
     if summary.kind == "graph":
-        return _printable(f"graph {summary.name or '?'}")
+        return _printable(f"graph {summary.name or '?'}" + (f" ({blocks[2:]})" if blocks else ""))
     return "?"
 
 

@@ -26,6 +26,7 @@ import torch
 
 from precompile.cache import ArtifactCache, CacheOption, get_or_build, resolve_cache
 from precompile.runtime import (
+    ABOUT_BLOCKS,
     ABOUT_CONFIG,
     CompiledModel,
     CudaGraphsOption,
@@ -297,14 +298,22 @@ def _compiled_model(
     key = cache_key(factors)
     traced = (model, args, kwargs, leaves, paths, dims, hints, sizes, options)
 
+    blocks: list[str] = []
+
     def build(store: ArtifactCache | None) -> CompiledModel:
-        compiled = _trace_with_pieces(*traced, store, state)
+        from ._repeated_blocks import recording
+
+        with recording() as found:
+            compiled = _trace_with_pieces(*traced, store, state)
+        blocks.extend(found)
         if store is not None:
             compiled.cache_key = key
         return compiled
 
     def save(store: ArtifactCache, compiled: CompiledModel) -> None:
         about = {ABOUT_CONFIG: config_summary(model)}
+        if blocks:
+            about[ABOUT_BLOCKS] = "; ".join(blocks)
         pieces = [piece.artifact for piece in compiled.pieces.values()]
         store_model(store, key, compiled.artifact, compiled.plan.to_json(), factors, about,
                     pieces)  # fmt: skip

@@ -31,7 +31,10 @@ import inspect
 import logging
 import operator
 import re
-from collections.abc import Callable, Iterable, Sequence
+import threading
+import weakref
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -292,10 +295,50 @@ def _groups(pieces: Iterable[_Candidate]) -> list[list[_Candidate]]:
     return [group for group in found.values() if len(group) >= 2]
 
 
+# What ``outline`` did to each graph it was given, for the cache entry's description.
+_DONE: weakref.WeakKeyDictionary[torch.fx.GraphModule, str] = weakref.WeakKeyDictionary()
+
+
+class _Recording(threading.local):
+    found: list[str] | None = None
+
+
+_recording = _Recording()
+
+
+def summary_of(gm: torch.fx.GraphModule) -> str | None:
+    """What ``outline`` shared in ``gm`` (``"4 x LlamaDecoderLayer (60 nodes)"``), where it
+    shared anything."""
+    return _DONE.get(gm)
+
+
+@contextmanager
+def recording() -> Iterator[list[str]]:
+    """A list that gets what ``outline`` shares in each graph this thread compiles for the
+    duration (a whole model's traces, for its cache entry's description)."""
+    outer, _recording.found = _recording.found, []
+    try:
+        yield _recording.found
+    finally:
+        _recording.found = outer
+
+
 def outline(gm: torch.fx.GraphModule) -> Outlined:
     """A copy of ``gm`` whose repeated blocks call shared subgraphs (see the module
     docstring); ``gm`` itself is not changed. Where nothing repeats, the copy is ``gm``'s
     graph as it was."""
+    outlined = _outline(gm)
+    if outlined.groups:
+        _DONE[gm] = text = "; ".join(
+            f"{len(g.instances)} x {g.module_class.rsplit('.', 1)[-1]} ({g.nodes} nodes)"
+            for g in outlined.groups
+        )
+        if _recording.found is not None and text not in _recording.found:
+            _recording.found.append(text)
+    return outlined
+
+
+def _outline(gm: torch.fx.GraphModule) -> Outlined:
     if not enabled():
         return Outlined(gm, ())
     owners = _instances(list(gm.graph.nodes))

@@ -14,6 +14,7 @@ import torch
 
 from precompile.cache import ArtifactCache, CacheOption, get_or_build, resolve_cache, sha256_hex
 from precompile.runtime import (
+    ABOUT_BLOCKS,
     ABOUT_GRAPH,
     CompiledArtifact,
     CudaGraphsOption,
@@ -760,7 +761,15 @@ def standalone_compile(
         # Dynamo retries a failed backend on every call; the compile would fail again.
         raise UnsupportedGraphError(f"{failed} (failed earlier in this process; not retried)")
     about = {ABOUT_GRAPH: graph_name(gm)}
-    artifact, common = _cached_or_built(store, key, factors, build, offline, about)
+
+    def described() -> tuple[CompiledArtifact, list[sympy.Expr]]:
+        built = build()
+        blocks = repeated_blocks.summary_of(gm)
+        if blocks:
+            about[ABOUT_BLOCKS] = blocks
+        return built
+
+    artifact, common = _cached_or_built(store, key, factors, described, offline, about)
     if graphs is not None:
         artifact.set_cudagraphs(graphs)
     _propagate_common_guards(graph, common)

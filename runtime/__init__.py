@@ -61,7 +61,13 @@ if TYPE_CHECKING:
     from ._cudagraphs import CudaGraphs, CudaGraphsOption, cudagraph_options
     from ._dispatch import Candidate, Explanation, log2_distance
     from ._dtypes import dtype_name
-    from ._entry_summary import ABOUT_CONFIG, ABOUT_GRAPH, EntrySummary, summarize_entry
+    from ._entry_summary import (
+        ABOUT_BLOCKS,
+        ABOUT_CONFIG,
+        ABOUT_GRAPH,
+        EntrySummary,
+        summarize_entry,
+    )
     from ._environment import current_environment
     from ._global_state import describe as describe_global_state
     from ._global_state import trace_state
@@ -109,6 +115,7 @@ _LAZY = {
     "Explanation": "._dispatch",
     "log2_distance": "._dispatch",
     # the compile side's interface: what precompile builds against (not a user API)
+    "ABOUT_BLOCKS": "._entry_summary",
     "ABOUT_CONFIG": "._entry_summary",
     "ABOUT_GRAPH": "._entry_summary",
     "CudaGraphsOption": "._cudagraphs",
@@ -210,6 +217,7 @@ __all__ = [
     "__version__",
     "load_model",
     "log2_distance",
+    "ABOUT_BLOCKS",
     "ABOUT_CONFIG",
     "ABOUT_GRAPH",
     "CudaGraphsOption",

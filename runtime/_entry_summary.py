@@ -21,6 +21,7 @@ MODEL_ENTRY = "precompile-model"
 # Names in an entry's ``about`` (see ``ArtifactCache.put``).
 ABOUT_GRAPH = "graph"  # what the graph was traced from (function, file, line) or its class
 ABOUT_CONFIG = "config"  # a compiled model's config, in short
+ABOUT_BLOCKS = "blocks"  # the repeated blocks compiled once (``4 x LlamaDecoderLayer ...``)
 
 _DTYPES = {
     "float32": "f32",
@@ -43,6 +44,7 @@ class EntrySummary:
     kind: str  # "graph", "model", or "unknown" (a document this version cannot read)
     name: str | None  # a graph's name (see ABOUT_GRAPH); a model's class
     config: str | None  # a model's config, in short
+    blocks: str | None  # the repeated blocks compiled once, where any were
     inputs: tuple[str, ...] | None  # the graph's flat inputs: "f32[s0, 256]", "s0", ...
     hints: tuple[Mapping[str, int], ...] | None  # each hint variant's point
     sizes: tuple[Mapping[str, int], ...] | None  # each exact-size variant's sizes
@@ -53,6 +55,7 @@ class EntrySummary:
             "kind": self.kind,
             "name": self.name,
             "config": self.config,
+            "blocks": self.blocks,
             "inputs": None if self.inputs is None else list(self.inputs),
             "hints": None if self.hints is None else [dict(p) for p in self.hints],
             "sizes": None if self.sizes is None else [dict(p) for p in self.sizes],
@@ -85,6 +88,7 @@ def summarize_entry(
         kind=kind,
         name=name,
         config=about.get(ABOUT_CONFIG) if is_model else None,
+        blocks=about.get(ABOUT_BLOCKS),
         inputs=None if manifest is None else tuple(input_text(i) for i in manifest.inputs),
         hints=None if manifest is None else _points(manifest, "hint"),
         sizes=None

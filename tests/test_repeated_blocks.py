@@ -3,6 +3,7 @@ layers compiles one layer body per variant, whatever its depth, and answers as e
 
 from __future__ import annotations
 
+import json
 import os
 import re
 from typing import Any
@@ -200,3 +201,24 @@ def test_a_deeper_model_compiles_no_more_layer_bodies(tmp_path: Any) -> None:
                 torch.testing.assert_close(artifact(*_flat(inputs, x))[0], model(x))
         counts[depth] = _kernels(artifact)
     assert counts[6] == counts[2], counts
+
+
+def test_cache_ls_names_the_blocks_compiled_once(tmp_path: Any) -> None:
+    from test_cache import _cli
+
+    from precompile.cache import ArtifactCache
+
+    model = Stack(depth=3).eval()
+    x = torch.randn(5, 16)
+    torch._dynamo.mark_dynamic(x, 0)
+    store = ArtifactCache(str(tmp_path))
+    torch._dynamo.reset()
+    with torch.no_grad():
+        out = torch.compile(model, backend=precompile.backend(hints=[16], cache=store))(x)
+    torch._dynamo.reset()
+    torch.testing.assert_close(out, model(x))
+    listed = _cli("--root", str(tmp_path), "ls")
+    assert listed.returncode == 0, listed.stderr
+    assert "compiled once: 3 x Block (" in listed.stdout, listed.stdout
+    (entry,) = json.loads(_cli("--root", str(tmp_path), "ls", "--json").stdout)
+    assert entry["blocks"].startswith("3 x Block (")
