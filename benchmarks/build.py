@@ -17,7 +17,8 @@ with on this model), ``compile_model`` (the docs' call: sequence dim dynamic, hi
 16/256/2048), ``compile_model + cudagraphs`` (GPU). ``--before PATH`` adds
 ``compile_model before``: the same call on the source tree at PATH (a checkout's
 ``precompile``, ``runtime`` and ``cache`` folders), for a change's before and after in one
-run. ``compile_model, blocks off``: with ``PRECOMPILE_REPEATED_BLOCKS=0``;
+run. ``compile_model, blocks on``: with ``PRECOMPILE_REPEATED_BLOCKS=1`` (repeated
+layers compiled once);
 ``compile_model, cuBLAS GEMMs``: with ``options={"config_patches": {"max_autotune_gemm":
 False}}`` (inductor's default GEMMs, no autotuning). ``--logs DIR`` keeps each row's log.
 
@@ -49,7 +50,7 @@ ROWS = [
     "aot_compile",
     "compile_model",
     "compile_model + cudagraphs",
-    "compile_model, blocks off",
+    "compile_model, blocks on",
     "compile_model, cuBLAS GEMMs",
     "compile_model before",
 ]
@@ -149,8 +150,8 @@ def run_row(
     }
     source = before if row == "compile_model before" else ROOT
     env["PYTHONPATH"] = os.pathsep.join(p for p in (source, os.environ.get("PYTHONPATH")) if p)
-    if row == "compile_model, blocks off":
-        env["PRECOMPILE_REPEATED_BLOCKS"] = "0"
+    if row == "compile_model, blocks on":
+        env["PRECOMPILE_REPEATED_BLOCKS"] = "1"
     env.update(extra_env or {})
     command = [sys.executable, os.path.abspath(__file__), "--child", row,
                "--layers", str(layers), "--device", device]  # fmt: skip

@@ -19,9 +19,11 @@ cache's ``index_copy_``) stay in the outer graph between the pieces of a block, 
 piece whose output aliases its inputs is not outlined, so no subgraph writes or aliases
 what it is given. Anything not provably so stays as it was traced.
 
-What it costs: no fusion across a piece's edge (the residual add of one layer and the
-norm of the next), measured on the benchmarks page; ``PRECOMPILE_REPEATED_BLOCKS=0``
-compiles the graph as traced.
+A piece's window runs from a layer's first matrix product to the next layer's, so what
+ends one layer (its residual add) and begins the next (its norm) stay together and
+inductor still fuses them. Off by default (``PRECOMPILE_REPEATED_BLOCKS=1`` turns it on):
+the outlined code ran 3-5% slower per CUDA-graph replay on an H200 (the benchmarks page),
+a cost not yet explained, which a default must not trade for build time silently.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ import operator
 import re
 import threading
 import weakref
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -53,6 +55,10 @@ SETTING = "PRECOMPILE_REPEATED_BLOCKS"
 MIN_PIECE_NODES = 4
 _INDEXED = re.compile(r"^(?P<parent>.+?)(?:\.(?P<dot>\d+)|\[(?P<bracket>\d+)\])$")
 _CALLS = frozenset({"call_function", "call_method", "call_module"})
+# What starts a window (see ``_windows``): matrix products, a fusion barrier for what
+# feeds them.
+_GEMMS = frozenset({"linear", "matmul", "mm", "bmm", "addmm", "baddbmm", "einsum", "conv1d",
+                    "conv2d", "conv3d"})  # fmt: skip
 _IN_PLACE_OPERATORS = frozenset(
     {operator.setitem, operator.delitem, operator.iadd, operator.isub, operator.imul,
      operator.itruediv, operator.ifloordiv, operator.imod, operator.ipow, operator.imatmul,
@@ -61,9 +67,10 @@ _IN_PLACE_OPERATORS = frozenset(
 
 
 def enabled() -> bool:
-    """Whether repeated blocks are outlined (``PRECOMPILE_REPEATED_BLOCKS``, on by
-    default)."""
-    return env_flag(SETTING, True)
+    """Whether repeated blocks are outlined (``PRECOMPILE_REPEATED_BLOCKS=1``; off by
+    default: measured on an H200, the outlined Llama built 7% faster at 4 layers but ran
+    3-5% slower per CUDA-graph replay, decode steps included)."""
+    return env_flag(SETTING, False)
 
 
 def policy() -> str:
@@ -203,9 +210,10 @@ class _Piece:
     signature: Any
 
 
-def _describe(nodes: list[torch.fx.Node]) -> _Piece | None:
-    """A run of nodes as a piece (None where it cannot be one: an output or input that
-    is no tensor value, or an output that aliases an input or another output)."""
+def _describe(nodes: list[torch.fx.Node], position: Any) -> _Piece | None:
+    """A run of nodes as a piece (None where it cannot be one: an input defined after its
+    first node, an output or input that is no value, or an output that aliases an input
+    or another output)."""
     inside = {node: i for i, node in enumerate(nodes)}
     inputs: list[torch.fx.Node] = []
     place: dict[torch.fx.Node, int] = {}
@@ -224,7 +232,7 @@ def _describe(nodes: list[torch.fx.Node]) -> _Piece | None:
         kwargs = _constant(dict(node.kwargs), refs)
         rows.append((node.op, node.target, args, kwargs))
     outputs = [i for i, node in enumerate(nodes) if any(u not in inside for u in node.users)]
-    if not outputs:
+    if not outputs or any(position[n] > position[nodes[0]] for n in inputs):
         return None
     values = [adapter.example_value(n) for n in inputs]
     results = [adapter.example_value(nodes[i]) for i in outputs]
@@ -243,13 +251,20 @@ def _describe(nodes: list[torch.fx.Node]) -> _Piece | None:
     return _Piece(nodes, inputs, outputs, signature)
 
 
-def _subgraph(piece: _Piece, outputs: Sequence[int], root: torch.nn.Module) -> torch.fx.GraphModule:
+def _subgraph(
+    piece: _Piece, outputs: Sequence[int], root: torch.nn.Module,
+    replaced: Mapping[torch.fx.Node, torch.fx.Node],
+) -> torch.fx.GraphModule:  # fmt: skip
+    """The subgraph of ``piece``: its inputs as placeholders (``replaced``: what stands
+    for an input that an earlier piece's call replaced), its nodes, its outputs."""
     graph = torch.fx.Graph()
     env: dict[torch.fx.Node, torch.fx.Node] = {}
     for index, node in enumerate(piece.inputs):
         placeholder = graph.placeholder(f"arg{index}")
         placeholder.meta.update(node.meta)
         env[node] = placeholder
+        if node in replaced:
+            env[replaced[node]] = placeholder
     for node in piece.nodes:
         env[node] = graph.node_copy(node, lambda n: env[n])
     graph.output(tuple(env[piece.nodes[i]] for i in outputs))
@@ -274,7 +289,7 @@ def _replace(
             item = graph.call_function(operator.getitem, (call, slot))
             item.meta.update(piece.nodes[index].meta)
             results[index] = item
-        replaced[piece.nodes[index]] = item
+            replaced[piece.nodes[index]] = item
     inside = set(piece.nodes)
     for index, item in results.items():
         node = piece.nodes[index]
@@ -338,6 +353,54 @@ def outline(gm: torch.fx.GraphModule) -> Outlined:
     return outlined
 
 
+def _contiguous(
+    members: Sequence[torch.fx.Node], nodes: Sequence[torch.fx.Node], position: Any
+) -> bool:
+    """Whether no other call node sits between an instance's first and last node."""
+    span = nodes[position[members[0]] : position[members[-1]] + 1]
+    return sum(1 for n in span if n.op in _CALLS) == len(members)
+
+
+def _is_gemm(node: torch.fx.Node) -> bool:
+    if node.op == "call_method":
+        return str(node.target) in _GEMMS
+    if node.op == "call_function":
+        return node.target is operator.matmul or getattr(node.target, "__name__", "") in _GEMMS
+    return False
+
+
+def _windows(
+    instances: Sequence[Sequence[torch.fx.Node]],
+    nodes: Sequence[torch.fx.Node],
+    position: Any,
+    owner: Any,
+) -> list[list[torch.fx.Node]]:
+    """Each instance's window: from its first GEMM up to the next instance's first GEMM
+    (the last: up to the graph's next GEMM, a model's head), so that what ends one layer
+    (the residual add) and begins the next (its norm) stay in one window and inductor
+    still fuses them. Where an instance has no GEMM, or a window would reach into a
+    module of another repeated class, each instance's own nodes are its window."""
+    firsts = [next((position[n] for n in members if _is_gemm(n)), None) for members in instances]
+    if any(first is None for first in firsts):
+        return [list(members) for members in instances]
+    ends = [*firsts[1:]]
+    after = position[instances[-1][-1]] + 1
+    ends.append(next((i for i in range(after, len(nodes)) if _is_gemm(nodes[i])), after))
+    allowed = {owner[m[0]] for m in instances} | {None}
+    windows = []
+    for start, end in zip(firsts, ends, strict=True):
+        window = [n for n in nodes[start:end] if n.op in _CALLS]  # type: ignore[misc]
+        if any(owner.get(n) not in allowed for n in window):
+            return [list(members) for members in instances]
+        windows.append(window)
+    if len(windows) >= 2:
+        # The last window runs on into the model's own code (a final norm, then a slice of
+        # the hidden states before the head): as long as the others at most, the rest of it
+        # stays inline; whether it matches them is the pieces' signatures' to say.
+        windows[-1] = windows[-1][: len(windows[-2])]
+    return windows
+
+
 def _outline(gm: torch.fx.GraphModule) -> Outlined:
     if not enabled():
         return Outlined(gm, ())
@@ -353,26 +416,31 @@ def _outline(gm: torch.fx.GraphModule) -> Outlined:
         if node in owner:
             by_instance.setdefault(owner[node], []).append(node)
     position = {node: i for i, node in enumerate(nodes)}
+    siblings: dict[tuple[str, str], list[str]] = {}
+    for path, kind in by_instance:
+        match = _INDEXED.match(path)
+        siblings.setdefault((match["parent"] if match else path, kind), []).append(path)
     candidates: list[_Candidate] = []
-    for (path, kind), members in by_instance.items():
-        calls = [n for n in nodes[position[members[0]] : position[members[-1]] + 1]
-                 if n.op in _CALLS]  # fmt: skip
-        if len(calls) != len(members):
-            log.debug("repeated block %s is not contiguous in the graph: left inline", path)
+    for (_, kind), paths in siblings.items():
+        instances = [by_instance[(path, kind)] for path in paths]
+        if not all(_contiguous(members, nodes, position) for members in instances):
+            log.debug("a repeated block of %s is not contiguous in the graph: left inline", kind)
             continue
-        for number, run in enumerate(_pieces(members)):
-            if len(run) < MIN_PIECE_NODES:
-                continue
-            piece = _describe(run)
-            if piece is not None:
-                candidates.append((path, kind, number, piece))
+        windows = _windows(instances, nodes, position, owner)
+        for path, window in zip(paths, windows, strict=True):
+            for number, run in enumerate(_pieces(window)):
+                if len(run) < MIN_PIECE_NODES:
+                    continue
+                piece = _describe(run, position)
+                if piece is not None:
+                    candidates.append((path, kind, number, piece))
     groups: list[BlockGroup] = []
     replaced: dict[torch.fx.Node, torch.fx.Node] = {}
     for members in _groups(candidates):
         union = sorted({i for *_, piece in members for i in piece.outputs})
         name = f"precompile_block_{len(groups)}"
         template = members[0][3]
-        copied.add_submodule(name, _subgraph(template, union, copied))
+        copied.add_submodule(name, _subgraph(template, union, copied, replaced))
         first_call = next(n for n in copied.graph.nodes if n.op in _CALLS | {"output"})
         with copied.graph.inserting_before(first_call):
             holder = copied.graph.get_attr(name)

@@ -329,7 +329,7 @@ def _compile_variant(
     request: VariantRequest,
     options: Mapping[str, Any],
     number: int,
-    to_compile: torch.fx.GraphModule,
+    to_compile: torch.fx.GraphModule | None = None,
 ) -> variant_compile.CompiledVariant:
     """One variant, its GEMMs as ``_gemm_policy`` says; where inductor cannot compile
     them so, with the caller's options (an INFO log says why)."""

@@ -81,7 +81,7 @@ def test_a_variant_templates_cannot_serve_compiles_with_the_callers_options(
     calls: list[dict[str, object]] = []
 
     def compile_variant(gm: object, graph: object, point: object, *, dynamic: bool,
-                        options: dict[str, object]) -> str:  # fmt: skip
+                        options: dict[str, object], to_compile: object = None) -> str:  # fmt: skip
         calls.append(options)
         if "max_autotune_gemm_backends" in options.get("config_patches", {}):  # type: ignore[operator]
             raise RuntimeError("NoValidChoicesError: no choices for mm")
@@ -117,7 +117,7 @@ def test_a_hint_variant_that_serves_one_size_keeps_inductors_gemms(
     calls: list[dict[str, object]] = []
 
     def compile_variant(gm: object, graph: object, point: object, *, dynamic: bool,
-                        options: dict[str, object]) -> str:  # fmt: skip
+                        options: dict[str, object], to_compile: object = None) -> str:  # fmt: skip
         calls.append(options)
         return "compiled"
 

@@ -17,32 +17,51 @@ from precompile._cache_key import graph_digest
 from precompile.runtime import InvalidOptionError
 
 
+@pytest.fixture(autouse=True)
+def _blocks_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Outlining is opt-in (``PRECOMPILE_REPEATED_BLOCKS=1``): on for these tests."""
+    monkeypatch.setenv("PRECOMPILE_REPEATED_BLOCKS", "1")
+
+
+class Norm(torch.nn.Module):
+    def __init__(self, width: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.rand(width) + 0.5)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+
+
 class Block(torch.nn.Module):
     """An RMS-normed residual MLP: what a transformer layer repeats, in small."""
 
     def __init__(self, width: int, eps: float = 1e-6) -> None:
         super().__init__()
-        self.weight = torch.nn.Parameter(torch.rand(width) + 0.5)
-        self.eps = eps
+        self.norm = Norm(width, eps)
         self.up = torch.nn.Linear(width, 2 * width)
         self.down = torch.nn.Linear(2 * width, width)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
-        return x + self.down(torch.nn.functional.gelu(self.up(h)))
+        return x + self.down(torch.nn.functional.gelu(self.up(self.norm(x))))
 
 
 class Stack(torch.nn.Module):
-    def __init__(self, depth: int, width: int = 16, eps: list[float] | None = None) -> None:
+    """Blocks, a final norm and a head, as a transformer ends."""
+
+    def __init__(
+        self, depth: int, width: int = 16, eps: list[float] | None = None, final_norm: bool = True
+    ) -> None:
         super().__init__()
         eps = eps or [1e-6] * depth
         self.blocks = torch.nn.ModuleList(Block(width, e) for e in eps)
+        self.norm = Norm(width) if final_norm else torch.nn.Identity()
         self.head = torch.nn.Linear(width, 4)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for block in self.blocks:
             x = block(x)
-        return self.head(x)
+        return self.head(self.norm(x))
 
 
 class WritingBlock(Block):
@@ -108,13 +127,31 @@ def test_identical_layers_share_one_subgraph_and_answer_as_traced() -> None:
         torch.testing.assert_close(outlined.gm(*_flat(inputs, x))[0], model(x))
 
 
+def test_a_window_begins_at_a_layers_first_matmul_and_ends_before_the_next() -> None:
+    """What ends a layer (the residual add) and begins the next (its norm) stay in one
+    window, where inductor fuses them; so the last layer's window holds the model's final
+    norm, and without one (the head follows at once) it differs and stays inline."""
+    gm, _ = _captured(Stack(depth=3).eval())
+    outlined = repeated_blocks.outline(gm)
+    (group,) = outlined.groups
+    body = getattr(outlined.gm, group.name)
+    calls = [n for n in body.graph.nodes if n.op == "call_function"]
+    assert calls[0].target is torch._C._nn.linear  # the first matmul begins it
+    assert str(calls[-1].target) == "<built-in function mul>"  # the next norm ends it
+    gm, _ = _captured(Stack(depth=3, final_norm=False).eval())
+    (group,) = repeated_blocks.outline(gm).groups
+    assert len(group.instances) == 2
+
+
 def test_a_layer_with_other_constants_keeps_a_body_of_its_own() -> None:
+    """The norm with ``eps`` 0.5 begins layer 2, so it sits in layer 1's window: that
+    window is not shared (each window ends with the next layer's norm)."""
     model = Stack(depth=4, eps=[1e-6, 1e-6, 0.5, 1e-6]).eval()
     gm, inputs = _captured(model)
     outlined = repeated_blocks.outline(gm)
     shared = [set(g.instances) for g in outlined.groups]
     assert len(shared) == 1 and len(shared[0]) == 3
-    assert not any(path.endswith(("2", "[2]")) for path in shared[0])  # eps 0.5: inline
+    assert not any(path.endswith(("1", "[1]")) for path in shared[0])
     x = torch.randn(7, 16)
     with torch.no_grad():
         torch.testing.assert_close(outlined.gm(*_flat(inputs, x))[0], model(x))
@@ -151,15 +188,19 @@ def test_a_graph_with_nothing_repeated_is_compiled_as_traced() -> None:
 
 
 def test_the_setting_is_checked_and_keyed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Off by default (unset), on with 1; a typo is an error naming the variable; the
+    setting is a key factor, so a build under the other one is a miss."""
     gm, _ = _captured(Stack(depth=2).eval())
-    monkeypatch.setenv("PRECOMPILE_REPEATED_BLOCKS", "0")
+    on = repeated_blocks.policy()
+    monkeypatch.delenv("PRECOMPILE_REPEATED_BLOCKS")
     assert repeated_blocks.outline(gm).groups == ()
     off = repeated_blocks.policy()
+    assert off != on
+    monkeypatch.setenv("PRECOMPILE_REPEATED_BLOCKS", "0")
+    assert repeated_blocks.outline(gm).groups == () and repeated_blocks.policy() == off
     monkeypatch.setenv("PRECOMPILE_REPEATED_BLOCKS", "sometimes")
     with pytest.raises(InvalidOptionError, match="PRECOMPILE_REPEATED_BLOCKS"):
         repeated_blocks.outline(gm)
-    monkeypatch.delenv("PRECOMPILE_REPEATED_BLOCKS")
-    assert repeated_blocks.policy() != off  # a build under the other setting is a miss
 
 
 def test_a_subgraphs_code_is_part_of_the_graphs_digest() -> None:
