@@ -167,9 +167,10 @@ def worker(phase: str, out: str, smoke: bool) -> None:
             )
             with torch.no_grad():
                 for seq in (1, 8, FIRST):
-                    plain = compiled(ids_of(seq, vocab, device))
+                    ids = ids_of(seq, vocab, device)
+                    plain = compiled(ids).logits  # a CompiledModel returns a ModelOutput
                     for _ in range(3):
-                        replayed = graphed(ids_of(seq, vocab, device))
+                        replayed = graphed(ids).logits
                     report[f"cudagraphs_vs_plain_S{seq}"] = float((replayed - plain).abs().max())
             report["captured"] = [list(s) for s in graphed.artifact.captured_sizes]
     if phase == "cold":

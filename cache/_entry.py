@@ -109,8 +109,9 @@ class RemoteScan:
 @dataclass(frozen=True)
 class VerifyReport:
     checked: int
-    corrupt: tuple[str, ...]  # keys moved to quarantine
+    corrupt: tuple[str, ...]  # keys of corrupt entries
     unreadable: tuple[tuple[str, str], ...] = ()  # (path, reason): not checked
+    quarantined: bool = False  # the corrupt entries were moved to quarantine
 
     @property
     def ok(self) -> bool:

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ._errors import InvalidOptionError, UntrustedArtifactError
+from ._errors import CorruptArtifactError, InvalidOptionError, UntrustedArtifactError
 
 DOMAIN = b"precompile-artifact-signature-v1\0"
 PUBLIC_KEY_BYTES = 32
@@ -181,6 +181,29 @@ def check_signature(
         raise UntrustedArtifactError(
             f"{where}'s signature by key {signature.key_id} does not match its contents"
         ) from None
+
+
+def check_own_signature(digest: bytes, signature: Signature | None, where: str) -> bool | None:
+    """Whether ``signature`` signs ``digest`` by the key it names, with no trusted keys
+    configured: a slot that does not is corrupt (``CorruptArtifactError``). True where it
+    held; None where there is none, or ``cryptography`` is not installed to check it (a
+    load needs no ``cryptography`` unless keys are configured)."""
+    if signature is None:
+        return None
+    try:
+        from cryptography.exceptions import InvalidSignature
+        from cryptography.hazmat.primitives.asymmetric import ed25519
+    except ImportError:
+        return None
+    try:
+        public = ed25519.Ed25519PublicKey.from_public_bytes(signature.public_key)
+        public.verify(signature.signature, DOMAIN + digest)
+    except (InvalidSignature, ValueError):
+        raise CorruptArtifactError(
+            f"{where} carries a signature by key {signature.key_id} that does not match its "
+            "contents: the file is corrupt or was altered"
+        ) from None
+    return True
 
 
 def generate_signing_key(path: str) -> str:

@@ -259,7 +259,9 @@ class ArtifactCache:
         )
 
     # -- reading -----------------------------------------------------------------------
-    def _read_document(self, key: str) -> dict[str, Any] | None:
+    def _read_document(self, key: str, *, quarantine: bool = True) -> dict[str, Any] | None:
+        """The entry's document, checked; a corrupt one is quarantined and a miss (None),
+        or, with ``quarantine=False``, raises ``CorruptArtifactError`` and stays."""
         path = self.entry_path(key)
         try:
             raw = files.read_checked(path, _MAX_ENTRY_BYTES, self.trust_foreign)
@@ -271,6 +273,8 @@ class ArtifactCache:
         except PayloadLimitError:
             raise  # the entry may be healthy: a limit set too low loses nothing
         except CorruptArtifactError as exc:
+            if not quarantine:
+                raise
             self._quarantine(key, str(exc))
             return None
         signature = None
@@ -301,7 +305,9 @@ class ArtifactCache:
         if not _is_about(document.get("about", {})):
             raise CorruptArtifactError("entry's about is not a small table of text")
 
-    def _read_blob(self, digest: str, raw_size: int, key: str) -> bytes:
+    def _read_blob(self, digest: str, raw_size: int, key: str, *, quarantine: bool = True) -> bytes:
+        """A blob, verified; a bad one is moved to quarantine (``quarantine=False``: it
+        stays) and raises ``CorruptArtifactError``."""
         path = self._blob_path(digest)
         try:
             stored = files.read_checked(path, max(raw_size, 1 << 20) * 2 + 4096, self.trust_foreign)
@@ -311,14 +317,17 @@ class ArtifactCache:
         except CorruptArtifactError:
             # Content-addressed: a bad blob (altered, oversized, not a regular file) must
             # go, or the write refilling its entry would keep it.
-            self._quarantine_blob(path, digest)
+            if quarantine:
+                self._quarantine_blob(path, digest)
             raise
         except UnsafeCacheError:
             if not os.path.islink(path):
                 raise  # another user's file, or one others may write: refused as it is
-            self._quarantine_blob(path, digest)  # the link itself moves; nothing is followed
+            if quarantine:
+                self._quarantine_blob(path, digest)  # the link moves; nothing is followed
             raise CorruptArtifactError(
-                f"cache blob {digest[:12]} was a symbolic link (moved to quarantine)"
+                f"cache blob {digest[:12]} is a symbolic link"
+                + (" (moved to quarantine)" if quarantine else "")
             ) from None
 
     def _quarantine_blob(self, path: str, digest: str) -> None:
@@ -907,9 +916,11 @@ class ArtifactCache:
             self._count("evictions", len(plan.evicted))
         return plan
 
-    def verify(self) -> VerifyReport:
-        """Read every entry and blob in full; corrupt ones go to quarantine. Holds the gc
-        lock shared (where the cache is writable), so no eviction races the check."""
+    def verify(self, *, quarantine: bool = False) -> VerifyReport:
+        """Read every entry and blob in full and report the corrupt ones; ``quarantine``:
+        move them aside too (a later load compiles again), as a load that finds one does.
+        Without it nothing in the cache changes. Holds the gc lock shared (where the
+        cache is writable), so no eviction races the check."""
         guard: contextlib.AbstractContextManager[None] = (
             self._gc_lock(exclusive=False) if self.writable else contextlib.nullcontext()
         )
@@ -919,13 +930,38 @@ class ArtifactCache:
             unreadable = list(scan.unreadable)
             for entry in scan.entries:
                 try:
-                    found = self.get(entry.key, touch=False)
+                    reason = self._corruption(entry.key)
                 except (UntrustedArtifactError, OSError) as exc:
                     unreadable.append((entry.path, f"{type(exc).__name__}: {exc}"))
                     continue
-                if found is None:
+                if reason is not None:
                     corrupt.append(entry.key)
-        return VerifyReport(len(scan.entries), tuple(corrupt), tuple(unreadable))
+                    if quarantine and self.writable:  # as a load that found it would
+                        self.get(entry.key, touch=False)
+                        self._quarantine(entry.key, reason)
+        moved = quarantine and self.writable and bool(corrupt)
+        return VerifyReport(len(scan.entries), tuple(corrupt), tuple(unreadable), moved)
+
+    def _corruption(self, key: str) -> str | None:
+        """Why the entry under ``key`` is corrupt (a blob missing or failing its checks),
+        or None where it is intact or gone; reads everything, changes nothing."""
+        try:
+            document = self._read_document(key, quarantine=False)
+        except PayloadLimitError:
+            raise
+        except CorruptArtifactError as exc:
+            return str(exc)
+        if document is None:
+            return None
+        try:
+            for digest, size in document["blobs"].items():
+                self._read_blob(digest, size, key, quarantine=False)
+        except FileNotFoundError:
+            gone = not os.path.exists(self.entry_path(key))  # evicted since: no verdict
+            return None if gone else "a blob it references is missing"
+        except CorruptArtifactError as exc:
+            return str(exc)
+        return None
 
     def clear(self, *, dry_run: bool = False) -> PrunePlan:
         """Remove every entry and blob (``dry_run``: only say what would go)."""

@@ -15,14 +15,22 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.util
 import json
 import os
+import shutil
 import sys
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any, NoReturn
 
-from precompile.cache import ArtifactCache, CacheEntry, generate_signing_key, resolve_trusted_keys
+from precompile.cache import (
+    ArtifactCache,
+    CacheEntry,
+    generate_signing_key,
+    resolve_root,
+    resolve_trusted_keys,
+)
 from precompile.runtime import EntrySummary, PrecompileError, summarize_entry
 
 
@@ -48,6 +56,17 @@ def _fail(message: str) -> NoReturn:
     raise SystemExit(2)
 
 
+def _byte_count(text: str) -> int:
+    """``--max-size``: a number of bytes, 0 or more (-5 planned to evict everything)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of bytes, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected a number of bytes >= 0, got {value}")
+    return value
+
+
 def _emit(data: Any, as_json: bool, text: str) -> None:
     print(json.dumps(data, indent=2, default=str) if as_json else text)
 
@@ -64,12 +83,10 @@ def _find(store: ArtifactCache, prefix: str) -> CacheEntry:
     ]
     if not matches and len(unreadable) == 1:
         path, reason = unreadable[0]
-        raise SystemExit(f"precompile: could not read entry {path}: {reason}")
+        _fail(f"could not read entry {path}: {reason}")
     if not matches:
-        raise SystemExit(f"precompile: no entry's key starts with {prefix!r} in this cache")
-    raise SystemExit(
-        f"precompile: key prefix {prefix!r} matches {len(matches)} entries; give more digits"
-    )
+        _fail(f"no entry's key starts with {prefix!r} in this cache")
+    _fail(f"key prefix {prefix!r} matches {len(matches)} entries; give more digits")
 
 
 def _summary(store: ArtifactCache, entry: CacheEntry) -> EntrySummary:
@@ -127,15 +144,30 @@ def _variants_text(summary: EntrySummary) -> str:
     return _printable("; ".join(parts))
 
 
-def _table(header: list[str], rows: list[list[str]]) -> list[str]:
-    """Columns as wide as their widest cell (a row may run past the header's last one)."""
+def _table(
+    header: list[str], rows: list[list[str]], shrink: Sequence[int] = (), width: int | None = None
+) -> list[str]:
+    """Columns as wide as their widest cell (a row may run past the header's last one);
+    where the table is wider than ``width`` (the terminal's, ``$COLUMNS``), the columns
+    ``shrink`` names give up characters, their cells cut with "...", down to 12 each."""
     widths = [max([len(h), *(len(r[n]) for r in rows)]) for n, h in enumerate(header)]
+    width = shutil.get_terminal_size((200, 24)).columns if width is None else width
+    for n in shrink:
+        excess = sum(widths) + 2 * (len(widths) - 1) - width
+        if excess <= 0:
+            break
+        widths[n] = max(len(header[n]), 12, widths[n] - excess)
+        rows = [[_cut(c, widths[n]) if i == n else c for i, c in enumerate(row)] for row in rows]
     return [
         "  ".join(
             cell.ljust(widths[n]) if n < len(widths) else cell for n, cell in enumerate(row)
         ).rstrip()
         for row in [header, *rows]
     ]
+
+
+def _cut(text: str, width: int) -> str:
+    return text if len(text) <= width else text[: width - 3] + "..."
 
 
 def _plan_text(plan: Any, verb: str) -> str:
@@ -242,7 +274,7 @@ def _list_entries(store: ArtifactCache, as_json: bool) -> None:
         + (["signed"] if e.signed else [])
         for e, s, t in listed
     ]  # fmt: skip
-    rows = _table(header, cells)
+    rows = _table(header, cells, shrink=(1, 2))  # WHAT and INPUTS give way to $COLUMNS
     rows.append(
         f"{len(entries)} entries, {_size(sum(e.size for e in entries))} in {store.root}"
         + ("" if store.writable else " (read-only)")
@@ -252,8 +284,16 @@ def _list_entries(store: ArtifactCache, as_json: bool) -> None:
     _emit(report, as_json, "\n".join(rows))
 
 
+# What a command does to a cache directory that does not exist: the commands that only
+# read answer for an empty cache and create nothing; the others make it.
+_READS = frozenset({"ls", "info", "explain", "verify", "stats", "tags"})
+
+
 def _cache_command(args: argparse.Namespace) -> int:
     remote = getattr(args, "remote", None)
+    root = resolve_root(args.root)
+    if args.action in _READS and not remote and not os.path.lexists(root):
+        return _no_cache(args, root)
     store = ArtifactCache(
         args.root,
         trust_foreign=args.trust_foreign,
@@ -295,15 +335,19 @@ def _cache_command(args: argparse.Namespace) -> int:
         )
         _emit(dataclasses.asdict(entry), args.json, text)
     elif args.action == "verify":
-        report = store.verify()
+        report = store.verify(quarantine=args.quarantine)
         problems = [f"  could not check {path}: {reason}" for path, reason in report.unreadable]
         intact = report.checked - len(report.corrupt) - len(report.unreadable)
+        where = (
+            "moved to quarantine" if report.quarantined
+            else "left in place (--quarantine moves them aside)"
+        )  # fmt: skip
         text = f"checked {report.checked} entries: " + (
             "all intact"
             if report.ok
             else f"{max(intact, 0)} intact"
             + (
-                f", {len(report.corrupt)} corrupt, moved to quarantine: "
+                f", {len(report.corrupt)} corrupt, {where}: "
                 + ", ".join(k[:12] for k in report.corrupt)
                 if report.corrupt
                 else ""
@@ -366,11 +410,25 @@ def _sign_command(args: argparse.Namespace) -> int:
     return 0
 
 
+def _no_cache(args: argparse.Namespace, root: str) -> int:
+    """A read command's answer where no cache exists at ``root`` (nothing is created)."""
+    if args.action in ("info", "explain"):
+        _fail(f"no cache at {root} (nothing was compiled into it yet)")
+    empty: dict[str, Any] = {
+        "ls": [], "tags": {}, "verify": {"checked": 0, "corrupt": [], "unreadable": []},
+        "stats": {"entries": 0, "size": 0},
+    }  # fmt: skip
+    _emit(empty[args.action], args.json, f"no cache at {root} (nothing was compiled into it yet)")
+    return 0
+
+
 def _verify_command(args: argparse.Namespace) -> int:
     from precompile.runtime import read_binary, read_unpacked
 
     trusted = resolve_trusted_keys(args.key or None)
     path = args.path
+    if not os.path.lexists(path):
+        _fail(f"no artifact at {path!r}: no such file or directory")
     if os.path.isdir(path):
         manifest, payloads, signature = read_unpacked(path, trusted)
     else:
@@ -378,7 +436,14 @@ def _verify_command(args: argparse.Namespace) -> int:
     for digest in manifest.payload_digests:
         payloads.read(digest)  # decompress and check every payload; nothing is unpickled
     who = f"signed by key {signature.key_id}" if signature else "not signed"
-    checked = "signature checked against the trusted keys" if trusted else "no trusted keys given"
+    if trusted:
+        checked = "signature checked against the trusted keys"
+    elif signature and importlib.util.find_spec("cryptography") is not None:
+        checked = "no trusted keys given; the signature matches the key it names"
+    elif signature:
+        checked = "no trusted keys given; the signature was not checked (no cryptography)"
+    else:
+        checked = "no trusted keys given"
     print(f"{path}: intact ({len(manifest.payload_digests)} payloads), {who}; {checked}")
     return 0
 
@@ -418,8 +483,12 @@ def _parser() -> argparse.ArgumentParser:
         sync.add_argument("--tag", help="only the entry this tag names (and the tag)")
         sync.add_argument("--remote-options", help="fsspec storage options, JSON")
         sync.add_argument("--json", action="store_true")
+    check = actions.add_parser(
+        "verify", help="check every digest (and signature, with trusted keys configured)"
+    )
+    check.add_argument("--json", action="store_true")
+    check.add_argument("--quarantine", action="store_true", help="move corrupt entries aside")
     for name, text in [
-        ("verify", "check every digest (and signature, with trusted keys configured)"),
         ("stats", "hit/miss/eviction counts and size"),
         ("tags", "named entries (what servers load by name)"),
     ]:
@@ -432,7 +501,9 @@ def _parser() -> argparse.ArgumentParser:
         sub.add_argument("key", help="a key or unique prefix")
         sub.add_argument("--json", action="store_true")
     prune = actions.add_parser("prune", help="evict LRU entries down to the size limit")
-    prune.add_argument("--max-size", type=int, help="bytes (default: the cache's limit)")
+    prune.add_argument(
+        "--max-size", type=_byte_count, help="bytes, >= 0 (default: the cache's limit)"
+    )
     prune.add_argument("--dry-run", action="store_true", help="only say what would go")
     prune.add_argument("--json", action="store_true")
     clear = actions.add_parser("clear", help="delete every entry")

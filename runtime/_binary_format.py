@@ -2,7 +2,13 @@
 
     magic (12 bytes) | format version (u32 LE) | index length (u64 LE)
     | sha256 of index (32 bytes) | signer's public key (32) | signature (64)
+    | sha256 of all the header's bytes before it (32; version 3)
     | index (JSON) | payload bytes ...
+
+Every byte is covered by a check: the header's own sha256 covers its fields and the
+signature slot (version 2 had none: a flipped byte of an unsigned file's zero slot read
+as a signature by a key made of zeros), the index sha256 the index, and the index each
+payload. A public key of zeros means unsigned, and then the signature must be zeros too.
 
 The index holds the manifest and, per payload digest, its offset, stored size, raw
 size and the sha256 of the stored bytes. Nothing is read past what the header and index
@@ -26,6 +32,7 @@ from precompile.cache import (
     SIGNATURE_BYTES,
     Signature,
     atomic_file,
+    check_own_signature,
     check_payload_size,
     check_signature,
     compress,
@@ -41,9 +48,11 @@ from ._manifest import Manifest
 from ._payloads import LazyPayloads, PayloadStore
 
 MAGIC = b"\x93PRECOMPILE\n"
-BINARY_VERSION = 2  # 2: a signature slot in the header
-_HEADER = struct.Struct(f"<12sIQ32s{PUBLIC_KEY_BYTES}s{SIGNATURE_BYTES}s")
-_NO_SIGNATURE = bytes(PUBLIC_KEY_BYTES + SIGNATURE_BYTES)
+BINARY_VERSION = 3  # 2: a signature slot in the header; 3: the header's own sha256
+_FIELDS = struct.Struct(f"<12sIQ32s{PUBLIC_KEY_BYTES}s{SIGNATURE_BYTES}s")
+_HEADER_V2 = _FIELDS
+HEADER_SIZE = _FIELDS.size + 32
+_NO_KEY = bytes(PUBLIC_KEY_BYTES)
 _MAX_INDEX = 256 << 20
 _MAX_FILE = 1 << 40
 
@@ -97,51 +106,78 @@ def write_binary(
             handle.write(blob)
 
 
+def pack_header(
+    index_length: int, index_digest: bytes, public: bytes, signature: bytes
+) -> bytes:
+    """A version-3 header: its fields, then the sha256 of them."""
+    fields = _FIELDS.pack(MAGIC, BINARY_VERSION, index_length, index_digest, public, signature)
+    return fields + bytes.fromhex(sha256_hex(fields))
+
+
 def _header(index_length: int, index_digest: bytes, signing_key: Any) -> bytes:
     if signing_key is None:
         public, signature = bytes(PUBLIC_KEY_BYTES), bytes(SIGNATURE_BYTES)
     else:
         signed = sign_digest(index_digest, signing_key)
         public, signature = signed.public_key, signed.signature
-    return _HEADER.pack(MAGIC, BINARY_VERSION, index_length, index_digest, public, signature)
+    return pack_header(index_length, index_digest, public, signature)
 
 
 def sign_binary(path: str, signing_key: Any) -> Signature:
-    """Sign an existing binary artifact in place (the header's signature slot)."""
-    view, header = _open(path)
+    """Sign an existing binary artifact in place (the header's signature slot; a
+    version-2 file gets a version-3 header)."""
+    view, header, start = _open(path)
     _, _, index_length, index_digest, _, _ = header
-    _read_index(view, index_length, index_digest, f"artifact {path!r}")
+    _read_index(view, start, index_length, index_digest, f"artifact {path!r}")
     new_header = _header(index_length, index_digest, signing_key)
     with atomic_file(path, 0o644) as handle:
         handle.write(new_header)
-        handle.write(memoryview(view)[_HEADER.size :])
-    _, _, _, _, public, signature = _HEADER.unpack(new_header)
+        handle.write(memoryview(view)[start:])
+    _, _, _, _, public, signature = _FIELDS.unpack_from(new_header)
     return Signature(public, signature)
 
 
-def _open(path: str) -> tuple[bytes, tuple[Any, ...]]:
+def _open(path: str) -> tuple[bytes, tuple[Any, ...], int]:
     """The file's bytes (a regular file, read once: no mapping another writer could
-    truncate under us) and its parsed header."""
+    truncate under us), its parsed header fields, and where the index starts."""
     where = f"artifact {path!r}"
     if os.path.isdir(path):
         raise InvalidOptionError(f"{path!r} is a directory; load it with format='unpacked'")
     data = read_bounded(path, _MAX_FILE, where=where)
-    if len(data) < _HEADER.size:
+    if len(data) < _FIELDS.size:
         raise CorruptArtifactError(f"{where} is too short to be a precompile artifact")
-    header = _HEADER.unpack_from(data)
-    magic, version = header[0], header[1]
+    header = _FIELDS.unpack_from(data)
+    magic, version, public, signature = header[0], header[1], header[4], header[5]
     if magic != MAGIC:
         raise CorruptArtifactError(f"{where} is not a precompile artifact (bad magic)")
-    if version != BINARY_VERSION:
+    if version == BINARY_VERSION:
+        if len(data) < HEADER_SIZE:
+            raise CorruptArtifactError(f"{where} is too short to be a precompile artifact")
+        if sha256_hex(data[: _FIELDS.size]) != data[_FIELDS.size : HEADER_SIZE].hex():
+            raise CorruptArtifactError(
+                f"{where} header fails its sha256 check (a byte of its fields or of its "
+                "signature slot changed)"
+            )
+        start = HEADER_SIZE
+    elif version == 2:  # no header digest: read as before, its slot checked below
+        start = _HEADER_V2.size
+    else:
         raise IncompatibleArtifactError(
-            f"{where} uses binary format version {version}; this precompile reads "
-            f"version {BINARY_VERSION} (recompile, or load with the precompile that wrote it)"
+            f"{where} has binary format version {version}; this precompile reads versions 2 "
+            f"and {BINARY_VERSION} (the file is corrupt, or was written by another "
+            "precompile: recompile, or load with the precompile that wrote it)"
         )
-    return data, header
+    if public == _NO_KEY and signature != bytes(SIGNATURE_BYTES):
+        raise CorruptArtifactError(
+            f"{where} is unsigned (no public key) but its signature slot is not empty: "
+            "the header is corrupt"
+        )
+    return data, header, start
 
 
-def _read_index(view: bytes, length: int, digest: bytes, where: str) -> tuple[Any, int]:
-    start = _HEADER.size
+def _read_index(
+    view: bytes, start: int, length: int, digest: bytes, where: str
+) -> tuple[Any, int]:
     if length > min(len(view) - start, _MAX_INDEX):
         raise CorruptArtifactError(f"{where} is truncated or its index length is absurd")
     index_bytes = view[start : start + length]
@@ -190,12 +226,12 @@ def read_binary_with_model(
     """``read_binary`` plus the index's model plan (None for a graph artifact), not yet
     validated (the runtime's model module validates it)."""
     where = f"artifact {path!r}"
-    view, header = _open(path)
+    view, header, start = _open(path)
     _, _, index_length, index_digest, public, signature_bytes = header
-    index, data_start = _read_index(view, index_length, index_digest, where)
-    signature = (
-        None if public + signature_bytes == _NO_SIGNATURE else Signature(public, signature_bytes)
-    )
+    index, data_start = _read_index(view, start, index_length, index_digest, where)
+    signature = None if public == _NO_KEY else Signature(public, signature_bytes)
+    if trusted is None:
+        check_own_signature(index_digest, signature, where)
     check_signature(index_digest, signature, trusted, where)
     if not isinstance(index, dict) or "manifest" not in index or "payloads" not in index:
         raise CorruptArtifactError(f"{where} index is malformed (no manifest or payload table)")

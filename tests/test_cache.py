@@ -502,6 +502,7 @@ def _cli(*args: str) -> subprocess.CompletedProcess[str]:
         cwd=ROOT,
         capture_output=True,
         text=True,
+        env={**os.environ, "COLUMNS": "1000"},  # no cell cut to the terminal's width
     )
 
 
@@ -529,6 +530,63 @@ def test_cli_commands(tmp_path: object) -> None:
     assert _cli("--root", root, "clear").returncode != 0  # needs --yes
     assert _cli("--root", root, "clear", "--yes").returncode == 0
     assert json.loads(_cli("--root", root, "ls", "--json").stdout) == []
+
+
+def test_cli_exit_codes_and_reads_that_change_nothing(tmp_path: object) -> None:
+    """``--help`` says errors exit 2 and a failed check 1: a missing entry or file is an
+    error; a command that reads creates no cache where there is none; ``verify`` leaves a
+    corrupt entry in place unless told ``--quarantine``; a negative ``--max-size`` is
+    refused (it planned to evict everything)."""
+    missing = os.path.join(str(tmp_path), "none")
+    for action in ("ls", "stats", "tags", "verify"):
+        result = _cli("--root", missing, action)
+        assert result.returncode == 0 and "no cache at" in result.stdout, result
+    for action in ("info", "explain"):
+        result = _cli("--root", missing, action, "0" * 12)
+        assert result.returncode == 2 and "no cache at" in result.stderr, result
+    assert not os.path.exists(missing)
+    root = os.path.join(str(tmp_path), "c")
+    store = ArtifactCache(root)
+    put(store, key_of(1), fake_artifact(1), {"graph": "a", "device": "cpu"})
+    result = _cli("--root", root, "info", "0" * 12)
+    assert result.returncode == 2 and "no entry's key starts with" in result.stderr
+    result = _cli("--root", root, "prune", "--max-size", "-5", "--dry-run")
+    assert result.returncode == 2 and "expected a number of bytes >= 0" in result.stderr
+    files = subprocess.run(
+        [sys.executable, "-m", "precompile", "verify", os.path.join(root, "no-such.pt2c")],
+        cwd=ROOT, capture_output=True, text=True,
+    )  # fmt: skip
+    assert files.returncode == 2 and "no artifact at" in files.stderr
+    assert "Errno" not in files.stderr
+    blobs = os.path.join(root, "v2", "blobs")
+    blob = next(os.path.join(d, f) for d, _, fs in os.walk(blobs) for f in fs)
+    with open(blob, "r+b") as handle:
+        handle.seek(10)
+        byte = handle.read(1)
+        handle.seek(10)
+        handle.write(bytes([byte[0] ^ 0xFF]))
+    quarantine = os.path.join(root, "v2", "quarantine")
+    checked = _cli("--root", root, "verify")
+    assert checked.returncode == 1 and "1 corrupt, left in place" in checked.stdout
+    assert not os.listdir(quarantine) and store.contains(key_of(1))
+    moved = _cli("--root", root, "verify", "--quarantine")
+    assert moved.returncode == 1 and "moved to quarantine" in moved.stdout
+    assert os.listdir(quarantine) and not store.contains(key_of(1))
+
+
+def test_cli_ls_fits_the_terminal(tmp_path: object) -> None:
+    """``cache ls`` cuts its WHAT and INPUTS columns to ``$COLUMNS`` (it printed 235
+    columns whatever the terminal)."""
+    root = str(tmp_path)
+    store = ArtifactCache(root)
+    put(store, key_of(1), fake_artifact(1), {"device": "cpu"}, about={"graph": "g" * 150})
+    wide = subprocess.run(
+        [sys.executable, "-m", "precompile", "cache", "--root", root, "ls"],
+        cwd=ROOT, capture_output=True, text=True, env={**os.environ, "COLUMNS": "100"},
+    )  # fmt: skip
+    assert wide.returncode == 0, wide.stderr
+    row = next(line for line in wide.stdout.splitlines() if line.startswith(key_of(1)[:12]))
+    assert len(row) <= 100 and "..." in row, row
 
 
 def test_cli_ls_shows_what_is_unknown_as_unknown(tmp_path: object) -> None:

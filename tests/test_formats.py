@@ -139,10 +139,10 @@ def _damaged_copies(path: str) -> dict[str, bytes]:
         data = handle.read()
     flipped_tail = bytearray(data)
     flipped_tail[-5] ^= 0x40
-    from precompile.runtime._binary_format import _HEADER
+    from precompile.runtime._binary_format import HEADER_SIZE
 
     flipped_index = bytearray(data)
-    flipped_index[_HEADER.size + 20] ^= 0x01
+    flipped_index[HEADER_SIZE + 20] ^= 0x01
     return {
         "payload byte flipped": bytes(flipped_tail),
         "index byte flipped": bytes(flipped_index),

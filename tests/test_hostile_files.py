@@ -20,24 +20,24 @@ from conftest import ROOT, Compiled, assert_close, run_python
 
 import precompile
 from precompile.cache import sha256_hex
-from precompile.runtime._binary_format import _HEADER
+from precompile.runtime._binary_format import _FIELDS, HEADER_SIZE, pack_header
 
 
 def _read(path: str) -> tuple[tuple[Any, ...], dict[str, Any], bytes]:
     with open(path, "rb") as handle:
         data = handle.read()
-    header = _HEADER.unpack_from(data)
+    header = _FIELDS.unpack_from(data)
     index_length = header[2]
-    index = json.loads(data[_HEADER.size : _HEADER.size + index_length])
-    return header, index, data[_HEADER.size + index_length :]
+    index = json.loads(data[HEADER_SIZE : HEADER_SIZE + index_length])
+    return header, index, data[HEADER_SIZE + index_length :]
 
 
 def _write(path: str, header: tuple[Any, ...], index_bytes: bytes, payloads: bytes) -> None:
-    """An artifact whose index digest is recomputed: only our validation stands between
-    its contents and the code that runs."""
-    magic, version, _, _, public, signature = header
+    """An artifact whose index digest (and header digest) is recomputed: only our
+    validation stands between its contents and the code that runs."""
+    _, _, _, _, public, signature = header
     digest = bytes.fromhex(sha256_hex(index_bytes))
-    packed = _HEADER.pack(magic, version, len(index_bytes), digest, public, signature)
+    packed = pack_header(len(index_bytes), digest, public, signature)
     with open(path, "wb") as handle:
         handle.write(packed + index_bytes + payloads)
 
@@ -429,3 +429,57 @@ def test_hostile_values_never_end_a_process(
     assert lines["wrong width"] == "InputMismatchError" and lines["int"] == "InputMismatchError"
     assert lines["empty batch"] in ("served, equal to eager", "NoVariantError"), out
     assert "DIFFERENT" not in out, out
+
+
+def _cli_verify(path: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "precompile", "verify", path],
+        capture_output=True, text=True, cwd=ROOT,
+    )  # fmt: skip
+
+
+def test_every_header_byte_is_covered_by_a_check(saved: dict[str, str], tmp_path: Any) -> None:
+    """A flipped byte anywhere in an unsigned file's header (its fields, the zeros of its
+    signature slot, its own digest) is refused, never read as a signature or served: a
+    version-2 header had no digest, and byte 100 flipped read as "signed by key
+    66687aadf862bd77" (the sha256 of 32 zero bytes)."""
+    with open(saved["binary"], "rb") as handle:
+        data = handle.read()
+    target = os.path.join(str(tmp_path), "flipped.pt2c")
+    for offset in range(HEADER_SIZE):
+        flipped = bytearray(data)
+        flipped[offset] ^= 0x01
+        with open(target, "wb") as handle:
+            handle.write(flipped)
+        with pytest.raises((precompile.CorruptArtifactError, precompile.IncompatibleArtifactError)):
+            precompile.CompiledArtifact.load(path=target)
+    result = _cli_verify(target)  # the last one: the header's own digest
+    assert result.returncode == 1 and "header fails its sha256 check" in result.stderr
+    flipped = bytearray(data)
+    flipped[100] ^= 0x01  # the case found: a byte of the unsigned file's signature slot
+    with open(target, "wb") as handle:
+        handle.write(flipped)
+    result = _cli_verify(target)
+    assert result.returncode == 1 and "signed by key" not in result.stdout, result
+
+
+def test_a_version_2_file_still_loads_and_its_empty_slot_is_checked(
+    saved: dict[str, str], tmp_path: Any
+) -> None:
+    """Files written before the header digest (version 2) load as before; their slot,
+    which no digest covers, must be all zeros where no key is named."""
+    with open(saved["binary"], "rb") as handle:
+        data = handle.read()
+    fields = list(_FIELDS.unpack_from(data))
+    fields[1] = 2
+    old = bytearray(_FIELDS.pack(*fields) + data[HEADER_SIZE:])
+    target = os.path.join(str(tmp_path), "v2.pt2c")
+    with open(target, "wb") as handle:
+        handle.write(old)
+    loaded = precompile.CompiledArtifact.load(path=target)
+    assert len(loaded.variants) > 0
+    old[100] ^= 0x01
+    with open(target, "wb") as handle:
+        handle.write(old)
+    with pytest.raises(precompile.CorruptArtifactError, match="signature slot is not empty"):
+        precompile.CompiledArtifact.load(path=target)

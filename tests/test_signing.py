@@ -18,7 +18,7 @@ from test_cache import fake_artifact, get, key_of, put
 
 import precompile
 from precompile.cache import ArtifactCache
-from precompile.runtime._binary_format import _HEADER
+from precompile.runtime._binary_format import _FIELDS, HEADER_SIZE, pack_header
 
 pytest.importorskip("cryptography")
 
@@ -92,17 +92,17 @@ def test_unsigned_or_tampered_artifacts_are_refused_before_decoding(
     if fmt == "binary":
         with open(signed, "rb") as handle:
             data = bytearray(handle.read())
-        data[_HEADER.size - 10] ^= 0x01  # a byte of the signature
-        tampered_signature = bytes(data)
-        data = bytearray(tampered_signature)
-        data[_HEADER.size - 10] ^= 0x01
-        index_start = _HEADER.size
-        data[index_start + 30] ^= 0x01  # a byte of the index, its digest recomputed
+        # a byte of the signature, the header's digest recomputed (as a forger would)
+        header = list(_FIELDS.unpack_from(data))
+        header[5] = bytes([header[5][0] ^ 0x01]) + header[5][1:]
+        tampered_signature = pack_header(*header[2:]) + bytes(data[HEADER_SIZE:])
+        index_start = HEADER_SIZE
+        data[index_start + 30] ^= 0x01  # a byte of the index, its digests recomputed
         import hashlib
 
-        header = list(_HEADER.unpack_from(data))
+        header = list(_FIELDS.unpack_from(data))
         header[3] = hashlib.sha256(data[index_start : index_start + header[2]]).digest()
-        data[: _HEADER.size] = _HEADER.pack(*header)
+        data[:HEADER_SIZE] = pack_header(*header[2:])
         for label, content in (("signature", tampered_signature), ("index", bytes(data))):
             target = os.path.join(str(tmp_path), f"tampered-{label}")
             with open(target, "wb") as handle:
@@ -135,6 +135,19 @@ def test_cli_verify_and_sign(saved: dict[str, str], keys: dict[str, str], tmp_pa
     assert other.returncode == 1 and "not among the trusted keys" in other.stderr
     plain = _cli("verify", target)
     assert plain.returncode == 0 and "no trusted keys given" in plain.stdout
+    assert "the signature matches the key it names" in plain.stdout
+    # A forged slot whose header digest was recomputed: without trusted keys too, a
+    # signature that does not match its own key is a corrupt file, never "signed by".
+    with open(target, "rb") as handle:
+        data = handle.read()
+    header = list(_FIELDS.unpack_from(data))
+    header[5] = bytes([header[5][0] ^ 0x01]) + header[5][1:]
+    with open(target, "wb") as handle:
+        handle.write(pack_header(*header[2:]) + data[HEADER_SIZE:])
+    forged = _cli("verify", target)
+    assert forged.returncode == 1 and "does not match its contents" in forged.stderr
+    with pytest.raises(precompile.CorruptArtifactError, match="does not match its contents"):
+        precompile.CompiledArtifact.load(path=target)
 
 
 def test_cache_entries_are_signed_and_checked(keys: dict[str, str], tmp_path: Any) -> None:
