@@ -173,6 +173,29 @@ def _pad_mask_to_cache(kwargs: dict[str, Any]) -> None:
         kwargs["attention_mask"] = torch.nn.functional.pad(mask, (0, length - mask.shape[1]))
 
 
+class _OnThisInstance:
+    """What ``serve_generate`` installs on one model instance (its ``forward``, its
+    ``get_compiled_call``). A deep copy of the model (``copy.deepcopy`` inside the block)
+    gets its class's own method instead: this one serves compiled models bound to the
+    original's weights, which a copy may have changed (its outputs were the original's).
+    A shallow copy shares the original's parameters and submodules, so it is served as
+    the original is."""
+
+    def __init__(self, model: torch.nn.Module, name: str, function: Any) -> None:
+        self._model = model
+        self._name = name
+        self._function = function
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self._function(*args, **kwargs)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Any:
+        copied = memo.get(id(self._model))
+        if copied is None:  # copied alone, without its model: nothing to serve
+            return getattr(type(self._model), self._name).__get__(self._model)
+        return getattr(type(copied), self._name).__get__(copied)
+
+
 class GenerateServer:
     """The router ``serve_generate`` installs: one compiled model per call structure.
     ``calls``: forward calls served by compiled models; ``compiled``: per structure."""
@@ -203,12 +226,12 @@ class GenerateServer:
             if name in vars(model):
                 self._saved[name] = vars(model)[name]
 
-        @functools.wraps(original)  # generate reads forward's signature
-        def forward(*args: Any, **kwargs: Any) -> Any:
-            return self(*args, **kwargs)
-
+        forward = _OnThisInstance(model, "forward", self)
+        functools.update_wrapper(forward, original)  # generate reads forward's signature
         model.forward = forward  # type: ignore[method-assign]
-        model.get_compiled_call = lambda compile_config=None: model.__call__  # type: ignore[method-assign]
+        model.get_compiled_call = _OnThisInstance(  # type: ignore[method-assign]
+            model, "get_compiled_call", lambda compile_config=None: model.__call__
+        )
         self._installed = True
         return self
 

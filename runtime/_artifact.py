@@ -211,6 +211,12 @@ class CompiledArtifact:
         _live.add(self)
         self.set_cudagraphs(manifest.cudagraphs if cudagraphs is None else cudagraphs)
 
+    def require_traced_grad_flags(self) -> None:
+        """Refuse calls whose tensors' ``requires_grad`` differs from the trace's, under
+        ``no_grad`` too (a compiled model's: its forward's Python may have read them)."""
+        with self._lock:
+            self._contract.require_traced_grad_flags()
+
     # -- calling ---------------------------------------------------------------------
     def __call__(self, *args: Any) -> Any:
         key = self._contract.read_key(args)

@@ -101,9 +101,21 @@ class InputContract:
         }
         self._first_sources = {s.name: s.sources[0] for s in manifest.symbols}
         self._copy_logged: set[int] = set()
+        # Every tensor's requires_grad exactly as traced, whatever the grad mode (see
+        # ``require_traced_grad_flags``).
+        self.exact_grad = False
         self._checked: KeyReader = self._generate_reader(None)
         self.read_key: KeyReader = self._first_read
         self.trusted_key: TrustedReader = self._generate_trusted_reader()
+
+    def require_traced_grad_flags(self) -> None:
+        """Check every tensor's ``requires_grad`` against its value in the trace, under
+        ``no_grad`` too: a whole model's Python may branch on it (``if x.requires_grad``),
+        and its trace then holds for that value alone (Dynamo guards every tensor's flag).
+        A graph handed over as a graph has no such branch, and keeps the looser check."""
+        self.exact_grad = True
+        self._checked = self._generate_reader(None)
+        self.read_key = self._first_read
 
     # -- fast path -------------------------------------------------------------------
     def _first_read(self, args: Sequence[Any]) -> tuple[int, ...] | None:
@@ -216,12 +228,15 @@ class InputContract:
                 lines.append("            return None")
                 lines.append(f"        if {arg}.is_neg() or {arg}.is_conj():")
                 lines.append("            return None")
-                if self.training:
+                if self.exact_grad:
+                    lines.append(f"        if {arg}.requires_grad is not {spec.requires_grad}:")
+                    lines.append("            return None")
+                elif self.training:
                     lines.append(
                         f"        if grad and {arg}.requires_grad is not {spec.requires_grad}:"
                     )
                     lines.append("            return None")
-                elif not spec.grad_unused:
+                if not self.training and not spec.grad_unused:
                     lines.append(f"        if grad and {arg}.requires_grad:")
                     lines.append("            return None")
             if static_shape:
@@ -461,6 +476,14 @@ class InputContract:
                     f"input {index} is a float the variants were specialized to ({spec.value!r}), "
                     f"got {actual!r}; compile again for another value"
                 )
+        if self.exact_grad and arg.requires_grad != spec.requires_grad:
+            name = f"input {index}" + (f" ({spec.name})" if spec.name else "")
+            raise InputMismatchError(
+                f"{name} has requires_grad={arg.requires_grad}, but the model was traced with "
+                f"requires_grad={spec.requires_grad}: its forward may read the flag (Dynamo "
+                "guards it), so the compiled model holds for that value alone; set it back "
+                "(requires_grad_()) or compile the model as it is now"
+            )
         if not grad:
             return
         if not self.training and arg.requires_grad and not spec.grad_unused:

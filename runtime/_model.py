@@ -313,6 +313,7 @@ class CompiledModel:
             )
         self.model = model
         self.artifact = artifact
+        artifact.require_traced_grad_flags()  # the forward's Python may branch on them
         self.plan = plan
         if plan.trace_read is None:
             raise IncompatibleArtifactError(

@@ -12,7 +12,8 @@ modules are checked by qualified name (plus the file and line of a function's co
 Where they are checked: every guard when a plan is bound to a model (``load_model``, a
 cache hit), and again at the first call after a submodule, parameter or buffer is
 registered anywhere (torch's registration hooks bump a counter); the ``training`` flags
-the trace read on every call (a few attribute reads).
+and the environment variables (``os.environ``) the trace read on every call (a few
+attribute reads each).
 """
 
 from __future__ import annotations
@@ -70,6 +71,8 @@ def encode(value: Any) -> Any:
         return ["int", value]
     if kind is str:
         return ["str", value]
+    if kind is bytes:  # os.environ's own keys and values (``environ._data[b'FLAG']``)
+        return ["bytes", value.hex()]
     if kind is float:
         return ["float", value.hex() if math.isfinite(value) else repr(value)]
     if kind in (tuple, list, torch.Size):
@@ -115,6 +118,11 @@ def said(encoded: Any) -> str:
         return f"({inner})" if tag == "tuple" else f"[{inner}]" if tag == "list" else inner
     if tag == "dtype":
         return f"torch.{encoded[1]}"
+    if tag == "bytes" and len(encoded) == 2 and isinstance(encoded[1], str):
+        try:
+            return repr(bytes.fromhex(encoded[1]))
+        except ValueError:
+            return repr(encoded[1])
     if tag in ("named", "type"):
         return str(encoded[1])
     if tag == "enum":
@@ -146,6 +154,11 @@ def _decode_constant(encoded: Any) -> Any:
         return None
     if tag in ("bool", "int", "str") and len(encoded) == 2:
         return encoded[1]
+    if tag == "bytes" and len(encoded) == 2 and isinstance(encoded[1], str):
+        try:
+            return bytes.fromhex(encoded[1])
+        except ValueError:
+            pass
     raise CorruptArtifactError(f"guard constant {encoded!r} is not a key this schema uses")
 
 
@@ -393,6 +406,17 @@ def dict_keys(value: Any) -> list[Any]:
     return [encode(k) for k in value]
 
 
+def _reads_environ(expr: Any) -> bool:
+    """Whether a guard's expression reads a module's ``environ`` (``os.environ``): the
+    process's environment, which changes under a bound model, so it is checked per
+    call like the training flags."""
+    if not isinstance(expr, list) or not expr:
+        return False
+    if expr[0] == "attr" and len(expr) == 3 and expr[2] == "environ":
+        return isinstance(expr[1], list) and expr[1][:1] == ["G"]
+    return any(_reads_environ(part) for part in expr[1:] if isinstance(part, list))
+
+
 def _is_training_flag(guard: Guard) -> bool:
     expr = guard.expr
     return (
@@ -472,6 +496,7 @@ class BoundGuards:
                 owner = evaluate(guard.expr[1], self.roots)
                 flags.append((owner, guard.expected == ["bool", True], guard))
         self._flags = flags
+        self._environment = [g for g in self.read.guards if _reads_environ(g.expr)]
         _tracked.update(self.model.modules())
         self._generation = _generation[0]
 
@@ -488,5 +513,13 @@ class BoundGuards:
                     f"{readable(guard.expr)} is {owner.training}, but {self.where} was "
                     f"traced with it {training}; switch it back (.train()/.eval()) or "
                     "compile the model in this mode"
+                )
+        for guard in self._environment:
+            failure = guard.failure(self.roots)
+            if failure is not None:
+                raise InputMismatchError(
+                    f"the environment changed under {self.where}: {failure}; its forward "
+                    "read it, so it holds for the traced value alone: set it back or "
+                    "compile again"
                 )
         return rebound

@@ -1035,3 +1035,28 @@ def test_a_padded_mask_needs_position_ids_in_the_compiled_call() -> None:
     out = decode_loop(call, names, {}, prompt, new_cache(model), attention_mask=unpadded,
                       **options)  # fmt: skip
     assert out.shape == (2, 7) and calls[0]["attention_mask"].shape == (2, MAX_CACHE)
+
+
+def test_a_deep_copy_inside_serve_generate_runs_its_own_weights() -> None:
+    """``copy.deepcopy(model)`` inside the block kept the router as the copy's
+    ``forward``: the copy ran compiled models bound to the original (0.63 off its own
+    eager outputs once its weights changed). A copy now runs its class's own forward."""
+    import copy
+
+    from test_real_models import VOCAB, tiny_llama
+
+    model = tiny_llama().eval()
+    ids = torch.randint(0, VOCAB, (1, 5))
+    with precompile.serve_generate(model), torch.no_grad():
+        twin = copy.deepcopy(model)
+        with torch.no_grad():
+            for parameter in twin.parameters():
+                parameter.mul_(1.5)
+        assert "forward" in vars(model)  # the original is still served
+        forward = twin.forward
+        assert getattr(forward, "__self__", None) is twin
+        assert getattr(forward, "__func__", None) is type(twin).forward
+        expected = type(twin).forward(twin, input_ids=ids, use_cache=False).logits
+        torch.testing.assert_close(twin(input_ids=ids, use_cache=False).logits, expected)
+        assert twin.get_compiled_call.__self__ is twin
+    assert "forward" not in vars(model)

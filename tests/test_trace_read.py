@@ -328,3 +328,69 @@ def test_a_global_dynamo_installed_under_an_id_is_never_a_check() -> None:
         del globals()[name]
     assert read.guards == ()
     assert len(read.unchecked) == 1 and "not portable" in read.unchecked[0]
+
+
+class _ReadsTheEnvironment(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if os.environ.get("PRECOMPILE_TEST_FLAG") == "1":
+            return self.lin(x) * 2
+        return self.lin(x)
+
+
+class _ReadsRequiresGrad(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.requires_grad or self.lin.weight.requires_grad:
+            return self.lin(x) * 2
+        return self.lin(x)
+
+
+def test_an_environment_variable_the_forward_read_is_checked_per_call(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Dynamo guards ``os.environ.get("FLAG")`` as a bytes value of ``environ._data``:
+    it was recorded as unchecked, and a changed variable was served the traced branch
+    (1.73 off eager) in the same binding and in a new ``compile=False`` bind."""
+    torch.manual_seed(0)
+    model, x = _ReadsTheEnvironment().eval(), torch.randn(4, 8)
+    monkeypatch.setenv("PRECOMPILE_TEST_FLAG", "1")
+    with torch.no_grad():
+        compiled = precompile.compile_model(model, (x,), hints=[4], cache=str(tmp_path),
+                                            warmup=False)  # fmt: skip
+        assert not compiled.plan.trace_read.unchecked
+        torch.testing.assert_close(compiled(x), model(x))
+        monkeypatch.setenv("PRECOMPILE_TEST_FLAG", "0")
+        with pytest.raises(precompile.InputMismatchError, match="PRECOMPILE_TEST_FLAG"):
+            compiled(x)
+        with pytest.raises(precompile.ArtifactNotFoundError, match="PRECOMPILE_TEST_FLAG"):
+            precompile.compile_model(model, (x,), hints=[4], cache=str(tmp_path), compile=False)
+        monkeypatch.setenv("PRECOMPILE_TEST_FLAG", "1")
+        torch.testing.assert_close(compiled(x), model(x))
+
+
+def test_requires_grad_the_forward_read_is_checked_under_no_grad(tmp_path: Any) -> None:
+    """The input contract compared ``requires_grad`` with the grad mode only, so under
+    ``no_grad`` a flag the forward branched on, changed, was served the traced branch
+    (1.5-1.7 off eager): a compiled model's tensors must keep their traced flags."""
+    torch.manual_seed(0)
+    model, x = _ReadsRequiresGrad().eval(), torch.randn(4, 8)
+    model.requires_grad_(False)
+    with torch.no_grad():
+        compiled = precompile.compile_model(model, (x,), hints=[4], cache=str(tmp_path),
+                                            warmup=False)  # fmt: skip
+        torch.testing.assert_close(compiled(x), model(x))
+        compiled(x)  # the fast path's C++ guard is built from this call
+        model.lin.weight.requires_grad_(True)
+        with pytest.raises(precompile.InputMismatchError, match=r"parameter lin\.weight"):
+            compiled(x)
+        model.lin.weight.requires_grad_(False)
+        torch.testing.assert_close(compiled(x), model(x))
+        with pytest.raises(precompile.InputMismatchError, match="requires_grad=True"):
+            compiled(x.clone().requires_grad_(True))
