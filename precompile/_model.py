@@ -444,7 +444,9 @@ def _graph_ops_accept(gm: Any, flat: Sequence[Any], written: set[int]) -> None:
                       if isinstance(x, torch.Tensor) and x.device.type == "cuda"})  # fmt: skip
     try:  # random ops here draw from forked generators: the caller's state is untouched
         with torch.no_grad(), torch.random.fork_rng(devices=devices):
-            gm(*inputs)
+            # node by node: a GraphModule's own call prints the failing code's traceback
+            # to stderr before raising, and a refusal here is an answer, not a failure
+            torch.fx.Interpreter(gm).run(*inputs)
     except (IndexError, RuntimeError, ValueError) as exc:
         raise UnsupportedGraphError(
             f"the traced graph's own operations refuse these inputs ({type(exc).__name__}: "

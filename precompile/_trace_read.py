@@ -265,11 +265,13 @@ def trace_read(
         key = repr(guard.to_json())
         guards.setdefault(key, guard)
     if unchecked:
-        log.warning(
+        # Nothing a user can act on (the registries of transformers and torch, read by
+        # position): INFO, one line; the list is in the plan and the limits page.
+        log.info(
             "compile_model: %d of the trace's guards cannot be checked in another process "
             "(listed in the plan's trace_read.unchecked); the first: %s",
             len(unchecked),
-            "; ".join(unchecked[:3]),
+            unchecked[0][:200],
         )
     return TraceRead(tuple(guards.values()), state, name, tuple(unchecked))
 

@@ -250,7 +250,7 @@ INTERNAL_SUBJECTS = {
     # the build's configs
     "tests/test_gpu_lean.py": {"precompile._compiler_config", "precompile._torch_adapter"},
     "tests/test_hostile_files.py": {"precompile.runtime._binary_format"},  # crafts files
-    "tests/test_model.py": {"precompile.runtime._binary_format"},
+    "tests/test_model.py": {"precompile._model", "precompile.runtime._binary_format"},
     "tests/test_remote.py": {"precompile.cache._deadline", "precompile.cache._signing"},
     # the outlining pass and the graph digest it must change
     "tests/test_repeated_blocks.py": {"precompile._cache_key", "precompile._repeated_blocks"},

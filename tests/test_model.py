@@ -583,3 +583,19 @@ def test_a_trace_its_own_operations_refuse_is_never_run_compiled(tmp_path: objec
         env={"PRECOMPILE_CACHE_DIR": str(tmp_path)},
     )
     assert "refused:" in out
+
+
+def test_a_refused_point_prints_no_traceback(capfd: pytest.CaptureFixture[str]) -> None:
+    """The traced graph's own operations run before its compiled code; where they refuse
+    (an index past a table), that is an answer: no FX traceback on stderr (a compile with
+    an attention mask printed two and then succeeded)."""
+    from precompile._model import _graph_ops_accept
+
+    class Lookup(torch.nn.Module):
+        def forward(self, table: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+            return table[index]
+
+    gm = torch.fx.symbolic_trace(Lookup())
+    with pytest.raises(precompile.UnsupportedGraphError, match="IndexError"):
+        _graph_ops_accept(gm, [torch.randn(4, 2), torch.tensor([7])], set())
+    assert "Traceback" not in capfd.readouterr().err
