@@ -137,6 +137,8 @@ class MissExplanation:
     key: str
     nearest: str | None
     differing: tuple[str, ...]  # factor names that differ from the nearest entry
+    # of those, the ones whose fields can be named: "global_state: grad_enabled ..."
+    details: tuple[str, ...] = ()
 
     def __str__(self) -> str:
         if self.nearest is None:
@@ -144,4 +146,5 @@ class MissExplanation:
         if self.nearest == self.key:
             return f"{self.key[:12]}: its entry is there but could not serve (see the log)"
         factors = ", ".join(self.differing) or "none (same factors, different key version)"
-        return f"{self.key[:12]}: nearest entry {self.nearest[:12]} differs in: {factors}"
+        said = f" ({'; '.join(self.details)})" if self.details else ""
+        return f"{self.key[:12]}: nearest entry {self.nearest[:12]} differs in: {factors}{said}"

@@ -986,7 +986,13 @@ class ArtifactCache:
                 best = (len(differing), entry.key, differing)
         if best is None:
             return MissExplanation(key, None, ())
-        return MissExplanation(key, best[1], best[2])
+        nearest = next(e for e in entries if e.key == best[1])
+        details = tuple(
+            detail
+            for name in best[2]
+            if (detail := _field_difference(name, factors.get(name), nearest.factors.get(name)))
+        )
+        return MissExplanation(key, best[1], best[2], details)
 
     # -- stats -------------------------------------------------------------------------
     def _count(self, field: str, amount: int = 1) -> None:
@@ -1008,3 +1014,28 @@ class ArtifactCache:
             size_limit=self.size_limit,
             writable=self.writable,
         )
+
+
+def _field_difference(name: str, here: str | None, there: str | None) -> str | None:
+    """Where a factor that differs is a JSON object on both sides (the global state:
+    grad mode, autocast, default dtype, ...), which of its fields differ and how: "differs
+    in: global_state" did not say that the grad mode was what differed."""
+    try:
+        mine, theirs = json.loads(here or ""), json.loads(there or "")
+    except (TypeError, ValueError):
+        return None
+    if not isinstance(mine, dict) or not isinstance(theirs, dict):
+        return None
+    fields = sorted(k for k in set(mine) | set(theirs) if mine.get(k) != theirs.get(k))
+    if not fields:
+        return None
+    said = "; ".join(
+        f"{field} {_short(mine.get(field))} here, {_short(theirs.get(field))} there"
+        for field in fields[:4]
+    )
+    return f"{name}: {said}" + (f" (and {len(fields) - 4} more)" if len(fields) > 4 else "")
+
+
+def _short(value: Any) -> str:
+    text = json.dumps(value, sort_keys=True, default=str)
+    return text if len(text) <= 60 else text[:57] + "..."

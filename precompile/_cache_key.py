@@ -195,7 +195,8 @@ def model_factors(
         "gemm_policy": GEMM_POLICY,
         "repeated_blocks": blocks_policy(),
         # grad mode, autocast, default dtype, ...: what Dynamo's global-state guard holds
-        "global_state": _digest(describe_state(trace_state())),
+        # (as JSON, so a miss can name the field that differs)
+        "global_state": _canonical(describe_state(trace_state())),
         "torch": f"{environment.torch} ({environment.torch_git})",
         "triton": str(environment.triton),
         "python": environment.python,

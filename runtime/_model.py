@@ -381,6 +381,18 @@ class CompiledModel:
         leaf, dim = self._lengths[index]
         return f"{self._names[leaf]} dim {dim}"
 
+    def __repr__(self) -> str:
+        graphs = self.artifact.cudagraphs is not None
+        pieces = "".join(
+            f", piece at {'/'.join(str(i) for i in sorted(ones))} = 1" for ones in self.pieces
+        )
+        key = f" key={self.cache_key[:12]}" if self.cache_key else ""
+        return (
+            f"<precompile.CompiledModel of {self.plan.model_class}{key}: "
+            f"{len(self.artifact.variants)} variants{pieces}"
+            f"{', cuda graphs' if graphs else ''}; {self.artifact!r}>"
+        )
+
     def check_model(self) -> None:
         """Check every guard of the trace against the model now, as a bind does (a few
         ms): after changing what no per-call check sees (a plain attribute, a class

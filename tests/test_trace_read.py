@@ -394,3 +394,22 @@ def test_requires_grad_the_forward_read_is_checked_under_no_grad(tmp_path: Any) 
         torch.testing.assert_close(compiled(x), model(x))
         with pytest.raises(precompile.InputMismatchError, match="requires_grad=True"):
             compiled(x.clone().requires_grad_(True))
+
+
+def test_a_compiled_model_says_what_it_is(compiled: dict[str, Any]) -> None:
+    text = repr(compiled["compiled"])
+    assert text.startswith("<precompile.CompiledModel of ") and "variants" in text, text
+    assert "precompile.CompiledArtifact" in text
+
+
+def test_an_offline_miss_names_the_state_that_differs(compiled: dict[str, Any]) -> None:
+    """"differs in: global_state" did not say that it was the grad mode."""
+    model = compiled["model"]
+    with pytest.raises(precompile.ArtifactNotFoundError) as caught:
+        precompile.compile_model(
+            model, (_example(),), dynamic={0: [1]}, hints=[4], cache=compiled["cache"],
+            warmup=False, compile=False,
+        )  # fmt: skip
+    text = str(caught.value)
+    assert "differs in: global_state" in text and "grad" in text.split("differs in:")[1], text
+    assert "true here, false there" in text, text
