@@ -372,19 +372,9 @@ def _compile_all(
     groups: tuple[ProcessGroupSpec, ...] = (),
     called_at_one: bool = True,
 ) -> tuple[CompiledArtifact, list[sympy.Expr]]:
-    with variant_compile.compiling_in_build_dir():
-        return _compile_each(gm, graph, symbols, requests, options, groups, called_at_one)
-
-
-def _compile_each(
-    gm: torch.fx.GraphModule,
-    graph: GraphDescription,
-    symbols: tuple[Symbol, ...],
-    requests: Sequence[VariantRequest],
-    options: Mapping[str, Any],
-    groups: tuple[ProcessGroupSpec, ...],
-    called_at_one: bool,
-) -> tuple[CompiledArtifact, list[sympy.Expr]]:
+    """Every variant of ``gm``, inside one inductor cache scope (the caller enters
+    ``variant_compile.compiling_in_build_dir``: what one variant compiled, the next finds
+    in memory)."""
     names = [s.name for s in symbols]
     payloads: dict[str, bytes] = {}
     by_code: dict[str, str] = {}
@@ -734,9 +724,10 @@ def standalone_compile(
         # keeps calls at 1 away from this graph (it traces 1 apart): no variant at 1 for
         # it. A graph handed over whole (vLLM's range, from_graph) is called at 1.
         called_at_one = dynamic_shapes == "from_graph"
-        artifact, common = _compile_all(
-            gm, graph, symbols, requests, options or {}, groups, called_at_one
-        )
+        with variant_compile.compiling_in_build_dir():
+            artifact, common = _compile_all(
+                gm, graph, symbols, requests, options or {}, groups, called_at_one
+            )
         if calibration is not None:
             templates = [None if adapter.is_fake(v) else v for v in example_inputs]
             artifact.calibrate(**{"inputs": templates, **calibration})
