@@ -448,9 +448,11 @@ def _graph_ops_accept(gm: Any, flat: Sequence[Any], written: set[int]) -> None:
             # to stderr before raising, and a refusal here is an answer, not a failure
             torch.fx.Interpreter(gm).run(*inputs)
     except (IndexError, RuntimeError, ValueError) as exc:
+        # the error's own first line (the interpreter appends the node it ran, on more)
+        said = (str(exc).strip().splitlines() or [""])[0][:300]
         raise UnsupportedGraphError(
             f"the traced graph's own operations refuse these inputs ({type(exc).__name__}: "
-            f"{str(exc).strip()[:300]}); its compiled code is not run on them"
+            f"{said}); its compiled code is not run on them"
         ) from None
 
 
