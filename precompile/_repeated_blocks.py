@@ -15,9 +15,10 @@ that is one of two or more instances of its class under one container
 each one traced). Instances share a subgraph only where their nodes are identical: the
 same operators in the same order on the same kinds of inputs, with equal constants (a
 layer with another ``eps`` or window keeps a subgraph of its own). In-place writes (a KV
-cache's ``index_copy_``) stay in the outer graph between the pieces of a block, and a
-piece whose output aliases its inputs is not outlined, so no subgraph writes or aliases
-what it is given. Anything not provably so stays as it was traced.
+cache's ``index_copy_``) and random draws (dropout in training) stay in the outer graph
+between the pieces of a block, and a piece whose output aliases its inputs is not
+outlined, so no subgraph writes or aliases what it is given, and every draw happens once,
+in the traced order. Anything not provably so stays as it was traced.
 
 A piece's window runs from a layer's first matrix product to the next layer's, so what
 ends one layer (its residual add) and begins the next (its norm) stay together and
@@ -156,11 +157,25 @@ def _inplace_arg(node: torch.fx.Node) -> bool:
     return bound.arguments.get("inplace") is True
 
 
+_RANDOM = frozenset({"rand", "randn", "randint", "rand_like", "randn_like", "randint_like",
+                     "randperm", "bernoulli", "multinomial", "normal", "poisson", "uniform",
+                     "exponential", "geometric", "cauchy", "log_normal", "rrelu"})  # fmt: skip
+
+
+def _draws_random(node: torch.fx.Node) -> bool:
+    """Whether a node may draw from a random generator (dropout in training, ``rand``):
+    it stays in the outer graph, so the draws happen once each, in the traced order."""
+    name = str(node.target if node.op == "call_method" else getattr(node.target, "__name__", ""))
+    name = name.rstrip("_")
+    return name in _RANDOM or "dropout" in name
+
+
 def _pieces(nodes: Sequence[torch.fx.Node]) -> list[list[torch.fx.Node]]:
-    """An instance's nodes in runs between in-place writes (which stay outside)."""
+    """An instance's nodes in runs between in-place writes and random draws (which stay
+    outside)."""
     runs: list[list[torch.fx.Node]] = [[]]
     for node in nodes:
-        if _writes(node):
+        if _writes(node) or _draws_random(node):
             runs.append([])
         else:
             runs[-1].append(node)

@@ -263,3 +263,36 @@ def test_cache_ls_names_the_blocks_compiled_once(tmp_path: Any) -> None:
     assert "compiled once: 3 x Block (" in listed.stdout, listed.stdout
     (entry,) = json.loads(_cli("--root", str(tmp_path), "ls", "--json").stdout)
     assert entry["blocks"].startswith("3 x Block (")
+
+
+class _DropoutBlock(Block):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.nn.functional.dropout(super().forward(x) - x, 0.5, training=True)
+
+
+def test_random_draws_stay_in_the_outer_graph() -> None:
+    """Dropout in training draws once per layer, in order: outside every subgraph, so a
+    shared subgraph never repeats one layer's draw in another."""
+
+    class Stacked(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.blocks = torch.nn.ModuleList(_DropoutBlock(16) for _ in range(3))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            for block in self.blocks:
+                x = block(x)
+            return x
+
+    gm, inputs = _captured(Stacked().eval())
+    outlined = repeated_blocks.outline(gm)
+    for group in outlined.groups:
+        body = getattr(outlined.gm, group.name)
+        assert not any(repeated_blocks._draws_random(n) for n in body.graph.nodes)
+    draws = [n for n in outlined.gm.graph.nodes if repeated_blocks._draws_random(n)]
+    assert len(draws) == 3
+    x = torch.randn(5, 16)
+    torch.manual_seed(1)
+    expected = gm(*_flat(inputs, x))[0]
+    torch.manual_seed(1)
+    torch.testing.assert_close(outlined.gm(*_flat(inputs, x))[0], expected)
