@@ -54,9 +54,10 @@ def check_root(path: str, trust_foreign: bool) -> None:
         check_owner(info, f"cache root {path}")
 
 
-def read_checked(path: str, limit: int, trust_foreign: bool) -> bytes:
-    """The bytes of a cache file: a regular file, not through a link, checked on the
-    opened descriptor, at most ``limit`` bytes. FileNotFoundError means a miss."""
+def open_checked(path: str, trust_foreign: bool) -> int:
+    """A descriptor of a cache file: a regular file, not through a link, checked on the
+    opened descriptor. FileNotFoundError means a miss. While it is open, the file's bytes
+    stay readable through it even after another process evicts (unlinks) the file."""
     flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
     try:
         fd = os.open(path, flags | getattr(os, "O_NONBLOCK", 0))
@@ -70,6 +71,17 @@ def read_checked(path: str, limit: int, trust_foreign: bool) -> bytes:
             raise CorruptArtifactError(f"{path} is not a regular file")
         if not trust_foreign:
             check_owner(info, path)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def read_checked(path: str, limit: int, trust_foreign: bool) -> bytes:
+    """The bytes of a cache file: a regular file, not through a link, checked on the
+    opened descriptor, at most ``limit`` bytes. FileNotFoundError means a miss."""
+    fd = open_checked(path, trust_foreign)
+    try:
         return read_fd(fd, limit, path)
     finally:
         os.close(fd)

@@ -24,7 +24,9 @@ import functools
 import json
 import logging
 import os
+import threading
 import time
+import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
@@ -40,6 +42,7 @@ from ._bytes import (
     compress,
     decompress,
     fails_own_digest,
+    read_fd,
     sha256_hex,
 )
 from ._counters import Counters
@@ -305,12 +308,21 @@ class ArtifactCache:
         if not _is_about(document.get("about", {})):
             raise CorruptArtifactError("entry's about is not a small table of text")
 
-    def _read_blob(self, digest: str, raw_size: int, key: str, *, quarantine: bool = True) -> bytes:
+    def _read_blob(
+        self, digest: str, raw_size: int, key: str, *, quarantine: bool = True,
+        fd: int | None = None,
+    ) -> bytes:  # fmt: skip
         """A blob, verified; a bad one is moved to quarantine (``quarantine=False``: it
-        stays) and raises ``CorruptArtifactError``."""
+        stays) and raises ``CorruptArtifactError``. ``fd``: read through this descriptor
+        (opened with ``files.open_checked`` when the entry was read), not the path."""
         path = self._blob_path(digest)
+        limit = max(raw_size, 1 << 20) * 2 + 4096
         try:
-            stored = files.read_checked(path, max(raw_size, 1 << 20) * 2 + 4096, self.trust_foreign)
+            if fd is None:
+                stored = files.read_checked(path, limit, self.trust_foreign)
+            else:
+                os.lseek(fd, 0, os.SEEK_SET)
+                stored = read_fd(fd, limit, path)
             return decompress(stored, raw_size, digest, f"cache blob {digest[:12]}")
         except PayloadLimitError:
             raise  # a limit set below a healthy blob: nothing is damaged
@@ -336,16 +348,32 @@ class ArtifactCache:
             os.replace(path, target)
 
     def _lazily(self, key: str, document: dict[str, Any], aux: set[str]) -> StoredEntry:
-        """``get(lazy=True)``'s entry: its aux blobs read, the others on first use."""
+        """``get(lazy=True)``'s entry: its aux blobs read, the others on first use. Each
+        of those is opened now and read through its descriptor later: an entry that
+        loaded keeps its bytes until it is dropped, though another process evicts them
+        (an unlinked file stays readable while open; the descriptors close when the
+        entry's blobs are read or garbage collected)."""
         sizes: Mapping[str, int] = document["blobs"]
-        for digest in sizes:
-            os.lstat(self._blob_path(digest))  # FileNotFoundError: handled as get's
-        read = self._read_blobs({d: sizes[d] for d in aux}, key)
+        pinned: dict[str, int] = {}
+        try:
+            for digest in sizes:
+                if digest in aux:
+                    os.lstat(self._blob_path(digest))  # FileNotFoundError: as get's
+                else:
+                    pinned[digest] = files.open_checked(self._blob_path(digest),
+                                                        self.trust_foreign)  # fmt: skip
+            read = self._read_blobs({d: sizes[d] for d in aux}, key)
+        except BaseException:
+            _close_all(pinned)
+            raise
         found_corrupt: list[str] = []  # what this entry's earlier reads found
+        lock = threading.Lock()
 
         def read_later(digest: str) -> bytes:
+            with lock:
+                fd = pinned.pop(digest, None)
             try:
-                return self._read_blob(digest, sizes[digest], key)
+                return self._read_blob(digest, sizes[digest], key, fd=fd)
             except FileNotFoundError:
                 if found_corrupt:
                     raise CorruptArtifactError(
@@ -360,8 +388,12 @@ class ArtifactCache:
                 found_corrupt.append(str(exc))
                 self._quarantine(key, str(exc))
                 raise
+            finally:
+                if fd is not None:
+                    os.close(fd)
 
         payloads = VerifiedBlobs({d: n for d, n in sizes.items() if d not in aux}, read_later)
+        weakref.finalize(payloads, _close_all, pinned)
         with contextlib.suppress(OSError):  # approximate LRU: last use is the entry's mtime
             os.utime(self.entry_path(key))
         self._count("hits")
@@ -1039,3 +1071,11 @@ def _field_difference(name: str, here: str | None, there: str | None) -> str | N
 def _short(value: Any) -> str:
     text = json.dumps(value, sort_keys=True, default=str)
     return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _close_all(descriptors: dict[str, int]) -> None:
+    """Close the descriptors of an entry's blobs not read (its payloads were dropped)."""
+    while descriptors:
+        _, fd = descriptors.popitem()
+        with contextlib.suppress(OSError):
+            os.close(fd)

@@ -491,3 +491,58 @@ def test_a_forked_worker_does_not_remove_its_parents_build_dir(
     )
     assert "child dir differs True" in out, out
     assert "parent dir survives True" in out and "parent still loads" in out, out
+
+
+LAZY_RACER = """
+import random, sys, time
+sys.path.insert(0, "tests")
+from precompile.cache import ArtifactCache, CorruptArtifactError
+from test_cache import fake_artifact, key_of, put
+root, seed, limit = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+store = ArtifactCache(root, size_limit=limit, lock_timeout=60)
+rng = random.Random(seed)
+read = errors = 0
+for i in range(40):
+    n = rng.randrange(6)
+    put(store, key_of(n), fake_artifact(n, size=20_000), {})
+    entry = store.get(key_of(rng.randrange(6)), lazy=True)
+    store.prune()  # others evict too, between this load and its reads
+    time.sleep(rng.random() * 0.01)
+    if entry is None:
+        continue
+    for digest in entry.blobs:
+        try:
+            entry.blobs[digest]
+            read += 1
+        except CorruptArtifactError as exc:
+            errors += 1
+            print("error", exc, file=sys.stderr)
+print("done", read, errors)
+"""
+
+
+def test_a_loaded_entry_keeps_its_blobs_while_others_evict_them(tmp_path: Any) -> None:
+    """8 processes load entries lazily while they all evict under a tiny size limit: a
+    load's blobs read after an eviction are still its bytes (11 such reads failed with
+    "was removed after the entry was read" at call time, after a successful load), and
+    no healthy blob is quarantined."""
+    root = str(tmp_path)
+    ArtifactCache(root)
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", LAZY_RACER, root, str(seed), str(5_000)],
+            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        for seed in range(8)
+    ]
+    outputs = [p.communicate(timeout=600) for p in procs]
+    reads = 0
+    for proc, (out, err) in zip(procs, outputs, strict=True):
+        assert proc.returncode == 0 and "done" in out, err[-3000:]
+        _, read, errors = out.split()[-3:]
+        assert int(errors) == 0, err[-3000:]
+        reads += int(read)
+    assert reads > 0
+    store = ArtifactCache(root)
+    assert os.listdir(os.path.join(root, "v2", "quarantine")) == []
+    assert store.stats().evictions > 0
