@@ -34,6 +34,7 @@ import torch
 
 from precompile.runtime import (
     CompiledModel,
+    IndexOutOfRangeError,
     InvalidOptionError,
     UnsupportedGraphError,
     cudagraph_options,
@@ -275,6 +276,7 @@ class GenerateServer:
                     "every step; serve_generate serves static caches: call generate with "
                     "cache_implementation='static' (or past_key_values=StaticCache(...))"
                 )
+        _tokens_in_vocabulary(self.model, kwargs)  # else the trace's eager run raises
         with self._lock:
             found = self.compiled.get(key)
             if found is not None:
@@ -299,6 +301,27 @@ class GenerateServer:
             log.info("serve_generate: compiled call structure %s", [k[0] for k in key])
             self.compiled[key] = compiled
             return compiled
+
+
+def _tokens_in_vocabulary(model: torch.nn.Module, kwargs: Mapping[str, Any]) -> None:
+    """A first request of a call structure with a token outside the model's embedding is
+    refused as every later one is (``IndexOutOfRangeError`` naming ``input_ids``), before
+    anything is traced; it raised eager's IndexError from the compile's eager run."""
+    ids = kwargs.get("input_ids")
+    get_embeddings = getattr(model, "get_input_embeddings", None)
+    embeddings = get_embeddings() if callable(get_embeddings) else None
+    rows = getattr(embeddings, "num_embeddings", None)
+    if not isinstance(ids, torch.Tensor) or not isinstance(rows, int) or ids.numel() == 0:
+        return
+    if ids.dtype.is_floating_point or ids.dtype.is_complex:
+        return  # not token ids: the compile says what is wrong with them
+    low, high = int(ids.min()), int(ids.max())
+    if low < 0 or high >= rows:
+        bad = low if low < 0 else high
+        raise IndexOutOfRangeError(
+            f"input_ids holds {bad}, outside the embedding's {rows} rows (its values must lie "
+            f"in [0, {rows}))"
+        )
 
 
 def _refusal(kwargs: Mapping[str, Any], dynamic_batch: bool, error: Exception) -> str:

@@ -1060,3 +1060,18 @@ def test_a_deep_copy_inside_serve_generate_runs_its_own_weights() -> None:
         torch.testing.assert_close(twin(input_ids=ids, use_cache=False).logits, expected)
         assert twin.get_compiled_call.__self__ is twin
     assert "forward" not in vars(model)
+
+
+def test_the_first_request_with_a_bad_token_is_refused_by_name() -> None:
+    """A token outside the vocabulary in the first request of a call structure raised
+    eager's IndexError from the compile's own eager run; every later request is refused
+    with ``IndexOutOfRangeError`` naming ``input_ids``: so is the first, before tracing."""
+    from test_real_models import VOCAB, tiny_llama
+
+    model = tiny_llama().eval()
+    bad = torch.tensor([[1, 2, VOCAB + 3]])
+    with precompile.serve_generate(model) as served, torch.no_grad():
+        with pytest.raises(precompile.IndexOutOfRangeError, match=f"input_ids holds {VOCAB + 3}"):
+            model.generate(input_ids=bad, max_new_tokens=2, do_sample=False,
+                           cache_implementation="static")  # fmt: skip
+        assert not served.compiled  # nothing was traced for it
