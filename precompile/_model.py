@@ -60,6 +60,7 @@ from precompile.runtime import kv_cache_tensors as cache_tensors
 from precompile.runtime import plan_stale_reason as stale_reason
 
 from ._caller_state import CallerState
+from ._environment_reads import reads_environment
 from ._offline import is_offline, refuse
 from ._trace_read import trace_read
 from ._variant_plan import Hints, Sizes, check_kinds
@@ -582,9 +583,37 @@ def _trace_and_compile(
         state.restore()
     state.check()
     plan = _plan(model, args, kwargs, leaves, paths, trace, advanced)
+    if reads_environment(trace.guards):
+        plan = dataclasses.replace(
+            plan, trace_read=_with_environment(model, args, kwargs, state, plan.trace_read)
+        )
     _check_dynamic(plan, trace.artifact.manifest, dims, paths, leaves)
     log.info("traced and compiled %s in %.1f s", class_path(model), time.perf_counter() - started)
     return CompiledModel(model, trace.artifact, plan, {})
+
+
+def _with_environment(
+    model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], state: CallerState,
+    read: Any,
+) -> Any:  # fmt: skip
+    """``read`` with a check of every environment variable the forward looks up, found
+    by running it once more, eagerly (``_environment_reads``); what that run writes is
+    put back, and its random draws come from forked generators."""
+    from ._environment_reads import environment_guards
+
+    devices = sorted({t.device.index or 0 for t in tree_flatten((args, kwargs))[0]
+                      if isinstance(t, torch.Tensor) and t.device.type == "cuda"})  # fmt: skip
+    python_state = state.python_state(model)
+    state.keep_all()
+    try:
+        with torch.random.fork_rng(devices=devices):
+            found = environment_guards(lambda: model(*args, **kwargs))
+    finally:
+        state.put_back(python_state)
+        state.restore()
+    known = {repr(g.to_json()) for g in read.guards}
+    extra = tuple(g for g in found if repr(g.to_json()) not in known)
+    return dataclasses.replace(read, guards=(*read.guards, *extra))
 
 
 def _trace_with_pieces(

@@ -413,3 +413,43 @@ def test_an_offline_miss_names_the_state_that_differs(compiled: dict[str, Any]) 
     text = str(caught.value)
     assert "differs in: global_state" in text and "grad" in text.split("differs in:")[1], text
     assert "true here, false there" in text, text
+
+
+class _ReadsAnUnsetVariable(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.lin(x)
+        if "PRECOMPILE_TEST_PRESENT" in os.environ:
+            y = y - 3
+        scale = float(os.getenv("PRECOMPILE_TEST_SCALE", "1"))
+        return y * 2 if os.environ.get("PRECOMPILE_TEST_FLAG") == "1" else y * scale + 1
+
+
+def test_an_environment_variable_unset_when_traced_is_checked_too(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Dynamo leaves no guard a backend sees for a variable the trace found unset: set
+    later, it was served the traced branch (2.73 off eager; a client trial), also in a
+    fresh process. Every name the forward looks up (``get``, ``in``, ``getenv``) is now
+    checked, found or not."""
+    for name in ("PRECOMPILE_TEST_FLAG", "PRECOMPILE_TEST_SCALE", "PRECOMPILE_TEST_PRESENT"):
+        monkeypatch.delenv(name, raising=False)
+    torch.manual_seed(0)
+    model, x = _ReadsAnUnsetVariable().eval(), torch.randn(4, 8)
+    with torch.no_grad():
+        compiled = precompile.compile_model(model, (x,), hints=[4], cache=str(tmp_path),
+                                            warmup=False)  # fmt: skip
+        torch.testing.assert_close(compiled(x), model(x))
+        for name, value in (("PRECOMPILE_TEST_FLAG", "1"), ("PRECOMPILE_TEST_SCALE", "3"),
+                            ("PRECOMPILE_TEST_PRESENT", "")):  # fmt: skip
+            monkeypatch.setenv(name, value)
+            with pytest.raises(precompile.InputMismatchError, match=name):
+                compiled(x)
+            with pytest.raises(precompile.ArtifactNotFoundError, match=name):
+                precompile.compile_model(model, (x,), hints=[4], cache=str(tmp_path),
+                                         compile=False)  # fmt: skip
+            monkeypatch.delenv(name)
+        torch.testing.assert_close(compiled(x), model(x))
