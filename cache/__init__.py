@@ -54,6 +54,7 @@ from ._signing import (
     check_own_signature,
     check_signature,
     generate_signing_key,
+    key_id,
     resolve_trusted_keys,
     sign_digest,
 )
@@ -75,6 +76,7 @@ __all__ = [
     "decompress",
     "env_flag",
     "generate_signing_key",
+    "key_id",
     "read_bounded",
     "resolve_trusted_keys",
     "sha256_hex",

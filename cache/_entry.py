@@ -112,6 +112,7 @@ class VerifyReport:
     corrupt: tuple[str, ...]  # keys of corrupt entries
     unreadable: tuple[tuple[str, str], ...] = ()  # (path, reason): not checked
     quarantined: bool = False  # the corrupt entries were moved to quarantine
+    intact: int = 0  # entries read in full and found whole
 
     @property
     def ok(self) -> bool:

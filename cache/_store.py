@@ -960,19 +960,23 @@ class ArtifactCache:
             scan = self.scan()
             corrupt: list[str] = []
             unreadable = list(scan.unreadable)
+            intact = 0
             for entry in scan.entries:
                 try:
                     reason = self._corruption(entry.key)
                 except (UntrustedArtifactError, OSError) as exc:
                     unreadable.append((entry.path, f"{type(exc).__name__}: {exc}"))
                     continue
-                if reason is not None:
-                    corrupt.append(entry.key)
-                    if quarantine and self.writable:  # as a load that found it would
-                        self.get(entry.key, touch=False)
-                        self._quarantine(entry.key, reason)
+                if reason is None:
+                    intact += 1
+                    continue
+                corrupt.append(entry.key)
+                if quarantine and self.writable:  # as a load that found it would
+                    self.get(entry.key, touch=False)
+                    self._quarantine(entry.key, reason)
         moved = quarantine and self.writable and bool(corrupt)
-        return VerifyReport(len(scan.entries), tuple(corrupt), tuple(unreadable), moved)
+        checked = len(scan.entries) + len(scan.unreadable)  # every entry file found
+        return VerifyReport(checked, tuple(corrupt), tuple(unreadable), moved, intact)
 
     def _corruption(self, key: str) -> str | None:
         """Why the entry under ``key`` is corrupt (a blob missing or failing its checks),

@@ -18,6 +18,7 @@ import dataclasses
 import importlib.util
 import json
 import os
+import re
 import shutil
 import sys
 import time
@@ -28,6 +29,7 @@ from precompile.cache import (
     ArtifactCache,
     CacheEntry,
     generate_signing_key,
+    key_id,
     resolve_root,
     resolve_trusted_keys,
 )
@@ -35,11 +37,11 @@ from precompile.runtime import EntrySummary, PrecompileError, summarize_entry
 
 
 def _size(n: float) -> str:
-    for unit in ("B", "KB", "MB", "GB"):
-        if n < 1024 or unit == "GB":
+    for unit in ("B", "KB", "MB", "GB", "TB", "PB"):
+        if n < 1024 or unit == "PB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
-    return f"{n:.1f} GB"
+    return f"{n:.1f} PB"
 
 
 def _ago(timestamp: float) -> str:
@@ -58,13 +60,12 @@ def _fail(message: str) -> NoReturn:
 
 def _byte_count(text: str) -> int:
     """``--max-size``: a number of bytes, 0 or more (-5 planned to evict everything)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number of bytes, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected a number of bytes >= 0, got {value}")
-    return value
+    if text.startswith("-") and re.fullmatch(r"-[0-9]+", text, re.ASCII):
+        raise argparse.ArgumentTypeError(f"expected a number of bytes >= 0, got {text}")
+    # int() takes " 5", "1_000", "+5" and digits of other scripts
+    if not re.fullmatch(r"[0-9]+", text, re.ASCII):
+        raise argparse.ArgumentTypeError(f"expected a number of bytes (digits), got {text!r}")
+    return int(text)
 
 
 def _emit(data: Any, as_json: bool, text: str) -> None:
@@ -274,7 +275,7 @@ def _list_entries(store: ArtifactCache, as_json: bool) -> None:
         + (["signed"] if e.signed else [])
         for e, s, t in listed
     ]  # fmt: skip
-    rows = _table(header, cells, shrink=(1, 2))  # WHAT and INPUTS give way to $COLUMNS
+    rows = _table(header, cells, shrink=(1, 2, 3))  # WHAT, INPUTS, VARIANTS give way
     rows.append(
         f"{len(entries)} entries, {_size(sum(e.size for e in entries))} in {store.root}"
         + ("" if store.writable else " (read-only)")
@@ -292,7 +293,12 @@ _READS = frozenset({"ls", "info", "explain", "verify", "stats", "tags"})
 def _cache_command(args: argparse.Namespace) -> int:
     remote = getattr(args, "remote", None)
     root = resolve_root(args.root)
-    if args.action in _READS and not remote and not os.path.lexists(root):
+    dry = args.action in ("prune", "clear") and (
+        args.dry_run or not args.yes if args.action == "clear" else args.dry_run
+    )
+    if (args.action in _READS or dry) and not remote and not os.path.lexists(root):
+        if args.action == "clear" and not args.yes and not args.dry_run:
+            _fail("'cache clear' deletes every entry; add --yes")
         return _no_cache(args, root)
     store = ArtifactCache(
         args.root,
@@ -337,7 +343,7 @@ def _cache_command(args: argparse.Namespace) -> int:
     elif args.action == "verify":
         report = store.verify(quarantine=args.quarantine)
         problems = [f"  could not check {path}: {reason}" for path, reason in report.unreadable]
-        intact = report.checked - len(report.corrupt) - len(report.unreadable)
+        intact = report.intact
         where = (
             "moved to quarantine" if report.quarantined
             else "left in place (--quarantine moves them aside)"
@@ -361,7 +367,7 @@ def _cache_command(args: argparse.Namespace) -> int:
         _emit(dataclasses.asdict(plan), args.json, _plan_text(plan, "evict"))
     elif args.action == "clear":
         if not args.yes and not args.dry_run:
-            raise SystemExit("precompile: 'cache clear' deletes every entry; add --yes")
+            _fail("'cache clear' deletes every entry; add --yes")
         plan = store.clear(dry_run=args.dry_run)
         _emit(dataclasses.asdict(plan), args.json, _plan_text(plan, "remove"))
     elif args.action == "stats":
@@ -414,9 +420,10 @@ def _no_cache(args: argparse.Namespace, root: str) -> int:
     """A read command's answer where no cache exists at ``root`` (nothing is created)."""
     if args.action in ("info", "explain"):
         _fail(f"no cache at {root} (nothing was compiled into it yet)")
+    nothing = {"dry_run": True, "evicted": [], "blobs": [], "temp_files": [], "bytes_freed": 0}
     empty: dict[str, Any] = {
         "ls": [], "tags": {}, "verify": {"checked": 0, "corrupt": [], "unreadable": []},
-        "stats": {"entries": 0, "size": 0},
+        "stats": {"entries": 0, "size": 0}, "prune": nothing, "clear": nothing,
     }  # fmt: skip
     _emit(empty[args.action], args.json, f"no cache at {root} (nothing was compiled into it yet)")
     return 0
@@ -451,6 +458,7 @@ def _verify_command(args: argparse.Namespace) -> int:
 def _keygen_command(args: argparse.Namespace) -> int:
     public = generate_signing_key(args.keyfile)
     print(f"wrote private key {args.keyfile} (mode 0600) and public key {args.keyfile}.pub")
+    print(f"key id (what verify and errors call it): {key_id(bytes.fromhex(public))}")
     print(f"public key (hex, for PRECOMPILE_TRUSTED_KEYS): {public}")
     return 0
 

@@ -593,6 +593,32 @@ def test_cli_exit_codes_and_reads_that_change_nothing(tmp_path: object) -> None:
     assert os.listdir(quarantine) and not store.contains(key_of(1))
 
 
+def test_cli_counts_and_odd_input(tmp_path: object) -> None:
+    """From a client trial: ``cache verify`` counted an unreadable entry file against the
+    intact ones ("checked 8 entries: 7 intact" where 8 of 9 were intact); a dry run on a
+    missing cache made its layout; ``clear`` without ``--yes`` exited 1; ``--max-size``
+    took " 5", "1_000" and "+5"."""
+    root = os.path.join(str(tmp_path), "c")
+    store = ArtifactCache(root)
+    put(store, key_of(1), fake_artifact(1), {})
+    put(store, key_of(2), fake_artifact(2), {})
+    with open(os.path.join(root, "v2", "entries", key_of(3) + ".json"), "w") as handle:
+        handle.write("x")
+    checked = _cli("--root", root, "verify")
+    assert checked.returncode == 1
+    assert "checked 3 entries: 2 intact, 1 could not be checked" in checked.stdout, checked
+    missing = os.path.join(str(tmp_path), "none")
+    for args in (("prune", "--dry-run"), ("clear", "--dry-run")):
+        assert _cli("--root", missing, *args).returncode == 0
+    refused = _cli("--root", missing, "clear")
+    assert refused.returncode == 2 and "--yes" in refused.stderr
+    assert _cli("--root", root, "clear").returncode == 2
+    assert not os.path.exists(missing)
+    for odd in (" 5", "1_000", "+5", "5.0"):
+        result = _cli("--root", root, "prune", "--max-size", odd, "--dry-run")
+        assert result.returncode == 2 and "expected a number of bytes" in result.stderr, odd
+
+
 def test_cli_ls_fits_the_terminal(tmp_path: object) -> None:
     """``cache ls`` cuts its WHAT and INPUTS columns to ``$COLUMNS`` (it printed 235
     columns whatever the terminal)."""
