@@ -39,6 +39,7 @@ SEQS = [6, 2, 3, 8, 13]
 # first group made after the default one, "2" in the remote pairs, which make a one-rank
 # group first (groups created in another order).
 TP_GROUP: Any = None
+TP_WORLD = 1  # its size
 
 
 def all_reduce(tensor: torch.Tensor) -> torch.Tensor:
@@ -47,8 +48,15 @@ def all_reduce(tensor: torch.Tensor) -> torch.Tensor:
 
 def gathered_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """A vocab-parallel lm_head: this rank's vocabulary rows, the logits gathered over the
-    tensor-parallel subgroup along the vocabulary dim."""
-    return fc.all_gather_tensor(torch.nn.functional.linear(x, weight), 2, TP_GROUP)
+    tensor-parallel subgroup along the vocabulary dim.
+
+    Gathered along dim 0, then the ranks' blocks laid side by side, as vLLM's all-gather
+    does: on torch 2.11, ``all_gather_tensor`` along another dim calls
+    ``torch._utils._maybe_view_chunk_cat``, which Dynamo skips, so the graph broke before
+    the collective and a backend received the linear alone."""
+    local = torch.nn.functional.linear(x, weight)
+    gathered = fc.all_gather_tensor(local, 0, TP_GROUP)
+    return torch.cat(gathered.chunk(TP_WORLD, 0), dim=2)
 
 
 class TPBlock(torch.nn.Module):
@@ -176,12 +184,12 @@ def _make_groups(scenario: str, world: int) -> None:
     """The tensor-parallel subgroup, made by every rank. The remote pairs make a one-rank
     group first: their subgroup is registered as "2", and "1" is rank 0 alone (rank 1,
     not a member, has no "1")."""
-    global TP_GROUP
+    global TP_GROUP, TP_WORLD
     if world < 2:
         return
     if scenario.startswith("remote"):
         dist.new_group([0])
-    TP_GROUP = dist.new_group(list(range(world)))
+    TP_GROUP, TP_WORLD = dist.new_group(list(range(world))), world
 
 
 def _capture_head(weight: torch.Tensor) -> tuple[Any, list[str]]:
@@ -204,7 +212,9 @@ def _capture_head(weight: torch.Tensor) -> tuple[Any, list[str]]:
         return gm.forward
 
     torch._dynamo.reset()
-    torch.compile(gathered_logits, backend=backend, dynamic=False)(x, weight)
+    # fullgraph: at a graph break the backend would get pieces, and the check below would
+    # take the last piece for the whole function (it did, on torch 2.11: one rank's shard)
+    torch.compile(gathered_logits, backend=backend, dynamic=False, fullgraph=True)(x, weight)
     torch._dynamo.reset()
     return captured["artifact"], captured["flat"]
 
@@ -216,6 +226,18 @@ def _standalone_caller(artifact: Any, flat: list[str], weight: torch.Tensor) -> 
 
 def _groups_of(compiled: Any) -> list[list[Any]]:
     return [[g.name, g.size, g.backend, list(g.ranks)] for g in compiled.manifest.process_groups]
+
+
+class _Report(dict[str, Any]):
+    """The rank's report; each entry as it is set is also a line on stderr (with the time),
+    so a rank that fails or hangs shows how far it got."""
+
+    started = time.monotonic()
+
+    def __setitem__(self, key: str, value: Any) -> None:
+        elapsed = time.monotonic() - self.started
+        print(f"rank {self.get('rank')} {elapsed:.1f} s: {key}", file=sys.stderr, flush=True)
+        super().__setitem__(key, value)
 
 
 def _time_remote_leases(waits: list[dict[str, Any]]) -> None:
@@ -237,7 +259,8 @@ def _time_remote_leases(waits: list[dict[str, Any]]) -> None:
 
 def main() -> None:
     scenario, directory = sys.argv[1], sys.argv[2]
-    faulthandler.dump_traceback_later(240, exit=True)  # a hang fails the test, with stacks
+    # a hang fails the test, with stacks (and the steps done so far, from the report)
+    faulthandler.dump_traceback_later(float(os.environ.get("PRECOMPILE_TP_HANG_S", 240)), exit=True)
     per_rank = os.environ.get("PRECOMPILE_TP_CACHE_PER_RANK")
     if per_rank:  # ranks as on separate machines: a local cache each
         os.environ["PRECOMPILE_CACHE_DIR"] = os.path.join(per_rank, f"rank{os.environ['RANK']}")
@@ -258,9 +281,13 @@ def main() -> None:
     block, head = shard(rank), head_shard(rank)
     weight = head.weight.detach()
     compile_block = {"dynamic": {0: [1]}, "hints": HINTS, "sizes": []}
-    standalone_path = os.path.join(directory, "head-standalone.pt2c")
+    # On GPUs an artifact runs on the device it was compiled for (inductor's code names
+    # the index; the input contract refuses another): each rank keeps its own file there.
+    # On CPU, one rank's file serves both.
+    standalone_name = f"head-standalone-rank{rank}" if DEVICE == "cuda" else "head-standalone"
+    standalone_path = os.path.join(directory, standalone_name + ".pt2c")
     launcher = "torchrun" if "TORCHELASTIC_RUN_ID" in os.environ else "popen"
-    report: dict[str, Any] = {"rank": rank, "world": world, "launcher": launcher}
+    report: dict[str, Any] = _Report(rank=rank, world=world, launcher=launcher)
     if scenario in ("cold", "warm"):
         torch.set_grad_enabled(False)  # inference artifacts (CUDA graphs capture only those)
         compiled = precompile.compile_model(block, (inputs(6),), **compile_block)
@@ -294,7 +321,7 @@ def main() -> None:
             caller = _standalone_caller(artifact, flat, weight)
             report["standalone_error"] = _max_error(caller, world, head_reference)
             report["standalone"] = {"compiles": len(compiles), "groups": _groups_of(artifact)}
-            if rank == 0:
+            if rank == 0 or DEVICE == "cuda":
                 artifact.save(path=standalone_path)
                 with open(standalone_path + ".json", "w") as handle:
                     json.dump(flat, handle)
