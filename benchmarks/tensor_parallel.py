@@ -274,6 +274,32 @@ def launch(phase: str, world: int, directory: str, cache: str, smoke: bool) -> l
     return reports
 
 
+def plot(path: str) -> None:
+    """ms per call against S for every row on rank 0 of the cold pair (log scales)."""
+    from _common import result_figure
+
+    made = result_figure(path, (7, 4.2))
+    if made is None:
+        return
+    plt, document, figure, axis = made
+    ms = document["cold"][0]["ms"]
+    for row, by in ms.items():
+        points = sorted((int(s), t) for s, t in by.items())
+        axis.plot(*zip(*points, strict=True), marker="o", label=row)
+    axis.set_xscale("log", base=2)
+    axis.set_yscale("log")
+    axis.set_xlabel("sequence length S (batch 1)")
+    axis.set_ylabel("ms per call, rank 0")
+    where = document["environment"]
+    axis.set_title(f"Llama TP={where.get('gpus', 2)}: {where['device']}", fontsize=10)
+    axis.legend(fontsize=8)
+    figure.tight_layout()
+    png = path.replace(".json", ".png")
+    figure.savefig(png, dpi=110)
+    plt.close(figure)
+    print(f"wrote {png}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--smoke", action="store_true")
@@ -281,9 +307,13 @@ def main() -> None:
     parser.add_argument("--out")
     parser.add_argument("--json", default=None)
     parser.add_argument("--phases", default="cold,warm,single-cold,single-warm")
+    parser.add_argument("--plot", metavar="JSON", help="only draw the PNG of a result file")
     args = parser.parse_args()
     if args.phase:
         worker(args.phase, args.out, args.smoke)
+        return
+    if args.plot:
+        plot(args.plot)
         return
     from _common import environment, table, write_json
 
@@ -292,6 +322,7 @@ def main() -> None:
     started = time.perf_counter()
     where = "cuda" if torch.cuda.is_available() else "cpu"
     document: dict[str, Any] = {"environment": environment(where), "smoke": args.smoke}
+    document["environment"]["gpus"] = torch.cuda.device_count() if where == "cuda" else 0
     default = "tensor-parallel-smoke.json" if args.smoke else "tensor-parallel-h200.json"
     name = args.json or default
     for phase in args.phases.split(","):
@@ -309,7 +340,10 @@ def main() -> None:
             print(phase, "rank", report["rank"], {k: v for k, v in report.items() if k != "ms"})
     for report in ranks:
         print("cold rank", report["rank"], report["errors"], report["build_s"])
-    print("wrote", write_json(name, document))
+    written = write_json(name, document)
+    print("wrote", written)
+    if ranks:
+        plot(written)
 
 
 if __name__ == "__main__":
