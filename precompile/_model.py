@@ -958,7 +958,7 @@ def _plan(
         tokens=_token_source(model, leaves, paths, advanced),
         position_leaf=position,
         distributed=this_rank(),
-        trace_read=trace_read(model, args, kwargs, trace.guards, trace.traced_code),
+        trace_read=trace_read(model, args, kwargs, trace.guards, trace.traced_code, trace.wrapper),
     )
 
 

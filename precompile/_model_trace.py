@@ -31,6 +31,9 @@ class ModelTrace:
     # Dynamo's guards of the trace, as plain records (see ``adapter.guard_entry``)
     guards: list[adapter.GuardEntry] = field(default_factory=list)
     traced_code: Any = None  # the code object of the frame Dynamo compiled
+    # Dynamo's own function around the model, where it traced that as the top frame in
+    # place of the forward (torch.nn's own modules: ``adapter.top_frame_wrapper``)
+    wrapper: Any = None
 
 
 def trace_model(
@@ -82,6 +85,7 @@ def trace_model(
         compiled = torch.compile(
             model, backend=backend, fullgraph=True, options={"guard_filter_fn": keep_every_guard}
         )
+        wrapper = adapter.top_frame_wrapper(compiled)
         result = compiled(*args, **kwargs)
     except adapter.graph_break_error() as exc:
         raise UnsupportedGraphError(
@@ -104,4 +108,5 @@ def trace_model(
         artifact=record["artifact"],
         guards=guards,
         traced_code=record["code"],
+        wrapper=wrapper,
     )

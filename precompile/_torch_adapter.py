@@ -108,6 +108,25 @@ def traced_codes() -> list[Any]:
     return list(getattr(context, "traced_code", None) or [])
 
 
+def top_frame_wrapper(compiled: Any) -> Any | None:
+    """The function Dynamo runs as the top frame of a ``torch.compile``'d module in place
+    of its forward, where it wraps one: ``external_utils.wrap_inline``'s ``inner``, whose
+    closure holds the module (torch.nn's own modules, whose forward Dynamo traces only
+    inlined, and every module under ``config.wrap_top_frame``). None where Dynamo traces
+    the module's own frame."""
+    from torch._dynamo import external_utils
+
+    wrapper_code = external_utils.wrap_inline(len).__code__
+    function = getattr(compiled, "forward", None)
+    for _ in range(8):  # the compile context's wrapper, then what it wraps
+        if function is None or isinstance(function, torch.nn.Module):
+            return None
+        if getattr(function, "__code__", None) is wrapper_code:
+            return function
+        function = getattr(function, "__wrapped__", None)
+    return None
+
+
 def torch_code_dirs() -> tuple[str, str]:
     """The folders of torch's own code and of Dynamo's (each ending in a separator)."""
     torch_dir = os.path.dirname(torch.__file__) + os.sep

@@ -3,8 +3,9 @@
 
 Each guard reads a source, a Python expression over the traced frame's locals (``L``)
 and globals (``G``). Here it is parsed into the runtime's expression schema, with the
-model itself (``L['self']``, or ``L['args'][0]`` in a decorated forward) as the root
-``M`` and the forward's closure cells as ``C``; then each guard is checked once against
+model itself (``L['self']``, ``L['args'][0]`` in a decorated forward, or ``L['fn']`` in
+the frame Dynamo wraps around torch.nn's own modules) as the root ``M`` and the
+forward's closure cells as ``C``; then each guard is checked once against
 the traced call, so a guard that this translation reads wrongly is never recorded as if
 it held. What is left, and why:
 - guards on the call's own arguments: the plan checks those per call (structure,
@@ -119,6 +120,44 @@ def _frame_locals(
     return found
 
 
+def _wrapper_locals(
+    model: torch.nn.Module, wrapper: Any, args: Sequence[Any], kwargs: Mapping[str, Any]
+) -> dict[str, Any]:
+    """The locals of Dynamo's own frame around the model (``adapter.top_frame_wrapper``) at
+    its start: its bound arguments (the call's) and those of its closure cells that hold
+    the model. Any other cell is left out: a guard reading it is untranslatable."""
+    bound = inspect.signature(wrapper, follow_wrapped=False).bind(*args, **kwargs)
+    bound.apply_defaults()
+    found = dict(bound.arguments)
+    cells = roots_of(model, wrapper).closure
+    holding = [name for name, value in cells.items() if value is model]
+    if not holding:
+        raise _unsupported(
+            f"Dynamo traced its wrapper {qualified_name(wrapper)} around the model, but no "
+            "closure cell of it holds the model"
+        )
+    found.update((name, model) for name in holding)
+    return found
+
+
+def _module_globals_only(expr: Any) -> None:
+    """In a trace whose top frame is Dynamo's wrapper, a global of the frame is one of
+    Dynamo's module (``external_utils``), not of the forward's: only the modules and
+    builtins Dynamo names by themselves (``G['__import_torch_dot_nn_dot_functional']``,
+    which inlined code reads its globals through) mean the same in another process."""
+    if not isinstance(expr, list) or not expr or expr[0] == "const":
+        return
+    if expr[0] == "G":
+        name = str(expr[1])
+        if not name.startswith(("__import_", "__builtins_dict__")):
+            raise _Untranslatable(
+                f"reads global {name} of Dynamo's wrapper frame, not of the model's forward"
+            )
+        return
+    for part in expr[1:]:
+        _module_globals_only(part)
+
+
 def _rooted(expr: Any, model: Any, frame: Mapping[str, Any], closure: Mapping[str, Any],
             roots: Roots) -> tuple[Any, bool]:  # fmt: skip
     """``expr`` with the model as ``M`` and closure cells as ``C``, and whether what is
@@ -208,20 +247,32 @@ def trace_read(
     kwargs: Mapping[str, Any],
     entries: Sequence[Any],
     traced_code: Any,
+    wrapper: Any = None,
 ) -> TraceRead:
     """The guards of ``model``'s trace as the checks its plan carries (``entries``:
-    the adapter's ``GuardEntry`` records), each checked against the traced call."""
+    the adapter's ``GuardEntry`` records), each checked against the traced call.
+
+    ``wrapper``: the function Dynamo ran as the top frame in place of the model's forward
+    (``adapter.top_frame_wrapper``: torch.nn's own modules), if any. Its frame's locals
+    are then the call's arguments and the model in a closure cell; the forward itself is
+    inlined, so its globals are read through the modules Dynamo names by themselves."""
     forward = traced_forward(model)
     state = trace_state()
     name = qualified_name(forward)
-    if traced_code is not None and getattr(forward, "__code__", None) is not traced_code:
+    wrapped = wrapper is not None and traced_code is getattr(wrapper, "__code__", None)
+    if traced_code is not None and not wrapped and \
+            getattr(forward, "__code__", None) is not traced_code:  # fmt: skip
         raise _unsupported(
             f"Dynamo traced {traced_code.co_name} ({traced_code.co_filename}), not the "
             f"model's forward {name}"
         )
-    frame = _frame_locals(model, forward, args, kwargs)
     roots = roots_of(model, forward)
-    closure = roots.closure
+    if wrapped:
+        frame = _wrapper_locals(model, wrapper, args, kwargs)
+        closure: Mapping[str, Any] = {}  # the wrapper's cells are not the forward's
+    else:
+        frame = _frame_locals(model, forward, args, kwargs)
+        closure = roots.closure
     guards: dict[str, Guard] = {}
     unchecked: list[str] = []
 
@@ -229,6 +280,8 @@ def trace_read(
         rooted, call = _rooted(parse_source(text), model, frame, closure, roots)
         if call:
             raise _Untranslatable("reads the call's arguments")
+        if wrapped:
+            _module_globals_only(rooted)
         return rooted
 
     for entry in entries:
@@ -250,6 +303,8 @@ def trace_read(
             rooted, reads_call = _rooted(parse_source(source), model, frame, closure, roots)
             if reads_call:
                 continue  # the call's arguments: the plan's per-call checks
+            if wrapped:
+                _module_globals_only(rooted)
             guard = _guard(entry, rooted, parse)
             if _history_dependent(guard):
                 raise _Untranslatable(

@@ -330,6 +330,34 @@ def test_a_global_dynamo_installed_under_an_id_is_never_a_check() -> None:
     assert len(read.unchecked) == 1 and "not portable" in read.unchecked[0]
 
 
+def test_guards_of_dynamos_wrapper_frame_are_read_as_the_models() -> None:
+    """torch.nn's own modules are traced from Dynamo's wrapper frame around them
+    (``inner(*args, **kwargs)`` calling ``fn``, the module): its ``L['fn']`` is the model,
+    its ``L['args']`` the call; a global of that frame is one of Dynamo's module, not of
+    the forward's, so it is listed as unchecked, never checked against the wrong module.
+    Another code than the wrapper's or the forward's is refused, as before."""
+    from precompile import _torch_adapter as adapter
+    from precompile._torch_adapter import GuardEntry
+    from precompile._trace_read import trace_read
+
+    model = torch.nn.LayerNorm(8, eps=1e-3)
+    wrapper = adapter.top_frame_wrapper(torch.compile(model, backend="eager"))
+    assert wrapper is not None and adapter.top_frame_wrapper(torch.compile(Configured())) is None
+    function = "G['__import_torch_dot_nn_dot_functional'].layer_norm"
+    entries = [
+        GuardEntry("EQUALS_MATCH", (), "L['fn'].eps", True, 1e-3),
+        GuardEntry("SEQUENCE_LENGTH", (), "L['args']", True, (1,)),
+        GuardEntry("FUNCTION_MATCH", (), function, True, torch.nn.functional.layer_norm),
+        GuardEntry("MODULE_MATCH", (), "G['functools']", True, __import__("functools")),
+    ]
+    read = trace_read(model, (torch.ones(2, 8),), {}, entries, wrapper.__code__, wrapper)
+    said = {(g.kind, precompile.runtime.readable_guard_expr(g.expr)) for g in read.guards}
+    assert said == {("equals", "model.eps"), ("named", "torch.nn.functional.layer_norm")}
+    assert len(read.unchecked) == 1 and "global functools of Dynamo's wrapper" in read.unchecked[0]
+    with pytest.raises(precompile.UnsupportedGraphError, match="not the model's forward"):
+        trace_read(model, (torch.ones(2, 8),), {}, entries, Configured.forward.__code__, wrapper)
+
+
 class _ReadsTheEnvironment(torch.nn.Module):
     def __init__(self) -> None:
         super().__init__()
