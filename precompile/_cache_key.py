@@ -36,6 +36,7 @@ from precompile.runtime import registered_process_groups as registered_groups
 from ._compiler_config import codegen_config_digest
 from ._gemm_policy import POLICY as GEMM_POLICY
 from ._graph import GraphDescription
+from ._kernel_checks import MARK as KERNELS
 from ._repeated_blocks import policy as blocks_policy
 from ._variant_plan import Hints, Sizes, VariantRequest
 
@@ -121,7 +122,7 @@ def cache_factors(
         "python": environment.python,
         "device": f"{environment.device_type}:{environment.device_name}:{environment.capability}",
         "platform": environment.platform,
-        "format": f"artifact {FORMAT_VERSION}, cache {LAYOUT}, precompile {__version__}",
+        "format": f"artifact {FORMAT_VERSION}, cache {LAYOUT}, precompile {__version__}, {KERNELS}",
     }
 
 
@@ -201,5 +202,7 @@ def model_factors(
         "triton": str(environment.triton),
         "python": environment.python,
         "device": f"{environment.device_type}:{environment.device_name}:{environment.capability}",
-        "format": f"model plan 1 (caches), artifact {FORMAT_VERSION}, precompile {__version__}",
+        "format": (
+            f"model plan 1 (caches), artifact {FORMAT_VERSION}, precompile {__version__}, {KERNELS}"
+        ),
     }

@@ -523,6 +523,24 @@ def renaming_fused_kernels(rename: Callable[[str], str]) -> Iterator[None]:
         yield
 
 
+@contextmanager
+def rewriting_cpp_kernels(rewrite: Callable[[str], str]) -> Iterator[None]:
+    """Each C++ kernel inductor's CPU codegen writes for the duration is ``rewrite(its
+    source)`` (before it is built, cached or put into the wrapper)."""
+    from torch._inductor.codegen.cpp import KernelGroup
+
+    original = KernelGroup.codegen_group
+
+    def codegen_group(self: Any, name: Any = None) -> str:
+        return rewrite(original(self, name))
+
+    KernelGroup.codegen_group = codegen_group  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        KernelGroup.codegen_group = original  # type: ignore[method-assign]
+
+
 def compile_fx(gm: torch.fx.GraphModule, inputs: Sequence[Any], options: Mapping[str, Any]) -> Any:
     """Inductor's compile of ``gm`` for ``inputs``, with compile_fx's keyword ``options``."""
     from torch._inductor.compile_fx import compile_fx as upstream

@@ -26,6 +26,7 @@ from ._attention_policy import attention_backends, sdpa_backends, sdpa_switches
 from ._compiled_payload import InputUse, built_cpp_kernels, input_uses, settle_triton_kernels
 from ._graph import GraphDescription
 from ._graph_description import symbol_hint
+from ._kernel_checks import raise_index_checks
 
 log = logging.getLogger("precompile.compile")
 
@@ -132,9 +133,21 @@ def _compile_context(fake_mode: Any, size_oblivious: bool) -> Iterator[None]:
         autotune = {"triton.autotune_at_compile_time": True}
         stack.enter_context(adapter.patch_inductor_config(autotune))
         stack.enter_context(adapter.patch_functorch_config(patches))
+        stack.enter_context(adapter.rewriting_cpp_kernels(_index_checks_raise))
         if size_oblivious:
             stack.enter_context(adapter.patch_shape_config({"backed_size_oblivious": True}))
         yield
+
+
+def _index_checks_raise(source: str) -> str:
+    """A C++ kernel whose failed index check raises instead of ending the process (see
+    ``_kernel_checks``); one whose layout the rewrite does not know is kept, with a
+    warning (its failed check still ends the process)."""
+    try:
+        return raise_index_checks(source)
+    except ValueError as exc:
+        log.warning("%s; a failed index check of it ends the process", exc)
+        return source
 
 
 def attention_lengths(gm: torch.fx.GraphModule) -> tuple[sympy.Expr, ...] | None:

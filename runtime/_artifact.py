@@ -27,7 +27,14 @@ from ._calibration import (
     normalize_sizes,
     synthesize_inputs,
 )
-from ._contract import InputContract, Prepared, check_indices, index_checks, name_inputs
+from ._contract import (
+    InputContract,
+    Prepared,
+    check_indices,
+    index_checks,
+    kernel_index_failure,
+    name_inputs,
+)
 from ._cudagraphs import (
     CAPTURE_LOCK,
     CudaGraphExecutor,
@@ -324,7 +331,7 @@ class CompiledArtifact:
                         forward_source=self._payloads.edited_source(variant.payload),
                         rewrite=native_kernels.redirect_cpp_kernels,
                     )
-                if self._index_checks:
+                if self._index_checks or variant.kernels:
                     function = _with_index_checks(function, self._index_checks, self.inputs)
                 self._callables[variant.payload] = function
             return function
@@ -825,14 +832,21 @@ def artifact_from_entry(entry: StoredEntry) -> CompiledArtifact:
 def _with_index_checks(
     function: Callable[..., Any], checks: tuple[tuple[int, int], ...], names: Sequence[str]
 ) -> Callable[..., Any]:
-    """``function`` refusing calls whose index inputs leave their tables (``_contract``)."""
+    """``function`` refusing calls whose index inputs leave their tables (``_contract``),
+    and raising a compiled kernel's failed index check as ``IndexOutOfRangeError``."""
 
     def checked(*args: Any) -> Any:
         try:
             check_indices(args, checks)
         except IndexOutOfRangeError as exc:
             raise IndexOutOfRangeError(name_inputs(str(exc), names)) from None
-        return function(*args)
+        try:
+            return function(*args)
+        except RuntimeError as exc:
+            failed = kernel_index_failure(str(exc))
+            if failed is None:
+                raise
+            raise IndexOutOfRangeError(failed) from None
 
     checked.__dict__.update(getattr(function, "__dict__", {}))  # what it says of itself (lean)
     return checked

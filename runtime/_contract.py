@@ -611,6 +611,24 @@ def check_indices(args: Sequence[Any], checks: Sequence[tuple[int, int]]) -> Non
             )
 
 
+_KERNEL_CHECK = re.compile(r"index out of bounds: ([^\n]*)")
+
+
+def kernel_index_failure(message: str) -> str | None:
+    """What to say of a compiled C++ kernel's failed index check (the ``RuntimeError`` a
+    kernel raises, see ``precompile._kernel_checks``), or None for another error."""
+    found = _KERNEL_CHECK.search(message)
+    if found is None:
+        return None
+    return (
+        "an index made from this call's inputs lies outside the tensor it indexes (a compiled "
+        f"kernel's check `{found.group(1).strip()}` failed, where eager raises IndexError): "
+        "check the inputs' values (token or position ids, cache positions) and their sizes "
+        "against each other (an attention mask's rows against input_ids'); a graph that "
+        "writes an input (a KV cache) may have written part of it"
+    )
+
+
 _INPUT_INDEX = re.compile(r"\binput (\d+)\b(?! \()")
 
 
