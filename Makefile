@@ -16,8 +16,12 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(PY) examples/serve.py --demo
 
+# Two pytest-xdist workers (CI has 2 cores), each test file kept in one worker so its
+# module-scoped compiles are made once.
+PYTEST_WORKERS ?= 2
+
 test: $(STAMP)
-	$(PY) -m pytest
+	$(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadfile
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check precompile cache runtime tests examples benchmarks

@@ -22,12 +22,16 @@ _UNDER_PYTEST = "pytest" in sys.modules  # subprocess scripts import this file t
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-if _UNDER_PYTEST and "PRECOMPILE_TEST_SESSION_CACHE" not in os.environ:
-    # Tests never touch the user's cache: one private cache per test session. Subprocess
-    # scripts inherit it (or get the one their test passes), even those that import
-    # pytest through a test module: the marker says a session made it.
+# The test session this process belongs to: a pytest-xdist worker's own (``gw0``, ...),
+# else the one session of a plain run.
+_SESSION = os.environ.get("PYTEST_XDIST_WORKER", "main")
+if _UNDER_PYTEST and os.environ.get("PRECOMPILE_TEST_SESSION") != _SESSION:
+    # Tests never touch the user's cache: one private cache per test session (per xdist
+    # worker too: tests count the compiles their session makes). Subprocess scripts
+    # inherit it (or get the one their test passes), even those that import pytest
+    # through a test module: the marker says which session made it.
     os.environ["PRECOMPILE_CACHE_DIR"] = tempfile.mkdtemp(prefix="precompile-test-cache-")
-    os.environ["PRECOMPILE_TEST_SESSION_CACHE"] = os.environ["PRECOMPILE_CACHE_DIR"]
+    os.environ["PRECOMPILE_TEST_SESSION"] = _SESSION
     atexit.register(shutil.rmtree, os.environ["PRECOMPILE_CACHE_DIR"], ignore_errors=True)
 
 import precompile  # noqa: E402
