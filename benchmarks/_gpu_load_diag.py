@@ -279,7 +279,7 @@ def build(out: str, setting: str) -> None:
             again[n] = (time.perf_counter() - t) * 1e3
         result["call_ms_after_steady (333,1500 new)"] = again
         result["autotuners"] = _autotuners(compiled.artifact)
-        from precompile.runtime import build_dir
+        from precompile.runtime.compiler_interface import build_dir
 
         best = []
         for root, _, files in os.walk(build_dir()):

@@ -40,7 +40,8 @@ import precompile  # noqa: E402
 from precompile._compiled_payload import InputUse  # noqa: E402
 from precompile._graph_description import describe_graph  # noqa: E402
 from precompile._standalone import _input_specs, _symbols  # noqa: E402
-from precompile.runtime import Manifest, MemoryPayloads, Variant, current_environment  # noqa: E402
+from precompile.runtime import Manifest, Variant  # noqa: E402
+from precompile.runtime.compiler_interface import MemoryPayloads, current_environment  # noqa: E402
 
 ROUND_S = 0.05  # each timed round runs about this long
 ROUNDS = 15

@@ -77,7 +77,7 @@ def pool_calls(fn: Callable[[torch.Tensor], Any], m: int) -> Callable[[], Any]:
 
 def variant_calls(ours: tuple[Any, list[Any]], m: int) -> dict[str, Callable[[], Any]]:
     """Each of our variants that admits M, called directly (no dispatch)."""
-    from precompile.runtime import synthesize_inputs
+    from precompile.runtime.compiler_interface import synthesize_inputs
 
     art, example_inputs = ours
     sets = [synthesize_inputs(art.manifest, (m,), example_inputs) for _ in range(4)]

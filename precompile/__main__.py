@@ -33,7 +33,8 @@ from precompile.cache import (
     resolve_root,
     resolve_trusted_keys,
 )
-from precompile.runtime import EntrySummary, PrecompileError, summarize_entry
+from precompile.runtime import PrecompileError
+from precompile.runtime.compiler_interface import EntrySummary, summarize_entry
 
 
 def _size(n: float) -> str:
@@ -406,7 +407,7 @@ def _cache_command(args: argparse.Namespace) -> int:
 def _sign_command(args: argparse.Namespace) -> int:
     # Import time: the artifact formats are for sign and verify; ``cache ls`` and the
     # other cache commands start without them.
-    from precompile.runtime import sign_binary, sign_unpacked
+    from precompile.runtime.compiler_interface import sign_binary, sign_unpacked
 
     path = args.path
     signature = (
@@ -430,7 +431,7 @@ def _no_cache(args: argparse.Namespace, root: str) -> int:
 
 
 def _verify_command(args: argparse.Namespace) -> int:
-    from precompile.runtime import read_binary, read_unpacked
+    from precompile.runtime.compiler_interface import read_binary, read_unpacked
 
     trusted = resolve_trusted_keys(args.key or None)
     path = args.path

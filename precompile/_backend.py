@@ -14,7 +14,8 @@ from typing import Any
 import torch
 
 from precompile.cache import CacheOption, CacheRootError
-from precompile.runtime import ArtifactNotFoundError, CompiledArtifact, CudaGraphsOption
+from precompile.runtime import ArtifactNotFoundError, CompiledArtifact
+from precompile.runtime.compiler_interface import CudaGraphsOption
 
 from ._offline import is_offline
 from ._standalone import CalibrateOption, standalone_compile

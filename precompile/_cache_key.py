@@ -16,9 +16,9 @@ from typing import Any
 import torch
 
 from precompile.cache import LAYOUT
-from precompile.runtime import (
+from precompile.runtime import __version__
+from precompile.runtime.compiler_interface import (
     FORMAT_VERSION,
-    __version__,
     current_environment,
     dtype_name,
     is_kv_cache,
@@ -27,11 +27,11 @@ from precompile.runtime import (
     trace_state,
     tree_flatten,
 )
-from precompile.runtime import canonical_digest as _digest
-from precompile.runtime import describe_global_state as describe_state
-from precompile.runtime import describe_kv_cache as describe_cache
-from precompile.runtime import kv_cache_tensors as cache_tensors
-from precompile.runtime import registered_process_groups as registered_groups
+from precompile.runtime.compiler_interface import canonical_digest as _digest
+from precompile.runtime.compiler_interface import describe_global_state as describe_state
+from precompile.runtime.compiler_interface import describe_kv_cache as describe_cache
+from precompile.runtime.compiler_interface import kv_cache_tensors as cache_tensors
+from precompile.runtime.compiler_interface import registered_process_groups as registered_groups
 
 from ._compiler_config import codegen_config_digest
 from ._gemm_policy import POLICY as GEMM_POLICY

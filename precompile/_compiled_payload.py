@@ -13,13 +13,9 @@ import re
 from dataclasses import dataclass
 
 from precompile.cache import sha256_hex
-from precompile.runtime import (
-    NativeKernel,
-    UnsupportedGraphError,
-    cpu_features_for_flags,
-    find_cpp_kernels,
-)
-from precompile.runtime import native_kernel_key as kernel_key
+from precompile.runtime import NativeKernel, UnsupportedGraphError
+from precompile.runtime.compiler_interface import cpu_features_for_flags, find_cpp_kernels
+from precompile.runtime.compiler_interface import native_kernel_key as kernel_key
 
 from . import _torch_adapter as adapter
 

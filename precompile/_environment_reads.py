@@ -19,8 +19,8 @@ from typing import Any
 
 import torch
 
-from precompile.runtime import Guard
-from precompile.runtime import encode_guard_value as encode
+from precompile.runtime.compiler_interface import Guard
+from precompile.runtime.compiler_interface import encode_guard_value as encode
 
 # The expression of ``os.environ._data``, as the runtime's guards spell it.
 _DATA = ["attr", ["attr", ["G", "__import_os"], "environ"], "_data"]

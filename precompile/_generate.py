@@ -37,6 +37,8 @@ from precompile.runtime import (
     IndexOutOfRangeError,
     InvalidOptionError,
     UnsupportedGraphError,
+)
+from precompile.runtime.compiler_interface import (
     cudagraph_options,
     is_kv_cache,
     kv_cache_capacity,

@@ -20,7 +20,8 @@ from typing import Any
 
 import torch
 
-from precompile.runtime import LeanCall, Manifest, Variant, load_lean, synthesize_inputs
+from precompile.runtime import LeanCall, Manifest, Variant
+from precompile.runtime.compiler_interface import load_lean, synthesize_inputs
 
 from . import _torch_adapter as adapter
 

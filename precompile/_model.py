@@ -26,16 +26,18 @@ import torch
 
 from precompile.cache import ArtifactCache, CacheOption, get_or_build, resolve_cache
 from precompile.runtime import (
-    ABOUT_BLOCKS,
-    ABOUT_CONFIG,
     CompiledModel,
-    CudaGraphsOption,
     IncompatibleArtifactError,
     InvalidOptionError,
-    ModelPlan,
-    TensorInput,
     UnsupportedGraphError,
     UntrustedArtifactError,
+)
+from precompile.runtime.compiler_interface import (
+    ABOUT_BLOCKS,
+    ABOUT_CONFIG,
+    CudaGraphsOption,
+    ModelPlan,
+    TensorInput,
     class_path,
     cudagraph_options,
     dtype_name,
@@ -52,12 +54,12 @@ from precompile.runtime import (
     tree_unflatten,
     treespec_to_json,
 )
-from precompile.runtime import KV_CACHE_FIELDS as CACHE_FIELDS
-from precompile.runtime import KVCacheLayout as CacheLayout
-from precompile.runtime import describe_kv_cache as describe_cache
-from precompile.runtime import kv_cache_counter_values as counter_values
-from precompile.runtime import kv_cache_tensors as cache_tensors
-from precompile.runtime import plan_stale_reason as stale_reason
+from precompile.runtime.compiler_interface import KV_CACHE_FIELDS as CACHE_FIELDS
+from precompile.runtime.compiler_interface import KVCacheLayout as CacheLayout
+from precompile.runtime.compiler_interface import describe_kv_cache as describe_cache
+from precompile.runtime.compiler_interface import kv_cache_counter_values as counter_values
+from precompile.runtime.compiler_interface import kv_cache_tensors as cache_tensors
+from precompile.runtime.compiler_interface import plan_stale_reason as stale_reason
 
 from ._caller_state import CallerState
 from ._environment_reads import reads_environment

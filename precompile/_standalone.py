@@ -14,31 +14,33 @@ import torch
 
 from precompile.cache import ArtifactCache, CacheOption, get_or_build, resolve_cache, sha256_hex
 from precompile.runtime import (
-    ABOUT_BLOCKS,
-    ABOUT_GRAPH,
     CompiledArtifact,
-    CudaGraphsOption,
-    InputSpec,
-    IntInput,
     InvalidOptionError,
     LeanCall,
     Manifest,
-    MemoryPayloads,
     PrecompileError,
-    ProcessGroupSpec,
     Symbol,
     SymbolSource,
-    TensorInput,
     UnsupportedGraphError,
     UntrustedArtifactError,
     Variant,
+)
+from precompile.runtime.compiler_interface import (
+    ABOUT_BLOCKS,
+    ABOUT_GRAPH,
+    CudaGraphsOption,
+    InputSpec,
+    IntInput,
+    MemoryPayloads,
+    ProcessGroupSpec,
+    TensorInput,
     cudagraph_options,
     current_environment,
     dtype_name,
     store_artifact,
 )
-from precompile.runtime import describe_process_groups as describe_groups
-from precompile.runtime import load_cached_artifact as load_cached
+from precompile.runtime.compiler_interface import describe_process_groups as describe_groups
+from precompile.runtime.compiler_interface import load_cached_artifact as load_cached
 
 from . import _gpu_lean as gpu_lean
 from . import _repeated_blocks as repeated_blocks

@@ -27,8 +27,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from precompile.cache import sha256_hex
-from precompile.runtime import TritonLaunch
 from precompile.runtime import _torch_adapter as runtime_adapter
+from precompile.runtime.compiler_interface import TritonLaunch
 
 if TYPE_CHECKING:  # sympy is imported where it is used: a warm lookup imports none of it
     import sympy

@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from precompile.runtime import (
+from precompile.runtime.compiler_interface import (
     Guard,
     TraceRead,
     Unencodable,
@@ -37,12 +37,12 @@ from precompile.runtime import (
     trace_state,
     traced_forward,
 )
-from precompile.runtime import GuardRoots as Roots
-from precompile.runtime import encode_guard_value as encode
-from precompile.runtime import guard_identity as named
-from precompile.runtime import guard_roots as roots_of
-from precompile.runtime import guarded_dict_keys as dict_keys
-from precompile.runtime import readable_guard_expr as readable
+from precompile.runtime.compiler_interface import GuardRoots as Roots
+from precompile.runtime.compiler_interface import encode_guard_value as encode
+from precompile.runtime.compiler_interface import guard_identity as named
+from precompile.runtime.compiler_interface import guard_roots as roots_of
+from precompile.runtime.compiler_interface import guarded_dict_keys as dict_keys
+from precompile.runtime.compiler_interface import readable_guard_expr as readable
 
 log = logging.getLogger("precompile.compile")
 

@@ -19,7 +19,8 @@ from typing import Any
 import sympy
 import torch
 
-from precompile.runtime import NativeKernel, UnsupportedGraphError, build_dir
+from precompile.runtime import NativeKernel, UnsupportedGraphError
+from precompile.runtime.compiler_interface import build_dir
 
 from . import _torch_adapter as adapter
 from ._attention_policy import attention_backends, sdpa_backends, sdpa_switches

@@ -106,9 +106,7 @@ def write_binary(
             handle.write(blob)
 
 
-def pack_header(
-    index_length: int, index_digest: bytes, public: bytes, signature: bytes
-) -> bytes:
+def pack_header(index_length: int, index_digest: bytes, public: bytes, signature: bytes) -> bytes:
     """A version-3 header: its fields, then the sha256 of them."""
     fields = _FIELDS.pack(MAGIC, BINARY_VERSION, index_length, index_digest, public, signature)
     return fields + bytes.fromhex(sha256_hex(fields))
@@ -175,9 +173,7 @@ def _open(path: str) -> tuple[bytes, tuple[Any, ...], int]:
     return data, header, start
 
 
-def _read_index(
-    view: bytes, start: int, length: int, digest: bytes, where: str
-) -> tuple[Any, int]:
+def _read_index(view: bytes, start: int, length: int, digest: bytes, where: str) -> tuple[Any, int]:
     if length > min(len(view) - start, _MAX_INDEX):
         raise CorruptArtifactError(f"{where} is truncated or its index length is absurd")
     index_bytes = view[start : start + length]

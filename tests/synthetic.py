@@ -7,16 +7,8 @@ import hashlib
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from precompile.runtime import (
-    CompiledArtifact,
-    Manifest,
-    MemoryPayloads,
-    Symbol,
-    SymbolSource,
-    TensorInput,
-    Variant,
-    current_environment,
-)
+from precompile.runtime import CompiledArtifact, Manifest, Symbol, SymbolSource, Variant
+from precompile.runtime.compiler_interface import MemoryPayloads, TensorInput, current_environment
 
 
 def digest(text: str) -> str:

@@ -21,17 +21,14 @@ from precompile import _graph_description, _graph_name, _variant_compile
 from precompile._cache_key import cache_factors, cache_key
 from precompile.cache import ArtifactCache, sha256_hex
 from precompile.cache import _store as cache_store
-from precompile.runtime import (
-    Manifest,
+from precompile.runtime import Manifest, Symbol, SymbolSource, Variant
+from precompile.runtime.compiler_interface import (
     MemoryPayloads,
-    Symbol,
-    SymbolSource,
     TensorInput,
-    Variant,
     current_environment,
     store_artifact,
 )
-from precompile.runtime import load_cached_artifact as load_cached
+from precompile.runtime.compiler_interface import load_cached_artifact as load_cached
 
 put = store_artifact
 get = load_cached

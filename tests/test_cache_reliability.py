@@ -24,13 +24,10 @@ from precompile.cache import ArtifactCache
 def random_artifact(size: int) -> precompile.CompiledArtifact:
     """An artifact whose one payload is ``size`` random (incompressible) bytes."""
     from precompile.cache import sha256_hex
-    from precompile.runtime import (
-        Manifest,
+    from precompile.runtime import Manifest, Symbol, SymbolSource, Variant
+    from precompile.runtime.compiler_interface import (
         MemoryPayloads,
-        Symbol,
-        SymbolSource,
         TensorInput,
-        Variant,
         current_environment,
     )
 
@@ -531,8 +528,11 @@ def test_a_loaded_entry_keeps_its_blobs_while_others_evict_them(tmp_path: Any) -
     procs = [
         subprocess.Popen(
             [sys.executable, "-c", LAZY_RACER, root, str(seed), str(5_000)],
-            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        )  # fmt: skip
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         for seed in range(8)
     ]
     outputs = [p.communicate(timeout=600) for p in procs]

@@ -13,7 +13,8 @@ import torch
 from conftest import MLP_HINTS, MLP_SIZES, Compiled, assert_close
 
 import precompile
-from precompile.runtime import Calibration, CalibrationEntry, Manifest, MemoryPayloads
+from precompile.runtime import Calibration, CalibrationEntry, Manifest
+from precompile.runtime.compiler_interface import MemoryPayloads
 
 # The mlp fixture's variants: 0 hint s=1, 1 hint s=16, 2 hint s=256, 3 static s=3.
 assert (MLP_HINTS, MLP_SIZES) == ([1, 16, 256], [3])

@@ -20,7 +20,7 @@ cuda = pytest.mark.gpu
 
 # -- everywhere ---------------------------------------------------------------------------
 def test_options_are_validated() -> None:
-    from precompile.runtime import cudagraph_options
+    from precompile.runtime.compiler_interface import cudagraph_options
 
     assert cudagraph_options(None) is None and cudagraph_options(False) is None
     assert cudagraph_options(True) == precompile.CudaGraphs()

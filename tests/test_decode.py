@@ -402,8 +402,8 @@ def test_graphs_that_write_a_static_cache_are_capturable(llama: tuple[Any, Any])
     torch.compile trace) is captured in place too; an input the graph resizes is not."""
     import dataclasses
 
-    from precompile.runtime import TensorInput
     from precompile.runtime._cudagraphs import why_not_capturable
+    from precompile.runtime.compiler_interface import TensorInput
 
     manifest = llama[1].artifact.manifest
     written = [i for i, s in enumerate(manifest.inputs)

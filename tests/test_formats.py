@@ -12,8 +12,8 @@ import torch
 from conftest import Compiled, assert_close, run_python
 
 import precompile
-from precompile.runtime import MemoryPayloads
 from precompile.runtime._binary_format import write_binary
+from precompile.runtime.compiler_interface import MemoryPayloads
 
 SWEEP = [1, 2, 3, 7, 16, 100, 256, 1000]
 

@@ -126,24 +126,68 @@ def test_no_import_statement_points_up() -> None:
 DOORS = {("precompile._torch_adapter", "precompile.runtime._torch_adapter")}
 
 
+# A layer's faces: its package, and the runtime's seam for the compile side (the names
+# precompile builds against, kept out of the runtime's user-facing ``__all__``).
+SEAM = "precompile.runtime.compiler_interface"
+FACES = {*LAYERS, SEAM}
+
+
 def test_layers_meet_only_at_their_public_faces() -> None:
-    """An import from another layer names that layer's package (its ``__init__`` and
-    ``__all__``), never one of its private modules: a rename inside the runtime breaks
-    nothing above it. Every import statement counts, those inside functions too."""
+    """An import from another layer names one of that layer's faces (its package, or the
+    runtime's seam for the compile side), never one of its private modules: a rename
+    inside the runtime breaks nothing above it. Every import statement counts, those
+    inside functions too; only the compile side uses the seam."""
+    imports = _all_imports()
     through_walls = {
         (module, target)
-        for module, targets in _all_imports().items()
+        for module, targets in imports.items()
         for target, _ in targets
-        if layer(module) != (there := layer(target)) and target != there
+        if layer(module) != layer(target) and target not in FACES
     }
     assert through_walls == DOORS
+    seam_users = {m for m, targets in imports.items() for t, _ in targets if t == SEAM}
+    assert {layer(m) for m in seam_users} == {"precompile"}, seam_users
+
+
+def _face_tables(path: Path) -> tuple[set[str], set[str], set[str]]:
+    """A face module's names three ways: imported under ``TYPE_CHECKING`` (what type
+    checkers see), keys of its ``_LAZY`` table (what runs), and its ``__all__``."""
+    tree = ast.parse(path.read_text())
+    typed: set[str] = set()
+    lazy: set[str] = set()
+    listed: set[str] = set()
+    for node in tree.body:
+        if isinstance(node, ast.If) and ast.unparse(node.test) == "TYPE_CHECKING":
+            for stmt in ast.walk(node):
+                if isinstance(stmt, ast.ImportFrom):
+                    typed |= {a.asname or a.name for a in stmt.names}
+        elif isinstance(node, ast.Assign) and isinstance(node.targets[0], ast.Name):
+            name = node.targets[0].id
+            if name == "_LAZY" and isinstance(node.value, ast.Dict):
+                lazy = {ast.literal_eval(k) for k in node.value.keys if k is not None}
+            elif name == "__all__":
+                listed = set(ast.literal_eval(node.value))
+    return typed, lazy, listed
+
+
+@pytest.mark.parametrize("face", ["runtime/__init__.py", "runtime/compiler_interface.py"])
+def test_each_lazy_face_writes_its_names_alike(face: str) -> None:
+    """Each name of a lazy face is written three times (for type checkers, for the
+    import, in ``__all__``): the three must agree, or a name is typed but missing at run
+    time, or importable but unlisted."""
+    typed, lazy, listed = _face_tables(Path(ROOT) / face)
+    assert typed == lazy, typed ^ lazy
+    assert lazy <= listed, lazy - listed
+    if face.endswith("compiler_interface.py"):
+        assert listed == lazy, listed ^ lazy
 
 
 def test_each_face_lists_what_it_serves() -> None:
     """Every name of a layer's ``__all__`` resolves (lazily imported ones included)."""
     code = """
 import importlib
-for name in ("precompile.cache", "precompile.runtime", "precompile"):
+for name in ("precompile.cache", "precompile.runtime", "precompile",
+             "precompile.runtime.compiler_interface"):
     package = importlib.import_module(name)
     missing = [n for n in package.__all__ if not hasattr(package, n)]
     assert not missing, (name, missing)

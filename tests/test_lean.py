@@ -18,7 +18,8 @@ import torch
 from conftest import Compiled, capture, run_python
 
 import precompile
-from precompile.runtime import CorruptArtifactError, Manifest, MemoryPayloads
+from precompile.runtime import CorruptArtifactError, Manifest
+from precompile.runtime.compiler_interface import MemoryPayloads
 
 DYNAMIC_MARKS = ("_dynamo_propagated_dynamic_indices", "_dynamo_weak_dynamic_indices")
 

@@ -18,7 +18,8 @@ import pytest
 import torch
 
 import precompile
-from precompile.runtime import trace_state
+from precompile.runtime import compiler_interface
+from precompile.runtime.compiler_interface import trace_state
 
 
 class Configured(torch.nn.Module):
@@ -296,8 +297,8 @@ def test_hooks_on_the_model_itself_are_refused(compiled: dict[str, Any]) -> None
 
 
 def test_a_value_of_another_type_is_named_with_both() -> None:
-    from precompile.runtime import Guard
-    from precompile.runtime import GuardRoots as Roots
+    from precompile.runtime.compiler_interface import Guard
+    from precompile.runtime.compiler_interface import GuardRoots as Roots
 
     guard = Guard("equals", ["attr", ["M"], "extra"], ["none"])
     holder = torch.nn.Module()
@@ -351,7 +352,7 @@ def test_guards_of_dynamos_wrapper_frame_are_read_as_the_models() -> None:
         GuardEntry("MODULE_MATCH", (), "G['functools']", True, __import__("functools")),
     ]
     read = trace_read(model, (torch.ones(2, 8),), {}, entries, wrapper.__code__, wrapper)
-    said = {(g.kind, precompile.runtime.readable_guard_expr(g.expr)) for g in read.guards}
+    said = {(g.kind, compiler_interface.readable_guard_expr(g.expr)) for g in read.guards}
     assert said == {("equals", "model.eps"), ("named", "torch.nn.functional.layer_norm")}
     assert len(read.unchecked) == 1 and "global functools of Dynamo's wrapper" in read.unchecked[0]
     with pytest.raises(precompile.UnsupportedGraphError, match="not the model's forward"):
@@ -431,7 +432,7 @@ def test_a_compiled_model_says_what_it_is(compiled: dict[str, Any]) -> None:
 
 
 def test_an_offline_miss_names_the_state_that_differs(compiled: dict[str, Any]) -> None:
-    """"differs in: global_state" did not say that it was the grad mode."""
+    """ "differs in: global_state" did not say that it was the grad mode."""
     model = compiled["model"]
     with pytest.raises(precompile.ArtifactNotFoundError) as caught:
         precompile.compile_model(

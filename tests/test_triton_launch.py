@@ -22,12 +22,10 @@ from precompile.runtime import (
     Manifest,
     Symbol,
     SymbolSource,
-    TensorInput,
-    TritonLaunch,
     Variant,
-    current_environment,
 )
 from precompile.runtime._triton_launch import launcher_source
+from precompile.runtime.compiler_interface import TensorInput, TritonLaunch, current_environment
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 # A wrapper module inductor generated on an H100 (torch 2.11, Triton 3.6) for
