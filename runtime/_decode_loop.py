@@ -30,6 +30,7 @@ from ._cudagraphs import plain_calls
 from ._decode_graphs import GraphedSteps, StepBuffers
 from ._errors import InvalidOptionError
 from ._kv_cache import cache_tensors, is_kv_cache, kv_cache_capacity
+from ._sampling import Sampling
 
 _DRIVEN = (
     "input_ids",
@@ -40,73 +41,6 @@ _DRIVEN = (
     "position_ids",
 )
 _SYNC_EVERY = 8  # GPU steps between reads of "has every row finished"
-
-
-def check_sampling(
-    do_sample: bool, temperature: float, top_k: int | None, top_p: float | None
-) -> None:
-    if not isinstance(do_sample, bool):
-        raise InvalidOptionError(f"do_sample must be True or False, got {do_sample!r}")
-    if (
-        isinstance(temperature, bool)
-        or not isinstance(temperature, (int, float))
-        or not (temperature > 0)
-    ):
-        raise InvalidOptionError(f"temperature must be a number > 0, got {temperature!r}")
-    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
-        raise InvalidOptionError(f"top_k must be an int >= 1 or None, got {top_k!r}")
-    if top_p is not None and (
-        isinstance(top_p, bool) or not isinstance(top_p, (int, float)) or not 0 < top_p <= 1
-    ):
-        raise InvalidOptionError(f"top_p must be a number in (0, 1] or None, got {top_p!r}")
-
-
-def next_tokens(
-    logits: torch.Tensor,
-    *,
-    do_sample: bool,
-    temperature: float,
-    top_k: int | None,
-    top_p: float | None,
-    generator: torch.Generator | None,
-) -> torch.Tensor:
-    """One token per row from the last position's logits, as transformers chooses it."""
-    scores = logits[:, -1, :].to(dtype=torch.float32, copy=True)
-    if not do_sample:
-        return scores.argmax(dim=-1)
-    if temperature != 1.0:
-        scores = scores / temperature
-    if top_k is not None:
-        kth = torch.topk(scores, min(top_k, scores.shape[-1]))[0][..., -1, None]
-        scores = scores.masked_fill(scores < kth, -float("inf"))
-    if top_p is not None and top_p < 1.0:
-        ordered, order = torch.sort(scores, descending=False)
-        remove = ordered.softmax(dim=-1).cumsum(dim=-1) <= (1 - top_p)
-        remove[..., -1:] = False  # the likeliest token is always kept
-        scores = scores.masked_fill(remove.scatter(1, order, remove), -float("inf"))
-    probabilities = scores.softmax(dim=-1)
-    return torch.multinomial(probabilities, num_samples=1, generator=generator).squeeze(1)
-
-
-def _eos_ids(eos_token_id: Any) -> tuple[int, ...]:
-    """The stopping ids as ints (an int, a sequence of them, or an integer tensor, as
-    transformers takes them), else ``InvalidOptionError`` naming the argument."""
-    if isinstance(eos_token_id, torch.Tensor) and not eos_token_id.dtype.is_floating_point:
-        ids: Any = eos_token_id.reshape(-1).tolist()
-    elif eos_token_id is None:
-        ids = []
-    elif isinstance(eos_token_id, int):
-        ids = [eos_token_id]
-    elif isinstance(eos_token_id, (list, tuple)):
-        ids = list(eos_token_id)
-    else:
-        ids = [None]
-    if any(isinstance(v, bool) or not isinstance(v, int) or v < 0 for v in ids):
-        raise InvalidOptionError(
-            "eos_token_id must be a token id (an int >= 0), a list of them or an integer "
-            f"tensor, got {eos_token_id!r}"
-        )
-    return tuple(ids)
 
 
 def _eos_tensor(eos_ids: Sequence[int], device: torch.device) -> torch.Tensor:
@@ -200,30 +134,11 @@ def _cache_addresses(cache: Any) -> tuple[int, ...]:
     return tuple(tensor.data_ptr() for _, _, tensor in cache_tensors(cache))
 
 
-def step_graph_key(
-    batch: int,
-    names: Collection[str],
-    cache: Any,
-    *,
-    do_sample: bool,
-    temperature: float,
-    top_k: int | None,
-    top_p: float | None,
-    generator: torch.Generator | None,
-    eos_token_id: int | Sequence[int] | None,
-    pad_token_id: int | None,
-) -> Hashable:
-    """What a decode-step graph of a generate with these options bakes in, so what a kept
-    one is found by: the batch, the call's arguments, the choice settings, whether it
-    draws from a generator of its own (one was given), the EOS ids and fill, and the
-    cache's addresses. Greedy steps read no sampling setting: they are left out."""
-    if not do_sample:
-        temperature, top_k, top_p = 1.0, None, None
-    return (
-        batch, tuple(names), do_sample, temperature, top_k, top_p,
-        do_sample and generator is not None, _eos_ids(eos_token_id), pad_token_id or 0,
-        _cache_addresses(cache),
-    )  # fmt: skip
+def step_graph_key(batch: int, names: Collection[str], cache: Any, sampling: Sampling) -> Hashable:
+    """What a decode-step graph of a generate bakes in, so what a kept one is found by: the
+    batch, the call's arguments, the choice and stopping settings (``Sampling.key``) and
+    the cache's addresses."""
+    return (batch, tuple(names), sampling.key(), _cache_addresses(cache))
 
 
 def _on(generator: torch.Generator, device: torch.device) -> bool:
@@ -247,13 +162,7 @@ def decode_loop(
     cache: Any,
     *,
     max_new_tokens: int,
-    do_sample: bool,
-    temperature: float,
-    top_k: int | None,
-    top_p: float | None,
-    generator: torch.Generator | None,
-    eos_token_id: int | Sequence[int] | None,
-    pad_token_id: int | None,
+    sampling: Sampling,
     attention_mask: torch.Tensor | None = None,
     held: Callable[[Any], int] | None = None,
     graphed: GraphedSteps | None = None,
@@ -291,28 +200,9 @@ def decode_loop(
         or (max_new_tokens < 1)
     ):
         raise InvalidOptionError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
-    check_sampling(do_sample, temperature, top_k, top_p)
     device = input_ids.device
-    if generator is not None and (
-        not isinstance(generator, torch.Generator) or generator.device.type != device.type
-    ):
-        raise InvalidOptionError(
-            f"generator must be a torch.Generator on input_ids' device ({device}) or None, "
-            f"got {generator!r}"
-            + (f" on {generator.device}" if isinstance(generator, torch.Generator) else "")
-        )
-    eos_ids = _eos_ids(eos_token_id)
-    eos = _eos_tensor(eos_ids, device)
-    if eos.numel() and (
-        pad_token_id is None
-        or isinstance(pad_token_id, bool)
-        or not isinstance(pad_token_id, int)
-        or pad_token_id < 0
-    ):
-        raise InvalidOptionError(
-            "pad_token_id (a token id, an int >= 0) is needed with eos_token_id: rows that "
-            f"finished are filled with it; got {pad_token_id!r}"
-        )
+    sampling.check_device(device)
+    eos = _eos_tensor(sampling.eos_token_id, device)
     total = length + max_new_tokens
     capacity = kv_cache_capacity(cache)
     if capacity is not None and total - 1 > capacity:
@@ -329,9 +219,7 @@ def decode_loop(
                 "cache (the prompt is the whole context); pass a fresh cache or reset() this one"
             )
         mask = _mask_buffer(attention_mask, names, input_ids, capacity)
-        choose = functools.partial(next_tokens, do_sample=do_sample, temperature=temperature,
-                                   top_k=top_k, top_p=top_p)  # fmt: skip
-        fill = pad_token_id or 0
+        choose, fill, generator = sampling.choose, sampling.fill, sampling.generator
         tokens = torch.empty(batch, total, dtype=torch.long, device=device)
         tokens[:, :length] = input_ids
         unfinished = torch.ones(batch, dtype=torch.bool, device=device)
@@ -402,13 +290,10 @@ def decode_loop(
         # captured with): given the caller's state before its steps, and the state after them
         # given back, so the caller's generator advances as eager's would. Without one, the
         # default generator (which registers itself with every graph).
-        own_generator = do_sample and generator is not None
+        own_generator = sampling.own_generator
         if own_generator and generator is not None and not _on(generator, device):
             graphed = None  # the eager path raises torch's own error for it
-        key = step_graph_key(
-            batch, names, cache, do_sample=do_sample, temperature=temperature, top_k=top_k,
-            top_p=top_p, generator=generator, eos_token_id=eos_ids, pad_token_id=pad_token_id,
-        )  # fmt: skip
+        key = step_graph_key(batch, names, cache, sampling)
         graph = None
         if graphed is not None and not graphed.graphs.refused(key):
             graph = graphed.graphs.take(key)
@@ -423,7 +308,7 @@ def decode_loop(
                 buffers.positions.copy_(positions[:, -1:])
             if not graphed.graphs.current(graph, key, step_arguments(buffers)):
                 graph = None
-        drawn = generator if do_sample else None  # what the steps draw from
+        drawn = generator if sampling.do_sample else None  # what the steps draw from
         if graph is not None:
             drawn = graph.generator if own_generator else drawn
         elif graphed is not None and own_generator:

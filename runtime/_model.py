@@ -18,6 +18,7 @@ next bind only.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import re
@@ -62,6 +63,7 @@ from ._manifest import Manifest, TensorInput
 from ._model_guards import BoundGuards, TraceRead
 from ._model_identity import check_identity, class_path, file_digest
 from ._process_groups import this_rank
+from ._sampling import Sampling
 
 log = logging.getLogger("precompile.runtime")
 PLAN_FORMAT = "precompile-model-plan"
@@ -672,15 +674,26 @@ class CompiledModel:
         generate at a time. With CUDA graphs on, the whole decode step (forward, token
         choice, the advance of its inputs) is captured once per batch, cache and
         settings and replayed per token (docs/decode.md)."""
+        sampling = Sampling.of(
+            do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p,
+            generator=generator, eos_token_id=eos_token_id, pad_token_id=pad_token_id,
+        )  # fmt: skip
+        return self._generate(input_ids, past_key_values, max_new_tokens, sampling, attention_mask)
+
+    def _generate(
+        self,
+        input_ids: torch.Tensor,
+        past_key_values: Any,
+        max_new_tokens: int,
+        sampling: Sampling,
+        attention_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         names = [n for n in dict.fromkeys(self._names) if n]
         constants = {self._names[i]: v for i, v in self.plan.constants.items()}
         with torch.no_grad():
             return decode_loop(
                 self, names, constants, input_ids, past_key_values,
-                max_new_tokens=max_new_tokens,
-                do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p,
-                generator=generator, eos_token_id=eos_token_id, pad_token_id=pad_token_id,
-                attention_mask=attention_mask,
+                max_new_tokens=max_new_tokens, sampling=sampling, attention_mask=attention_mask,
                 held=None if self._caches is None else self._caches.held,
                 graphed=self._graphed_steps(input_ids),
             )  # fmt: skip
@@ -713,6 +726,10 @@ class CompiledModel:
         is logged and runs plainly). Needs CUDA graphs on and a CUDA model."""
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
             raise InvalidOptionError(f"batch_size must be an int >= 1, got {batch_size!r}")
+        sampling = Sampling.of(
+            do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p,
+            generator=generator, eos_token_id=eos_token_id, pad_token_id=pad_token_id,
+        )  # fmt: skip
         if not is_kv_cache(past_key_values):
             raise InvalidOptionError(
                 "past_key_values must be a transformers StaticCache, got "
@@ -730,15 +747,11 @@ class CompiledModel:
             else:
                 why = why_not_capturable(self.artifact.manifest) or "its graph cannot be captured"
             raise InvalidOptionError(f"prepare_generate captures CUDA graphs, but {why}")
-        if generator is not None and (
-            not isinstance(generator, torch.Generator) or generator.device.type != device.type
-        ):
-            raise InvalidOptionError(
-                f"generator must be a torch.Generator on {device} or None, got {generator!r}"
-            )
+        sampling.check_device(device)
         # A generator of its own stands for the caller's (the key says only "one given");
         # without one, sampling draws from torch's default, whose state is given back.
         scratch = None if generator is None else torch.Generator(device=generator.device)
+        made_up = dataclasses.replace(sampling, generator=scratch)
         caches = self._caches
         assert caches is not None  # a model without a cache has no graphed steps
         held = caches.held(past_key_values)
@@ -757,21 +770,12 @@ class CompiledModel:
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
             for prompt, new in runs:
                 try:
-                    self.generate(
-                        prompt, past_key_values, max_new_tokens=new, do_sample=do_sample,
-                        temperature=temperature, top_k=top_k, top_p=top_p, generator=scratch,
-                        eos_token_id=eos_token_id, pad_token_id=pad_token_id,
-                    )  # fmt: skip
+                    self._generate(prompt, past_key_values, new, made_up)
                 finally:  # made-up tokens never stay in the caller's cache
                     if caches.held(past_key_values):
                         past_key_values.reset()
         names = [n for n in dict.fromkeys(self._names) if n]
-        key = step_graph_key(
-            batch_size, names, past_key_values, do_sample=do_sample, temperature=temperature,
-            top_k=top_k, top_p=top_p, generator=generator, eos_token_id=eos_token_id,
-            pad_token_id=pad_token_id,
-        )  # fmt: skip
-        return key in graphed.graphs
+        return step_graph_key(batch_size, names, past_key_values, sampling) in graphed.graphs
 
     def _input_device(self, name: str) -> str:
         """The device the model was compiled to take argument ``name`` on."""

@@ -738,6 +738,7 @@ def test_step_graph_keys_tell_apart_what_a_step_graph_bakes_in() -> None:
     import types
 
     from precompile.runtime._decode_loop import step_graph_key
+    from precompile.runtime._sampling import Sampling
 
     def cache() -> Any:
         counter = torch.zeros((), dtype=torch.long)
@@ -747,11 +748,9 @@ def test_step_graph_keys_tell_apart_what_a_step_graph_bakes_in() -> None:
 
     first, second = cache(), cache()
     names = ["input_ids", "past_key_values"]
-    base: dict[str, Any] = dict(do_sample=False, temperature=1.0, top_k=None, top_p=None,
-                                generator=None, eos_token_id=None, pad_token_id=None)  # fmt: skip
 
     def key(batch: int = 2, kept: Any = first, **options: Any) -> Any:
-        return step_graph_key(batch, names, kept, **{**base, **options})
+        return step_graph_key(batch, names, kept, Sampling.of(**options))
 
     assert key(temperature=0.7, top_k=5, top_p=0.9) == key()
     assert key(generator=torch.Generator()) == key()  # greedy draws from none
@@ -780,13 +779,13 @@ def test_prepare_generate_neither_loses_tokens_nor_leaves_made_up_ones(
         compiled.prepare_generate(cache, 2)
     assert torch.equal(cache.layers[0].keys, kept) and compiled._caches.held(cache) == 5
 
-    def fails_after_writing(ids: torch.Tensor, written: Any, **options: Any) -> None:
+    def fails_after_writing(ids: torch.Tensor, written: Any, *options: Any) -> None:
         compiled(input_ids=ids, past_key_values=written, use_cache=True,
                  cache_position=torch.arange(1))  # fmt: skip
         raise RuntimeError("a capture failed")
 
     fresh = new_cache(model)
-    monkeypatch.setattr(compiled, "generate", fails_after_writing)
+    monkeypatch.setattr(compiled, "_generate", fails_after_writing)
     with torch.no_grad(), pytest.raises(RuntimeError, match="capture failed"):
         compiled.prepare_generate(fresh, 2)
     assert compiled._caches.held(fresh) == 0
@@ -795,12 +794,12 @@ def test_prepare_generate_neither_loses_tokens_nor_leaves_made_up_ones(
     # captured at its 2nd call), every made-up generate on an empty cache, none left
     runs: list[tuple[list[int], int, int]] = []
 
-    def writes(ids: torch.Tensor, written: Any, *, max_new_tokens: int, **options: Any) -> None:
+    def writes(ids: torch.Tensor, written: Any, max_new_tokens: int, *options: Any) -> None:
         runs.append((list(ids.shape), max_new_tokens, compiled._caches.held(written)))
         compiled(input_ids=ids, past_key_values=written, use_cache=True,
                  cache_position=torch.arange(ids.shape[1]))  # fmt: skip
 
-    monkeypatch.setattr(compiled, "generate", writes)
+    monkeypatch.setattr(compiled, "_generate", writes)
     monkeypatch.setattr(compiled, "_graphed_steps", lambda ids: SimpleNamespace(graphs=[]))
     with torch.no_grad():
         assert not compiled.prepare_generate(fresh, 2, prompt_lengths=[4, 6, 4])  # none kept
@@ -1024,9 +1023,9 @@ def test_a_padded_mask_needs_position_ids_in_the_compiled_call() -> None:
 
     names = ["input_ids", "past_key_values", "attention_mask", "use_cache"]
     prompt = torch.randint(1, VOCAB, (2, 5))
-    options: dict[str, Any] = dict(max_new_tokens=2, do_sample=False, temperature=1.0,
-                                   top_k=None, top_p=None, generator=None,
-                                   eos_token_id=None, pad_token_id=None)  # fmt: skip
+    from precompile.runtime._sampling import Sampling
+
+    options: dict[str, Any] = dict(max_new_tokens=2, sampling=Sampling())
     padded = torch.tensor([[0, 1, 1, 1, 1], [1, 1, 1, 1, 1]])
     with pytest.raises(precompile.InvalidOptionError, match="needs position_ids"):
         decode_loop(call, names, {}, prompt, new_cache(model), attention_mask=padded, **options)
