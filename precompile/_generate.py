@@ -81,6 +81,24 @@ def _structure(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> tuple[Any, .
     return tuple(parts)
 
 
+def _tensor_dims(name: str, value: torch.Tensor, sequence: int, dynamic_batch: bool) -> list[int]:
+    """The dims of one tensor of argument ``name`` that follow the call's batch (with
+    ``dynamic_batch``) or the prompt's length."""
+    wanted: list[int] = []
+    if dynamic_batch and value.dim() >= 1 and int(value.shape[0]) > 1:
+        wanted.append(0)
+    if sequence > 1:
+        if name == "input_ids" or (
+            name in _SEQUENCE_ARGUMENTS and value.dim() == 2 and int(value.shape[-1]) == sequence
+        ):
+            wanted.append(value.dim() - 1)
+        elif name == "attention_mask" and value.dim() == 4 and int(value.shape[2]) == sequence:
+            wanted.append(2)  # the 4-d mask generate makes: [batch, 1, query (the prompt), key]
+        elif name == "inputs_embeds":
+            wanted.append(1)
+    return wanted
+
+
 def _dynamic(kwargs: Mapping[str, Any], dynamic_batch: bool) -> dict[int | str, list[int]]:
     dims: dict[int | str, list[int]] = {}
     ids = kwargs.get("input_ids")
@@ -90,23 +108,17 @@ def _dynamic(kwargs: Mapping[str, Any], dynamic_batch: bool) -> dict[int | str, 
     for name, value in kwargs.items():
         wanted: list[int] = []
         if isinstance(value, torch.Tensor):
-            if dynamic_batch and value.dim() >= 1 and int(value.shape[0]) > 1:
-                wanted.append(0)
-            if sequence > 1:
-                if name == "input_ids" or (
-                    name in _SEQUENCE_ARGUMENTS
-                    and value.dim() == 2
-                    and int(value.shape[-1]) == sequence
-                ):
-                    wanted.append(value.dim() - 1)
-                elif (
-                    name == "attention_mask"
-                    and value.dim() == 4
-                    and (int(value.shape[2]) == sequence)
-                ):  # the 4-d mask generate makes: [batch, 1, query (the prompt), key]
-                    wanted.append(2)
-                elif name == "inputs_embeds":
-                    wanted.append(1)
+            wanted = _tensor_dims(name, value, sequence, dynamic_batch)
+        elif isinstance(value, Mapping) and value and not is_kv_cache(value):
+            # generate's masks prepared per layer type ({"full_attention": [b, 1, q, k]},
+            # Qwen2 and every model whose config has layer_types): compile_model makes the
+            # dims dynamic in each tensor of the argument, so only dims all of them share
+            tensors = [v for v in value.values() if isinstance(v, torch.Tensor)]
+            if tensors:
+                shared = set(_tensor_dims(name, tensors[0], sequence, dynamic_batch))
+                for tensor in tensors[1:]:
+                    shared &= set(_tensor_dims(name, tensor, sequence, dynamic_batch))
+                wanted = sorted(shared)
         elif (
             is_kv_cache(value)
             and dynamic_batch
@@ -127,13 +139,16 @@ def _static_sizes(kwargs: Mapping[str, Any], dynamic_batch: bool) -> tuple[Any, 
     dims = _dynamic(kwargs, dynamic_batch)
     sizes: list[Any] = []
     for name, value in sorted(kwargs.items()):
-        if isinstance(value, torch.Tensor):
-            fixed = set(range(value.dim())) - set(dims.get(name, ()))
-            sizes.append((name, tuple(int(n) if d in fixed else None
-                                      for d, n in enumerate(value.shape))))  # fmt: skip
-        elif is_kv_cache(value):
+        if is_kv_cache(value):
             layers = getattr(value, "layers", None) or []
             sizes.append((name, tuple(getattr(layer, "max_cache_len", None) for layer in layers)))
+            continue
+        dynamic = set(dims.get(name, ()))
+        leaves = tree_flatten(value, is_leaf=is_kv_cache)[0]  # a dict of masks: each one
+        sizes.append((name, tuple(
+            tuple(None if d in dynamic else int(n) for d, n in enumerate(leaf.shape))
+            for leaf in leaves if isinstance(leaf, torch.Tensor)
+        )))  # fmt: skip
     return tuple(sizes)
 
 
@@ -147,6 +162,12 @@ def _call_signature(kwargs: Mapping[str, Any]) -> tuple[Any, ...] | None:
     for name, value in kwargs.items():
         if isinstance(value, torch.Tensor):
             parts.append((name, value.shape))
+        elif (
+            type(value) is dict
+            and value
+            and all(isinstance(v, torch.Tensor) for v in value.values())
+        ):  # generate's masks by layer type
+            parts.append((name, dict, tuple((k, v.shape) for k, v in value.items())))
         elif is_kv_cache(value):
             layers = getattr(value, "layers", None) or ()
             lengths = tuple(getattr(layer, "max_cache_len", None) for layer in layers)

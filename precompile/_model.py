@@ -75,7 +75,10 @@ def _dynamic_dims(
     leaves: Sequence[Any], spec_paths: Sequence[Any], dynamic: DynamicSpec, args_count: int
 ) -> dict[int, set[int]]:
     """Per tensor leaf, the dims to trace as dynamic: from ``dynamic`` (positional index or
-    kwarg name -> dims) or from ``torch._dynamo.mark_dynamic`` on the example tensors."""
+    kwarg name -> dims) or from ``torch._dynamo.mark_dynamic`` on the example tensors. An
+    argument holding several tensors (a dict of masks, one per layer type, as transformers'
+    ``generate`` passes for Qwen2) has those dims dynamic in each of them: marking only
+    its first left the others' sizes fixed, and the trace specialized the call to them."""
     from . import _torch_adapter as adapter  # lazily, as below: a warm lookup needs little
 
     dims: dict[int, set[int]] = {}
@@ -100,8 +103,7 @@ def _dynamic_dims(
                 f"dynamic names argument {key!r}, which the example call does not have as a "
                 "tensor (positional index or keyword name)"
             )
-        leaf = leaves[matches[0]]
-        if is_kv_cache(leaf):
+        if is_kv_cache(leaves[matches[0]]):
             if any(dim != 0 for dim in wanted):
                 raise InvalidOptionError(
                     f"dynamic dims {list(wanted)} of cache argument {key!r}: only its batch "
@@ -109,16 +111,22 @@ def _dynamic_dims(
                 )
             dims.setdefault(matches[0], set()).update(wanted)
             continue
-        for dim in wanted:
-            if not isinstance(dim, int) or not 0 <= dim < leaf.dim():
-                raise InvalidOptionError(f"dynamic dim {dim!r} of argument {key!r} is out of range")
-            if int(leaf.shape[dim]) < 2:
-                raise InvalidOptionError(
-                    f"dynamic dim {dim} of argument {key!r} is {int(leaf.shape[dim])} in the "
-                    "example call; Dynamo specializes sizes 0 and 1, so the dim would not be "
-                    "dynamic: give an example of at least 2 there"
-                )
-        dims.setdefault(matches[0], set()).update(wanted)
+        for index in matches:
+            leaf = leaves[index]
+            if not isinstance(leaf, torch.Tensor):
+                continue  # a cache beside tensors in one argument: not a dim of it
+            for dim in wanted:
+                if not isinstance(dim, int) or not 0 <= dim < leaf.dim():
+                    raise InvalidOptionError(
+                        f"dynamic dim {dim!r} of argument {key!r} is out of range"
+                    )
+                if int(leaf.shape[dim]) < 2:
+                    raise InvalidOptionError(
+                        f"dynamic dim {dim} of argument {key!r} is {int(leaf.shape[dim])} in "
+                        "the example call; Dynamo specializes sizes 0 and 1, so the dim would "
+                        "not be dynamic: give an example of at least 2 there"
+                    )
+            dims.setdefault(index, set()).update(wanted)
     return dims
 
 
