@@ -203,6 +203,9 @@ def model_factors(
         "python": environment.python,
         "device": f"{environment.device_type}:{environment.device_name}:{environment.capability}",
         "format": (
-            f"model plan 1 (caches), artifact {FORMAT_VERSION}, precompile {__version__}, {KERNELS}"
+            # plan 2: a tensor filling two argument slots is traced as two inputs (a plan
+            # 1 entry traced from labels=input_ids read the labels alone)
+            f"model plan 2 (caches, distinct arguments), artifact {FORMAT_VERSION}, "
+            f"precompile {__version__}, {KERNELS}"
         ),
     }

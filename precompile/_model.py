@@ -269,6 +269,7 @@ def compile_model(
         )
     args = tuple(example_args)
     kwargs = dict(sorted((example_kwargs or {}).items()))  # a call's kwargs, sorted by name
+    args, kwargs, dynamic = _distinct_tensors(args, kwargs, dynamic)
     leaves, _ = tree_flatten((args, kwargs), is_leaf=is_kv_cache)
     paths = _leaf_paths(args, kwargs)
     named = [(_argument_name(path), leaf) for path, leaf in zip(paths, leaves, strict=True)]
@@ -279,6 +280,47 @@ def compile_model(
             offline=offline,
         )  # fmt: skip
     return _finish(compiled, cudagraphs, warmup)
+
+
+def _distinct_tensors(
+    args: tuple[Any, ...], kwargs: dict[str, Any], dynamic: DynamicSpec
+) -> tuple[tuple[Any, ...], dict[str, Any], DynamicSpec]:
+    """The example call with each tensor that fills more than one argument slot
+    (``labels=input_ids``, the usual call of a causal LM's loss) copied into every slot
+    after its first. Dynamo traces one tensor as one graph input, and the plan bound
+    that input to one slot: the other was never read, so a later call with labels
+    unlike its ids was answered from the labels alone (logits 0.56 off eager on a tiny
+    Llama) or refused as ids (-100, transformers' ignore index, "outside the embedding's
+    256 rows"). Each slot is now an input of its own; a call that passes one tensor in
+    both slots is served too (the graph writes neither: the runtime refuses aliasing of
+    an input the graph writes). A copy's argument gets the dynamic dims ``dynamic``
+    names for the slot it was copied from, where ``dynamic`` names none of its own: the
+    same tensor, so the same dims (with ``labels=input_ids``, ``dynamic={"input_ids":
+    [1]}`` makes both lengths dynamic, as it did when they were one input)."""
+    leaves, spec = tree_flatten((args, kwargs), is_leaf=is_kv_cache)
+    paths = _leaf_paths(args, kwargs)
+    first: dict[int, int] = {}
+    twins: list[tuple[int, int]] = []
+    for index, leaf in enumerate(leaves):
+        if not isinstance(leaf, torch.Tensor):
+            continue
+        if id(leaf) in first:
+            from ._torch_adapter import with_dynamo_marks
+
+            copied = leaf.detach().clone(memory_format=torch.preserve_format)
+            leaves[index] = with_dynamo_marks(leaf, copied.requires_grad_(leaf.requires_grad))
+            twins.append((index, first[id(leaf)]))
+        first.setdefault(id(leaf), index)
+    if not twins:
+        return args, kwargs, dynamic
+    if isinstance(dynamic, Mapping):
+        dynamic = dict(dynamic)
+        for copy_index, original in twins:
+            source, target = paths[original], paths[copy_index]
+            if source in dynamic and target not in dynamic:
+                dynamic[target] = dynamic[source]
+    args, kwargs = tree_unflatten(leaves, spec)
+    return tuple(args), dict(kwargs), dynamic
 
 
 def _compiled_model(

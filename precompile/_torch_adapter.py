@@ -11,6 +11,7 @@ one shares.
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 import inspect
 import os
@@ -71,6 +72,16 @@ def with_static_mark(original: torch.Tensor, copied: torch.Tensor) -> torch.Tens
     mark = getattr(original, "_dynamo_static_input_type", None)
     if mark is not None:
         copied._dynamo_static_input_type = mark  # type: ignore[attr-defined]
+    return copied
+
+
+def with_dynamo_marks(original: torch.Tensor, copied: torch.Tensor) -> torch.Tensor:
+    """``copied`` with every mark Dynamo keeps on ``original`` (``mark_dynamic``'s dims
+    and ranges, ``mark_static``, the static-address mark: its ``_dynamo_*`` attributes),
+    so a copy is traced as the original would be."""
+    for name, value in vars(original).items():
+        if name.startswith("_dynamo_"):
+            setattr(copied, name, copy.copy(value))
     return copied
 
 

@@ -309,6 +309,33 @@ def test_calls_outside_the_compiled_structure_are_refused(compiled_llama: tuple[
             model.eval()
 
 
+def test_labels_compiled_from_the_ids_tensor_are_an_input_of_their_own(tmp_path: Any) -> None:
+    """``labels=input_ids`` (one tensor in two slots, the usual loss call) was traced as
+    one graph input bound to ``labels``: a call with other labels was answered from the
+    labels alone (logits 0.56 off eager), and labels holding -100 (transformers' ignore
+    index) were refused as ids ("outside the embedding's rows"). Each slot is an input of
+    its own now, ``dynamic`` for ``input_ids`` covering its twin: losses are eager's."""
+    model = tiny_llama()
+    ids = torch.randint(0, VOCAB, (2, 6))
+    with torch.no_grad():
+        compiled = precompile.compile_model(
+            model, (), {"input_ids": ids, "labels": ids, "use_cache": False},
+            dynamic={"input_ids": [1]}, hints=[8], sizes=[], cache=str(tmp_path), warmup=False,
+        )  # fmt: skip
+        torch.manual_seed(5)
+        for length in (6, 9):
+            ids = torch.randint(0, VOCAB, (2, length))
+            ignored = ids.clone()
+            ignored[:, :2] = -100
+            for labels in (ignored, torch.randint(0, VOCAB, (2, length)), ids):
+                ours = compiled(input_ids=ids, labels=labels, use_cache=False)
+                eager = model(input_ids=ids, labels=labels, use_cache=False)
+                torch.testing.assert_close(ours.logits, eager.logits, rtol=1e-4, atol=1e-4)
+                torch.testing.assert_close(ours.loss, eager.loss, rtol=1e-4, atol=1e-4)
+        with pytest.raises(precompile.IndexOutOfRangeError, match="outside the embedding"):
+            compiled(input_ids=ignored, labels=ids, use_cache=False)  # ids are still checked
+
+
 MODEL_SOURCE = """
 import torch
 from scaler_helper import activate
