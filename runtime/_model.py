@@ -480,7 +480,39 @@ class CompiledModel:
         leaves = self._flat_leaves(args, kwargs)
         if leaves is None:
             leaves = self._leaves(args, kwargs)
-        return self._serving(leaves)._call(leaves)
+        try:
+            return self._serving(leaves)._call(leaves)
+        except InputMismatchError:
+            said = self._shape_refusal(leaves)
+            if said is None:
+                raise
+            raise InputMismatchError(said) from None
+
+    def _shape_refusal(self, leaves: list[Any]) -> str | None:
+        """Where a refused call has a tensor argument of another rank, or another size in
+        a static dim, than the model was compiled for: that, in the call's terms (the
+        argument's name, dynamic lengths as ``*``). The graph that refused it may be a
+        piece (a trace at length 1, chosen by a dim of size 1: a ``(1, 1, 12)`` ids tensor
+        was told the piece's "rank 2 with shape (1, 1)"), whose contract is not the
+        call's, and the graph's own words name graph inputs and symbols."""
+        inputs = self.artifact.manifest.inputs
+        for index, (kind, target) in enumerate(self.plan.bindings):
+            spec, value = inputs[index], leaves[target] if kind == "leaf" else None
+            if not isinstance(spec, TensorInput) or not isinstance(value, torch.Tensor):
+                continue
+            shape = spec.shape
+            if value.dim() == len(shape) and all(
+                not isinstance(size, int) or size == int(got)
+                for size, got in zip(shape, value.shape, strict=True)
+            ):
+                continue
+            wanted = ", ".join(str(size) if isinstance(size, int) else "*" for size in shape)
+            return (
+                f"{self._names[target]} should have rank {len(shape)} with shape ({wanted}) "
+                f"(*: a dynamic length), the shape the model was compiled for; got shape "
+                f"{tuple(value.shape)}"
+            )
+        return None
 
     def _serving(self, leaves: list[Any]) -> CompiledModel:
         """This graph, or the piece that serves a call of these leaves."""

@@ -296,11 +296,21 @@ def test_calls_outside_the_compiled_structure_are_refused(compiled_llama: tuple[
             compiled(ids, use_cache=True)
         with pytest.raises(precompile.InputMismatchError, match="dtype int64, got int32"):
             compiled(ids.int(), use_cache=False)
-        for wrong_rank in (ids[0], ids[0, 0]):  # read a size off a missing dim: IndexError once
+        # read a size off a missing dim: IndexError once; a (1, 1, 12) tensor was told the
+        # contract of the trace at length 1 ("input 0 ... rank 2 with shape (1, 1)"): the
+        # call's own contract now, by the argument's name, whichever graph refused it
+        for wrong in (ids[0], ids[0, 0], ids.view(1, 1, 7), ids[:, :1].view(1, 1, 1), ids[0, :1]):
             with pytest.raises(
-                precompile.InputMismatchError, match=r"argument 0\) should have rank 2"
+                precompile.InputMismatchError,
+                match=r"^argument 0 should have rank 2 with shape \(1, \*\) \(\*: a dynamic "
+                r"length\), the shape the model was compiled for; got shape "
+                + re.escape(str(tuple(wrong.shape))),
             ):
-                compiled(wrong_rank, use_cache=False)
+                compiled(wrong, use_cache=False)
+        with pytest.raises(
+            precompile.InputMismatchError, match=r"^argument 0 .*got shape \(2, 1\)"
+        ):
+            compiled(torch.zeros(2, 1, dtype=torch.long), use_cache=False)  # batch static at 1
         model.train()
         try:
             with pytest.raises(precompile.InputMismatchError, match="train"):
