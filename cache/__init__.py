@@ -42,8 +42,10 @@ from ._errors import (
     UnsafeCacheError,
     UntrustedArtifactError,
 )
+from ._fsspec_store import FsspecStore
 from ._get_or_build import get_or_build
 from ._json import decode_json
+from ._remote_store import RemoteStore
 from ._root import LAYOUT, resolve_root
 from ._settings import env_flag
 from ._signing import (
@@ -93,12 +95,14 @@ __all__ = [
     "CacheStats",
     "CacheWriteError",
     "CorruptArtifactError",
+    "FsspecStore",
     "PayloadLimitError",
     "InvalidOptionError",
     "MissExplanation",
     "PrecompileError",
     "PrunePlan",
     "RemoteScan",
+    "RemoteStore",
     "StoredEntry",
     "UnsafeCacheError",
     "UntrustedArtifactError",

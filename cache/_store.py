@@ -20,14 +20,13 @@ a plain miss. Stats and LRU touches are best effort, so a read-only cache serves
 from __future__ import annotations
 
 import contextlib
-import functools
 import json
 import logging
 import os
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from typing import Any
@@ -38,14 +37,23 @@ from . import _locks as locks
 from . import _signing as signing
 from ._bytes import (
     atomic_file,
-    check_payload_size,
     compress,
     decompress,
-    fails_own_digest,
     read_fd,
     sha256_hex,
 )
 from ._counters import Counters
+from ._document import (
+    ABOUT_ITEMS,
+    ABOUT_NAME,
+    ABOUT_TEXT,
+    MAX_ENTRY_BYTES,
+    is_about,
+    is_digest,
+    signed_digest,
+    stored,
+    validate,
+)
 from ._entry import (
     CacheEntry,
     CacheScan,
@@ -67,11 +75,12 @@ from ._errors import (
     UntrustedArtifactError,
 )
 from ._json import decode_json
-from ._remote import Lease, RemoteTier, remote_from_env
+from ._remote_store import RemoteStore, open_remote, remote_from_env
 from ._root import LAYOUT, prepare, resolve_root
 from ._settings import env_bytes
 from ._signing import Signature, TrustedKeysOption, resolve_trusted_keys
 from ._tags import Tags
+from ._tier import RemoteTier
 
 # An entry's blobs are read in threads when they hold at least this many bytes together.
 _PARALLEL_READ_BYTES = 8 << 20
@@ -79,60 +88,10 @@ _PARALLEL_READ_BYTES = 8 << 20
 log = logging.getLogger("precompile.cache")
 DEFAULT_SIZE_LIMIT = 20 * 2**30
 _TEMP_GRACE_S = 600.0  # a temp file this old belongs to a writer that died
-_MAX_ENTRY_BYTES = 64 << 20
-_HEX = frozenset("0123456789abcdef")
-_ABOUT_ITEMS, _ABOUT_NAME, _ABOUT_TEXT = 32, 64, 4096  # an entry's ``about``: small, plain
-# What one remote entry may ask for, checked before any of its blobs is requested: each
-# blob is one request, and all of them are held in memory until verified. Real entries
-# list tens of blobs (variants and kernel binaries) and megabytes.
-REMOTE_ENTRY_MAX_BLOBS = 1024
-REMOTE_ENTRY_MAX_BYTES = 4 << 30
 
 
 def _size_limit_from_env() -> int:
     return env_bytes("PRECOMPILE_CACHE_SIZE_LIMIT", DEFAULT_SIZE_LIMIT)
-
-
-def _is_digest(text: Any) -> bool:
-    return isinstance(text, str) and len(text) == 64 and set(text) <= _HEX
-
-
-def _is_about(value: Any) -> bool:
-    """Whether ``value`` is an entry's ``about``: a small table of plain text."""
-    return (
-        isinstance(value, dict)
-        and len(value) <= _ABOUT_ITEMS
-        and all(
-            isinstance(k, str) and isinstance(v, str) and len(k) <= _ABOUT_NAME
-            and len(v) <= _ABOUT_TEXT
-            for k, v in value.items()
-        )
-    )  # fmt: skip
-
-
-def _signed_digest(document: Mapping[str, Any]) -> bytes:
-    """What an entry's signature signs: sha256 of its canonical JSON, signature aside."""
-    body = {k: v for k, v in document.items() if k != "signature"}
-    text = json.dumps(body, sort_keys=True, separators=(",", ":"), allow_nan=False)
-    return bytes.fromhex(sha256_hex(text.encode()))
-
-
-def _stored(
-    key: str,
-    document: Mapping[str, Any],
-    blobs: Mapping[str, bytes],
-    payloads: VerifiedBlobs | None = None,
-) -> StoredEntry:
-    aux_digests = set(document["aux"].values())
-    return StoredEntry(
-        key=key,
-        document=document.get("document"),
-        blobs=payloads
-        if payloads is not None
-        else {d: blobs[d] for d in document["blobs"] if d not in aux_digests},
-        aux={name: blobs[d] for name, d in document["aux"].items()},
-        factors=document.get("factors", {}),
-    )
 
 
 class ArtifactCache:
@@ -146,10 +105,11 @@ class ArtifactCache:
     ``signing_key``: a private key that signs every entry this cache writes.
     ``remote``: a second tier, any fsspec URL (``s3://bucket/precompile``, ``file://``
     on a shared mount; default ``$PRECOMPILE_REMOTE_CACHE``), with ``remote_options``
-    for fsspec (default ``$PRECOMPILE_REMOTE_CACHE_OPTIONS``, JSON): a local miss is
-    looked up there and copied in, and every write is uploaded. ``remote_timeout``:
-    seconds any one remote operation may take (default ``$PRECOMPILE_REMOTE_TIMEOUT``,
-    else 5), plus 1 s per 8 MiB it transfers; past it the call goes on locally.
+    for fsspec (default ``$PRECOMPILE_REMOTE_CACHE_OPTIONS``, JSON), or any
+    ``RemoteStore`` object: a local miss is looked up there and copied in, and every
+    write is uploaded (``_tier``). ``remote_timeout``: seconds any one remote operation
+    may take (default ``$PRECOMPILE_REMOTE_TIMEOUT``, else 5), plus 1 s per 8 MiB it
+    transfers; past it the call goes on locally.
     """
 
     def __init__(
@@ -161,7 +121,7 @@ class ArtifactCache:
         lock_timeout: float = 3600.0,
         trusted_keys: TrustedKeysOption = None,
         signing_key: Any = None,
-        remote: str | RemoteTier | None = None,
+        remote: str | RemoteStore | None = None,
         remote_options: Mapping[str, Any] | None = None,
         remote_timeout: float | None = None,
     ) -> None:
@@ -190,17 +150,21 @@ class ArtifactCache:
         if remote is None:
             remote, env_options = remote_from_env()
             remote_options = env_options if remote_options is None else remote_options
-        self.remote = RemoteTier(remote, remote_options) if isinstance(remote, str) else remote
+        self.remote: RemoteStore | None = None
+        self._tier: RemoteTier | None = None
+        if remote is not None:
+            self.remote = open_remote(remote, remote_options)
+            self._tier = RemoteTier(self.remote, self)
         self._tags = Tags(self._dirs["tags"], trust_foreign)
 
     def __repr__(self) -> str:
         state = "" if self.writable else ", read-only"
-        state += "" if self.remote is None else f", remote={self.remote.url!r}"
+        state += "" if self.remote is None else f", remote={str(self.remote)!r}"
         return f"ArtifactCache({self.root!r}, size_limit={self.size_limit}{state})"
 
     # -- paths and locks -------------------------------------------------------------
     def entry_path(self, key: str) -> str:
-        if not _is_digest(key):
+        if not is_digest(key):
             raise InvalidOptionError(f"cache key must be a sha256 hex digest, got {key!r}")
         return os.path.join(self._dirs["entries"], key + ".json")
 
@@ -214,44 +178,16 @@ class ArtifactCache:
         ``lock_timeout``. See ``_locks`` for the order locks are taken in."""
         self.entry_path(name)  # a key, nothing else
         with locks.exclusive(self._lock_path(name), self.lock_timeout):
-            remote = self.remote
-            if remote is None:
+            tier = self._tier
+            if tier is None:
                 yield
                 return
-            lease = self._remote_lease(name)
+            lease = tier.take_lease(name)  # single flight across machines
             try:
                 yield
             finally:
                 if lease is not None:
-                    self._remote("lease release", functools.partial(remote.release, lease))
-
-    def _remote_lease(self, key: str) -> Lease | None:
-        """Take the key's remote lease for a compile, or wait for the entry another
-        machine is compiling (up to ``lock_timeout``, then go on: compiling twice is
-        only wasteful). Each try is one remote operation under its deadline; a remote
-        that fails or does not answer means no lease, and the compile goes on."""
-        remote = self.remote
-        assert remote is not None
-        waited_until = time.monotonic() + self.lock_timeout
-        delay = 0.05
-
-        def release_late(lease: Any) -> None:  # taken after we stopped waiting for it
-            if isinstance(lease, Lease):
-                remote.release(lease)
-
-        while True:
-            lease = self._remote(
-                "lease", functools.partial(remote.try_lease, key), on_late=release_late
-            )
-            if lease is not False:
-                return lease if isinstance(lease, Lease) else None
-            if time.monotonic() > waited_until:
-                log.warning(
-                    "waited %.0f s for another machine's compile of %s", self.lock_timeout, key[:12]
-                )
-                return None
-            time.sleep(delay)
-            delay = min(delay * 2, 1.0)
+                    tier.release(lease)
 
     def _lock_path(self, name: str) -> str:
         return os.path.join(self._dirs["locks"], name + ".lock")
@@ -267,12 +203,12 @@ class ArtifactCache:
         or, with ``quarantine=False``, raises ``CorruptArtifactError`` and stays."""
         path = self.entry_path(key)
         try:
-            raw = files.read_checked(path, _MAX_ENTRY_BYTES, self.trust_foreign)
+            raw = files.read_checked(path, MAX_ENTRY_BYTES, self.trust_foreign)
         except FileNotFoundError:
             return None
         try:
             document = decode_json(raw, f"cache entry {key[:12]}")
-            self._validate(key, document)
+            validate(key, document)
         except PayloadLimitError:
             raise  # the entry may be healthy: a limit set too low loses nothing
         except CorruptArtifactError as exc:
@@ -285,28 +221,9 @@ class ArtifactCache:
             signature = Signature.from_json(document["signature"], f"cache entry {key[:12]}")
         where = f"cache entry {key[:12]}"
         if self.trusted_keys is not None:  # else nothing is checked: no digest to compute
-            signing.check_signature(_signed_digest(document), signature, self.trusted_keys, where)
+            signing.check_signature(signed_digest(document), signature, self.trusted_keys, where)
         checked: dict[str, Any] = document
         return checked
-
-    @staticmethod
-    def _validate(key: str, document: Any) -> None:
-        if not isinstance(document, dict) or document.get("key") != key:
-            raise CorruptArtifactError("entry does not describe its own key")
-        blobs, aux = document.get("blobs"), document.get("aux")
-        if not isinstance(blobs, dict) or not isinstance(aux, dict):
-            raise CorruptArtifactError("entry lacks its blob table")
-        for digest, size in blobs.items():
-            if not _is_digest(digest):
-                raise CorruptArtifactError(f"entry lists blob {str(digest)[:12]} oddly")
-            check_payload_size(size, digest, f"cache entry {key[:12]}")
-        for name, digest in aux.items():
-            if not isinstance(name, str) or digest not in blobs:
-                raise CorruptArtifactError(f"entry's aux {name!r:.40} names no listed blob")
-        if not isinstance(document.get("factors", {}), dict):
-            raise CorruptArtifactError("entry's factors are not a table")
-        if not _is_about(document.get("about", {})):
-            raise CorruptArtifactError("entry's about is not a small table of text")
 
     def _read_blob(
         self, digest: str, raw_size: int, key: str, *, quarantine: bool = True,
@@ -397,7 +314,7 @@ class ArtifactCache:
         with contextlib.suppress(OSError):  # approximate LRU: last use is the entry's mtime
             os.utime(self.entry_path(key))
         self._count("hits")
-        return _stored(key, document, read, payloads)
+        return stored(key, document, read, payloads)
 
     def _read_blobs(self, sizes: Mapping[str, int], key: str) -> dict[str, bytes]:
         """Every blob of an entry, verified. Several large blobs are read in threads
@@ -425,7 +342,7 @@ class ArtifactCache:
         counts stay as they were, and the remote tier is not asked."""
         document = self._read_document(key)
         if document is None:
-            fetched = self._fetch(key) if self.remote is not None and touch else None
+            fetched = self._tier.fetch(key) if self._tier is not None and touch else None
             if touch:
                 self._count("misses" if fetched is None else "hits")
             return fetched
@@ -448,7 +365,7 @@ class ArtifactCache:
             with contextlib.suppress(OSError):  # approximate LRU: last use is the mtime
                 os.utime(self.entry_path(key))
         count("hits")
-        return _stored(key, document, blobs)
+        return stored(key, document, blobs)
 
     def contains(self, key: str) -> bool:
         return os.path.exists(self.entry_path(key))
@@ -470,10 +387,10 @@ class ArtifactCache:
         part of the key). Atomic: on failure (``CacheWriteError`` for a full or read-only
         disk) nothing of it remains. Evicts least recently used entries past the limit."""
         path = self.entry_path(key)
-        if about is not None and not _is_about(dict(about)):
+        if about is not None and not is_about(dict(about)):
             raise InvalidOptionError(
-                f"about must map at most {_ABOUT_ITEMS} names (<= {_ABOUT_NAME} characters) "
-                f"to text (<= {_ABOUT_TEXT} characters), got {about!r:.200}"
+                f"about must map at most {ABOUT_ITEMS} names (<= {ABOUT_NAME} characters) "
+                f"to text (<= {ABOUT_TEXT} characters), got {about!r:.200}"
             )
         for digest, data in blobs.items():
             if sha256_hex(data) != digest:
@@ -499,7 +416,7 @@ class ArtifactCache:
                     entry["about"] = dict(about)
                 if self.signing_key is not None:
                     entry["signature"] = signing.sign_digest(
-                        _signed_digest(entry), self.signing_key
+                        signed_digest(entry), self.signing_key
                     ).to_json()
                 entry_bytes = json.dumps(entry, indent=1, allow_nan=False).encode()
                 with atomic_file(path) as handle:
@@ -513,8 +430,8 @@ class ArtifactCache:
                 exc.errno or 0, f"cache {self.root} could not store {key[:12]}: {exc}"
             ) from exc
         log.info("cached %s (%d blobs)", key[:12], len(everything))
-        if self.remote is not None:
-            self.upload(key)
+        if self._tier is not None:
+            self._tier.upload(key)
         try:
             self.prune(keep=key)
         except (OSError, locks.Timeout) as exc:
@@ -535,10 +452,10 @@ class ArtifactCache:
     def sign(self, key: str, signing_key: Any) -> None:
         """Sign an existing entry in place (its document and blob table, so every blob)."""
         path = self.entry_path(key)
-        raw = files.read_checked(path, _MAX_ENTRY_BYTES, self.trust_foreign)
+        raw = files.read_checked(path, MAX_ENTRY_BYTES, self.trust_foreign)
         document = decode_json(raw, f"cache entry {key[:12]}")
-        self._validate(key, document)
-        document["signature"] = signing.sign_digest(_signed_digest(document), signing_key).to_json()
+        validate(key, document)
+        document["signature"] = signing.sign_digest(signed_digest(document), signing_key).to_json()
         used = os.stat(path)
         with self._gc_lock(exclusive=False):
             with atomic_file(path) as handle:
@@ -546,128 +463,8 @@ class ArtifactCache:
             with contextlib.suppress(OSError):  # signing is not a use: keep the LRU order
                 os.utime(path, ns=(used.st_atime_ns, used.st_mtime_ns))
 
-    # -- the remote tier -------------------------------------------------------------
-    def _remote(
-        self,
-        what: str,
-        action: Callable[[], Any],
-        default: Any = None,
-        *,
-        seconds: float | None = None,
-        on_late: Callable[[Any], Any] | None = None,
-        failures: list[str] | None = None,
-    ) -> Any:
-        """Run a remote operation under its deadline (``remote_timeout`` unless
-        ``seconds`` is given); any failure (network, permissions, throttling, a vanished
-        or silent server) is logged and answered with ``default``. It is counted in the
-        local stats and logged as a warning, unless ``failures`` is given: a caller that
-        takes the failure reports it (a listing, which is read-only, leaves the local
-        cache unchanged; the message is said once, by that caller)."""
-        limit = self.remote_timeout if seconds is None else seconds
-        level = logging.WARNING if failures is None else logging.DEBUG
-        try:
-            return deadline.call(action, limit, what, on_late)
-        except deadline.RemoteTimeout as exc:
-            log.log(level, "remote cache %s: %s timed out: %s; going on locally", self.remote,
-                    what, exc)  # fmt: skip
-            self._remote_failed(f"timed out: {exc}", failures, timed_out=True)
-            return default
-        except Exception as exc:  # a remote must never fail a call we can serve locally
-            log.log(level, "remote cache %s: %s failed: %s: %s", self.remote, what,
-                    type(exc).__name__, str(exc)[:200])  # fmt: skip
-            self._remote_failed(f"{type(exc).__name__}: {str(exc)[:200]}", failures)
-            return default
-
-    def _remote_failed(
-        self, reason: str, failures: list[str] | None, timed_out: bool = False
-    ) -> None:
-        if failures is not None:
-            failures.append(reason)
-            return
-        if timed_out:
-            self._count("remote_timeouts")
-        self._count("remote_errors")
-
-    def _remote_refusal(self, blobs: Mapping[str, int]) -> str | None:
-        """Why an entry is too large to move through the remote, before any request."""
-        if len(blobs) > REMOTE_ENTRY_MAX_BLOBS:
-            return f"it lists {len(blobs)} blobs, over the {REMOTE_ENTRY_MAX_BLOBS} allowed"
-        total = sum(blobs.values())
-        limit = min(REMOTE_ENTRY_MAX_BYTES, self.size_limit)
-        if total > limit:
-            return f"its blobs are {total} bytes, over the {limit} allowed"
-        return None
-
-    def _fetch(self, key: str) -> StoredEntry | None:
-        """The remote entry under ``key``, verified and copied into the local cache (a
-        read-only local cache still serves it, from memory). One deadline for it all:
-        ``remote_timeout`` plus the transfer allowance of the blobs it lists."""
-        remote = self.remote
-        assert remote is not None
-        started = time.monotonic()
-        raw = self._remote(
-            "read entry", lambda: remote.read(remote.entry_path(key), _MAX_ENTRY_BYTES)
-        )
-        if raw is None:
-            self._count("remote_misses")
-            return None
-        where = f"remote entry {key[:12]}"
-        try:
-            document = decode_json(raw, where)
-            self._validate(key, document)
-            signature = None
-            if "signature" in document:
-                signature = Signature.from_json(document["signature"], where)
-            signing.check_signature(_signed_digest(document), signature, self.trusted_keys, where)
-        except (CorruptArtifactError, UntrustedArtifactError) as exc:
-            log.warning("%s refused: %s", where, exc)
-            self._count("remote_errors")
-            return None
-        refusal = self._remote_refusal(document["blobs"])
-        if refusal is not None:
-            log.warning("%s refused before any blob was requested: %s", where, refusal)
-            self._count("remote_errors")
-            return None
-        stored: dict[str, bytes] = {}
-        raws: dict[str, bytes] = {}
-        blobs = list(document["blobs"].items())
-        # A stored blob is zstd of the raw bytes: never much larger than them.
-        wanted = [(remote.blob_path(digest), size * 2 + 4096) for digest, size in blobs]
-        left = self.remote_timeout - (time.monotonic() - started)
-        left += deadline.transfer_allowance(sum(size for _, size in blobs))
-        datas = self._remote(
-            "read blobs", functools.partial(remote.read_many, wanted), seconds=left
-        )
-        if datas is None or any(data is None for data in datas):
-            self._count("remote_misses")
-            return None
-        for (digest, size), (path, _), data in zip(blobs, wanted, datas, strict=True):
-            try:
-                raws[digest] = decompress(data, size, digest, f"remote blob {digest[:12]}")
-            except CorruptArtifactError as exc:
-                if fails_own_digest(data, digest):
-                    # Content-addressed: remove it, so the next upload replaces it.
-                    log.warning("%s; removing it from the remote", exc)
-                    self._remote("remove corrupt blob", functools.partial(remote.remove, path))
-                else:  # the entry's word against the blob's own bytes: the entry loses
-                    log.warning("%s refused: %s (the blob itself is intact and stays)", where, exc)
-                self._count("remote_errors")
-                return None
-            stored[digest] = data
-        self._count("remote_hits")
-        log.info("fetched %s from the remote cache %s", key[:12], remote.url)
-        if self.writable:
-            try:
-                with self._gc_lock(exclusive=False):
-                    for digest, data in stored.items():
-                        self._write_stored_blob(digest, data)
-                    with atomic_file(self.entry_path(key)) as handle:
-                        handle.write(raw)
-            except (OSError, locks.Timeout) as exc:
-                log.warning("could not keep remote entry %s locally: %s", key[:12], exc)
-        return _stored(key, document, raws)
-
     def _write_stored_blob(self, digest: str, stored: bytes) -> None:
+        """Keep a blob as another store held it (compressed, verified by the caller)."""
         path = self._blob_path(digest)
         if os.path.exists(path):
             return
@@ -675,76 +472,28 @@ class ArtifactCache:
         with atomic_file(path) as handle:
             handle.write(stored)
 
+    # -- the remote tier (``_tier``) ---------------------------------------------------
+    def _remote_tier(self) -> RemoteTier:
+        tier = self._tier
+        if tier is None:
+            raise InvalidOptionError("this cache has no remote tier")
+        return tier
+
     def upload(self, key: str) -> bool:
         """Copy a local entry to the remote: blobs first, the entry last. False (logged)
         where the remote failed; the local entry is untouched either way."""
-        remote = self.remote
-        if remote is None:
-            raise InvalidOptionError("this cache has no remote tier")
-        raw = files.read_checked(self.entry_path(key), _MAX_ENTRY_BYTES, self.trust_foreign)
-        document = decode_json(raw, f"cache entry {key[:12]}")
-        self._validate(key, document)
-        refusal = self._remote_refusal(document["blobs"])
-        if refusal is not None:
-            log.warning("entry %s not uploaded: %s (no remote reader would take it)",
-                        key[:12], refusal)  # fmt: skip
-            return False
-
-        def push() -> bool:
-            for digest in document["blobs"]:
-                target = remote.blob_path(digest)
-                if not remote.exists(target):
-                    local = files.read_checked(self._blob_path(digest), 1 << 40, self.trust_foreign)
-                    remote.write(target, local)
-            remote.write(remote.entry_path(key), raw)
-            for name, tagged in self._tags.all().items():  # tags after what they name
-                if tagged == key:
-                    remote.write(remote.tag_path(name), key.encode())
-            return True
-
-        seconds = self.remote_timeout + deadline.transfer_allowance(sum(document["blobs"].values()))
-        done = bool(self._remote(f"upload of {key[:12]}", push, default=False, seconds=seconds))
-        if done:
-            self._count("remote_uploads")
-        return done
+        return self._remote_tier().upload(key)
 
     def pull(self, keys: Sequence[str]) -> list[str]:
         """Copy remote entries into the local cache (verified), with the remote's tags
         that name them; returns the keys now held locally (absent or bad ones left out,
         and names that are not keys skipped with a warning)."""
-        remote = self.remote
-        if remote is None:
-            raise InvalidOptionError("this cache has no remote tier")
-        done = []
-        for key in keys:
-            if not _is_digest(key):
-                log.warning("remote entry %r skipped: not a cache key", key)
-            elif self.contains(key) or self._fetch(key) is not None:
-                done.append(key)
-        if not done:
-            return done
-        tags: dict[str, str] = self._remote("tag listing", remote.tags, default={})
-        for name, tagged in tags.items():
-            if tagged in done and self._tags.get(name) != tagged:
-                try:
-                    self._tags.set(name, tagged)  # validates the name
-                except (ValueError, OSError) as exc:
-                    log.warning("remote tag %r not taken: %s", name, exc)
-        return done
+        return self._remote_tier().pull(keys)
 
     def remote_scan(self) -> RemoteScan:
         """The remote's entries: the names that are cache keys, and those skipped (a
         name that is not a key is reported, never made into a path)."""
-        remote = self.remote
-        if remote is None:
-            raise InvalidOptionError("this cache has no remote tier")
-        failures: list[str] = []
-        names: list[str] = self._remote("listing", remote.entries, default=[], failures=failures)
-        skipped = [(n, "not a cache key (a sha256 hex digest)") for n in names if not _is_digest(n)]
-        for name, reason in skipped:
-            log.warning("remote entry %r skipped: %s", name, reason)
-        error = failures[0] if failures else None
-        return RemoteScan(tuple(n for n in names if _is_digest(n)), tuple(skipped), error)
+        return self._remote_tier().scan()
 
     def remote_entries(self) -> list[str]:
         """The keys the remote holds (see ``remote_scan`` for the names skipped)."""
@@ -757,9 +506,8 @@ class ArtifactCache:
         locally what the remote named)."""
         self.entry_path(key)  # validates the key
         self._tags.set(name, key)
-        remote = self.remote
-        if remote is not None and to_remote:
-            self._remote("tag", lambda: remote.write(remote.tag_path(name), key.encode()))
+        if self._tier is not None and to_remote:
+            self._tier.tag(name, key)
         log.info("tagged %s as %r", key[:12], name)
 
     def tags(self) -> dict[str, str]:
@@ -769,29 +517,23 @@ class ArtifactCache:
     def remote_tagged(self, name: str) -> tuple[str | None, str | None]:
         """The key the remote's own tag ``name`` names (None where it has none), and why
         it could not be read (a read-only query: its failure goes to the caller)."""
-        remote = self.remote
-        if remote is None:
-            raise InvalidOptionError("this cache has no remote tier")
+        tier = self._remote_tier()
         self._tags._path(name)  # validates the name before it goes into a remote path
         failures: list[str] = []
-        read = lambda: remote.read(remote.tag_path(name), 1024)  # noqa: E731
-        raw = self._remote("tag", read, failures=failures)
+        key = tier.tagged(name, failures)
         if failures:
             return None, failures[0]
-        key = None if raw is None else raw.decode("ascii", "replace").strip()
-        if key is not None and not _is_digest(key):
+        if key is not None and not is_digest(key):
             return None, f"its tag {name!r} names {key[:80]!r}, which is not a cache key"
         return key, None
 
     def tagged(self, name: str) -> str | None:
         """The key a tag names (here, else on the remote), or None."""
         key = self._tags.get(name)
-        remote = self.remote
-        if key is None and remote is not None:
+        if key is None and self._tier is not None:
             self._tags._path(name)  # validates the name before it goes into a remote path
-            raw = self._remote("tag", lambda: remote.read(remote.tag_path(name), 1024))
-            key = None if raw is None else raw.decode("ascii", "replace").strip()
-        if key is not None and not _is_digest(key):
+            key = self._tier.tagged(name)
+        if key is not None and not is_digest(key):
             log.warning("tag %r names %r, which is not a cache key; ignoring it", name, key)
             return None
         return key
@@ -817,13 +559,13 @@ class ArtifactCache:
         found: list[CacheEntry] = []
         unreadable: list[tuple[str, str]] = []
         for name in files.listing(self._dirs["entries"]):
-            if not name.endswith(".json") or not _is_digest(name[:-5]):
+            if not name.endswith(".json") or not is_digest(name[:-5]):
                 continue
             path = os.path.join(self._dirs["entries"], name)
             try:
-                raw = files.read_checked(path, _MAX_ENTRY_BYTES, self.trust_foreign)
+                raw = files.read_checked(path, MAX_ENTRY_BYTES, self.trust_foreign)
                 document = decode_json(raw, path)
-                self._validate(name[:-5], document)
+                validate(name[:-5], document)
                 info = os.lstat(path)
             except FileNotFoundError:
                 continue  # evicted while we listed
@@ -853,9 +595,9 @@ class ArtifactCache:
         blob is read, no signature checked, nothing is run: for looking at, not loading).
         Raises ``FileNotFoundError`` where there is no such entry, ``CorruptArtifactError``
         where it cannot be read."""
-        raw = files.read_checked(self.entry_path(key), _MAX_ENTRY_BYTES, self.trust_foreign)
+        raw = files.read_checked(self.entry_path(key), MAX_ENTRY_BYTES, self.trust_foreign)
         entry = decode_json(raw, f"cache entry {key[:12]}")
-        self._validate(key, entry)
+        validate(key, entry)
         return entry.get("document")
 
     def entries(self) -> list[CacheEntry]:
@@ -884,7 +626,7 @@ class ArtifactCache:
         for prefix in files.listing(self._dirs["blobs"]):
             directory = os.path.join(self._dirs["blobs"], prefix)
             for name in files.listing(directory):
-                if _is_digest(name):
+                if is_digest(name):
                     found[name] = files.size_of(os.path.join(directory, name))
         return found
 

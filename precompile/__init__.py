@@ -25,6 +25,7 @@ if TYPE_CHECKING:
         CacheStats,
         MissExplanation,
         PrunePlan,
+        RemoteStore,
         VerifyReport,
         default_cache,
     )
@@ -66,7 +67,7 @@ if TYPE_CHECKING:
     from ._variant_plan import DEFAULT_MAX_VARIANTS
 
 _CACHE = ("ArtifactCache", "CacheEntry", "CacheScan", "CacheStats", "MissExplanation",
-          "PrunePlan", "VerifyReport", "default_cache")  # fmt: skip
+          "PrunePlan", "RemoteStore", "VerifyReport", "default_cache")  # fmt: skip
 _RUNTIME = ("ArtifactAccessError", "ArtifactNotFoundError", "CacheRootError", "CacheWriteError",
             "Calibration", "CalibrationEntry", "Candidate", "CompiledArtifact", "CompiledModel",
             "CorruptArtifactError", "CudaGraphs", "Explanation", "IncompatibleArtifactError",
@@ -132,6 +133,7 @@ __all__ = [
     "NoVariantError",
     "PrecompileError",
     "PrunePlan",
+    "RemoteStore",
     "Symbol",
     "SymbolSource",
     "UnsafeCacheError",

@@ -27,7 +27,7 @@ def refuse(
     not serve (a changed source file the key cannot see), said instead of its factors."""
     where = "no cache" if store is None else f"cache {store.root}"
     if store is not None and store.remote is not None:
-        where += f" (and its remote {store.remote.url})"
+        where += f" (and its remote {store.remote})"
     if unused_because is not None:
         found = f"{where} has entry {key[:12]}, but it did not serve: {unused_because}"
     else:

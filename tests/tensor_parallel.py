@@ -243,9 +243,9 @@ class _Report(dict[str, Any]):
 def _time_remote_leases(waits: list[dict[str, Any]]) -> None:
     """Record each wait for a remote lease: how long, and whether this rank got it (to
     compile) or waited for another's entry."""
-    from precompile.cache import ArtifactCache
+    from precompile.cache._tier import RemoteTier
 
-    original = ArtifactCache._remote_lease
+    original = RemoteTier.take_lease
 
     def timed(self: Any, key: str) -> Any:
         started = time.monotonic()
@@ -254,7 +254,7 @@ def _time_remote_leases(waits: list[dict[str, Any]]) -> None:
                       "leased": lease is not None, "ended": time.time()})  # fmt: skip
         return lease
 
-    ArtifactCache._remote_lease = timed  # type: ignore[method-assign]
+    RemoteTier.take_lease = timed  # type: ignore[method-assign]
 
 
 def main() -> None:

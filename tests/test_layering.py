@@ -264,6 +264,7 @@ INTERNAL_SUBJECTS = {
         "precompile._standalone", "precompile._torch_adapter", "precompile._trace_read",
         "precompile.runtime._global_state", "precompile.runtime._model_guards",
     },
+    "tests/tensor_parallel.py": {"precompile.cache._tier"},  # times each remote lease wait
     "tests/test_backend.py": {  # the backend's graph reading and variant planning
         "precompile._backend", "precompile._graph", "precompile._standalone",
         "precompile._variant_plan",

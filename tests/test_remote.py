@@ -26,7 +26,7 @@ from conftest import ROOT, Compiled, run_fleet, run_python
 from test_cache import fake_artifact, get, key_of, put
 
 import precompile
-from precompile.cache import ArtifactCache, sha256_hex
+from precompile.cache import ArtifactCache, RemoteStore, sha256_hex
 from precompile.cache import _deadline as deadline
 
 
@@ -83,6 +83,22 @@ def remote(request: pytest.FixtureRequest, s3: S3Server, tmp_path: Any) -> dict[
     return {"url": f"file://{shared}", "options": {}}
 
 
+def _blob(digest: str) -> str:  # where the remote tier keeps things, in every store
+    return f"blobs/{digest[:2]}/{digest}"
+
+
+def _entry(key: str) -> str:
+    return f"entries/{key}.json"
+
+
+def _lease(key: str) -> str:
+    return f"leases/{key}.json"
+
+
+def _read(store: RemoteStore, name: str) -> bytes | None:
+    return store.get([(name, 1 << 20)])[0]
+
+
 def _cache(tmp_path: Any, name: str, remote: dict[str, Any], **kwargs: Any) -> ArtifactCache:
     return ArtifactCache(
         str(tmp_path / name), remote=remote["url"], remote_options=remote["options"], **kwargs
@@ -125,13 +141,13 @@ def test_a_corrupt_remote_blob_is_refused_removed_and_replaced(
 ) -> None:
     machine_a = _cache(tmp_path, "a", remote)
     put(machine_a, key_of(1), fake_artifact(1), {})
-    tier = machine_a.remote
-    assert tier is not None
+    store = machine_a.remote
+    assert store is not None
     digest = fake_artifact(1).variants[0].payload
-    tier.write(tier.blob_path(digest), b"\x28\xb5\x2f\xfd garbage")
+    store.put(_blob(digest), b"\x28\xb5\x2f\xfd garbage")
     machine_b = _cache(tmp_path, "b", remote)
     assert get(machine_b, key_of(1)) is None  # refused: never written locally
-    assert not machine_b.contains(key_of(1)) and not tier.exists(tier.blob_path(digest))
+    assert not machine_b.contains(key_of(1)) and not store.exists(_blob(digest))
     put(machine_b, key_of(1), fake_artifact(1), {})  # recompiled and uploaded again
     assert get(_cache(tmp_path, "c", remote), key_of(1)) is not None
 
@@ -284,25 +300,25 @@ def test_a_lease_holds_a_key_no_longer_than_a_lease_lives(
     """A lease object whose expiry is not a time within a lease's lifetime from now is
     expired: the next compile takes it over at once instead of waiting out lock_timeout."""
     cache = _cache(tmp_path, "a", remote, lock_timeout=3.0)
-    tier = cache.remote
-    assert tier is not None
+    store = cache.remote
+    assert store is not None
     for n, body in enumerate(HOSTILE_LEASES):
         key = key_of(100 + n)
-        tier.write(tier.lease_path(key), body)
+        store.put(_lease(key), body)
         started = time.monotonic()
         with cache.lock(key):
-            held = json.loads(tier.read(tier.lease_path(key), 4096) or b"{}")
+            held = json.loads(_read(store, _lease(key)) or b"{}")
         assert time.monotonic() - started < 2.0, body
-        assert held.get("owner") == tier.owner, body  # taken over, not waited out
-        assert not tier.exists(tier.lease_path(key))  # and released
+        assert held.get("owner") == cache._tier.owner, body  # type: ignore[union-attr]
+        assert not store.exists(_lease(key))  # taken over, not waited out, and released
     # An honest lease of another machine is waited for (up to lock_timeout), not taken.
     honest = _cache(tmp_path, "b", remote, lock_timeout=0.5)
     key = key_of(99)
     other = {"owner": "another-machine", "expires": time.time() + 600}
-    tier.write(tier.lease_path(key), json.dumps(other).encode())
+    store.put(_lease(key), json.dumps(other).encode())
     started = time.monotonic()
     with honest.lock(key):
-        held = json.loads(tier.read(tier.lease_path(key), 4096) or b"{}")
+        held = json.loads(_read(store, _lease(key)) or b"{}")
     assert held == other and time.monotonic() - started >= 0.5
 
 
@@ -425,18 +441,18 @@ def test_an_entry_that_lies_about_a_blob_never_removes_it(
     leaves the remote only when its own bytes fail its own digest."""
     machine_a = _cache(tmp_path, "a", remote)
     put(machine_a, key_of(1), fake_artifact(1), {})
-    tier = machine_a.remote
-    assert tier is not None
-    document = json.loads(tier.read(tier.entry_path(key_of(1)), 1 << 20) or b"{}")
+    store = machine_a.remote
+    assert store is not None
+    document = json.loads(_read(store, _entry(key_of(1))) or b"{}")
     digest = fake_artifact(1).variants[0].payload
     for n, off_by in enumerate((1, -1)):  # the size listed off by one, either way
         key = key_of(2 + n)
         lie = {**document, "key": key, "blobs": {digest: document["blobs"][digest] + off_by}}
-        tier.write(tier.entry_path(key), json.dumps(lie).encode())
+        store.put(_entry(key), json.dumps(lie).encode())
         reader = _cache(tmp_path, f"b{n}", remote)
         assert get(reader, key) is None  # the lying entry is refused
         assert reader.stats().remote_errors == 1
-        assert tier.exists(tier.blob_path(digest))  # and the healthy blob stays
+        assert store.exists(_blob(digest))  # and the healthy blob stays
     assert get(_cache(tmp_path, "c", remote), key_of(1)) is not None  # a new machine hits
 
 
@@ -446,24 +462,24 @@ def test_an_entry_asking_too_much_is_refused_before_any_blob_request(
     """Each blob an entry lists is one request: a hostile entry listing thousands (or
     declaring gigabytes) is refused from its blob table alone."""
     cache = _cache(tmp_path, "a", remote)
-    tier = cache.remote
-    assert tier is not None
+    store = cache.remote
+    assert store is not None
     many = {sha256_hex(str(n).encode()): 10 for n in range(5000)}
     large = {sha256_hex(b"a"): 3 << 30, sha256_hex(b"b"): 3 << 30}  # 6 GiB in all
     for n, blobs in enumerate((many, large)):
         key = key_of(10 + n)
         entry = {"key": key, "layout": "v2", "factors": {}, "blobs": blobs, "aux": {}}
-        tier.write(tier.entry_path(key), json.dumps({**entry, "document": None}).encode())
+        store.put(_entry(key), json.dumps({**entry, "document": None}).encode())
     requested: list[str] = []
-    read_many = tier.read_many
+    read = store.get
 
     def counting(wanted: Any) -> Any:
-        requested.extend(path for path, _ in wanted)
-        return read_many(wanted)
+        requested.extend(name for name, _ in wanted)
+        return read(wanted)
 
-    tier.read_many = counting  # type: ignore[method-assign]
+    store.get = counting  # type: ignore[method-assign]
     assert get(cache, key_of(10)) is None and get(cache, key_of(11)) is None
-    assert requested == [tier.entry_path(key_of(10)), tier.entry_path(key_of(11))]
+    assert requested == [_entry(key_of(10)), _entry(key_of(11))]
     assert cache.stats().remote_errors == 2
 
 
@@ -476,11 +492,11 @@ def test_cli_skips_and_reports_names_that_are_not_keys(tmp_path: Any) -> None:
     for n in (1, 2, 3):
         put(store, key_of(n), fake_artifact(n), {})  # uploaded as written
     store.tag("model", key_of(2))
-    tier = store.remote
-    assert tier is not None
+    remote = store.remote
+    assert remote is not None
     bad = ["z" * 64, "0" * 10, "\x1b[31m" + "a" * 59]  # the last one colours a terminal
     for name in bad:  # sorted before, between and after the good names
-        tier.write(f"{tier.root}/entries/{name}.json", b"{}")
+        remote.put(_entry(name), b"{}")
     keys = sorted(key_of(n) for n in (1, 2, 3))
     listing = _cli("--root", str(tmp_path / "x"), "ls", "--remote", url, "--json")
     assert listing.returncode == 0, listing.stderr
