@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib
 import importlib.util
 import json
 import os
@@ -28,6 +29,7 @@ from typing import Any, NoReturn
 from precompile.cache import (
     ArtifactCache,
     CacheEntry,
+    RemoteStore,
     generate_signing_key,
     key_id,
     resolve_root,
@@ -196,6 +198,41 @@ def _remote_options(text: str | None) -> dict[str, Any] | None:
     return value
 
 
+# ``module:attr`` (dotted names on both sides), as uvicorn and gunicorn name an app
+_OBJECT_SPEC = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_][\w.]*", re.ASCII)
+
+
+def _remote(spec: str | None, options_text: str | None) -> tuple[Any, dict[str, Any] | None]:
+    """``--remote``/``REMOTE`` and ``--remote-options`` as ``ArtifactCache`` takes them. A
+    URL goes as it is (fsspec opens it with the options). ``module:attr`` is imported (the
+    current directory first on the path): a ``RemoteStore`` is used as it is; a class or
+    other callable is called with the options as keyword arguments and must return one
+    (``ArtifactCache`` says what a wrong object lacks). Anything else, a plain path say,
+    goes as it is, for the cache to refuse with its reason."""
+    options = _remote_options(options_text)
+    if not spec or "://" in spec or not _OBJECT_SPEC.fullmatch(spec):
+        return spec or None, options
+    module_name, attribute = spec.split(":")
+    if os.getcwd() not in sys.path:  # the console script does not put it there; -m does
+        sys.path.insert(0, os.getcwd())
+    try:
+        target: Any = importlib.import_module(module_name)
+    except ImportError as exc:
+        _fail(f"remote {spec}: cannot import {module_name}: {exc}")
+    for part in attribute.split("."):
+        if not hasattr(target, part):
+            _fail(f"remote {spec}: {module_name} has no {attribute}")
+        target = getattr(target, part)
+    if isinstance(target, type) or (callable(target) and not isinstance(target, RemoteStore)):
+        try:
+            return target(**(options or {})), None
+        except Exception as exc:  # the user's factory: its failure, said in one line
+            _fail(f"remote {spec}: making the store failed: {type(exc).__name__}: {exc}")
+    if options is not None:
+        _fail(f"remote {spec} is a store already made: --remote-options configure a factory")
+    return target, None
+
+
 def _report_skipped(skipped: Sequence[tuple[str, str]]) -> None:
     for name, reason in skipped:
         print(f"precompile: skipped {name!r}: {reason}", file=sys.stderr)
@@ -301,11 +338,12 @@ def _cache_command(args: argparse.Namespace) -> int:
         if args.action == "clear" and not args.yes and not args.dry_run:
             _fail("'cache clear' deletes every entry; add --yes")
         return _no_cache(args, root)
+    store_remote, remote_options = _remote(remote, getattr(args, "remote_options", None))
     store = ArtifactCache(
         args.root,
         trust_foreign=args.trust_foreign,
-        remote=remote or None,
-        remote_options=_remote_options(getattr(args, "remote_options", None)),
+        remote=store_remote,
+        remote_options=remote_options,
     )
     if args.action in ("push", "pull"):
         return _sync_command(store, args)
@@ -464,6 +502,13 @@ def _keygen_command(args: argparse.Namespace) -> int:
     return 0
 
 
+_REMOTE = (
+    "an fsspec URL (s3://bucket/path, file:///shared/dir, ...) or module:attr naming a "
+    "RemoteStore, or a class or function that makes one"
+)
+_REMOTE_OPTIONS = "JSON object: a URL's fsspec storage options, or module:attr's keyword arguments"
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="precompile",
@@ -479,18 +524,18 @@ def _parser() -> argparse.ArgumentParser:
         "--trust-foreign", action="store_true", help="accept entries other users could write"
     )
     actions = cache_parser.add_subparsers(dest="action", required=True)
-    listing = actions.add_parser("ls", help="list entries (--remote URL: the remote's)")
+    listing = actions.add_parser("ls", help="list entries (--remote REMOTE: the remote's)")
     listing.add_argument("--json", action="store_true")
-    listing.add_argument("--remote", help="list this remote tier's entries instead")
-    listing.add_argument("--remote-options", help="fsspec storage options, JSON")
+    listing.add_argument("--remote", help=f"list this remote tier's entries instead: {_REMOTE}")
+    listing.add_argument("--remote-options", help=_REMOTE_OPTIONS)
     for name, text in [
         ("push", "upload entries (all, or --tag's) to a remote tier"),
         ("pull", "download entries (all, or --tag's) from a remote tier, verified"),
     ]:
         sync = actions.add_parser(name, help=text)
-        sync.add_argument("remote", help="fsspec URL: s3://bucket/path, file:///shared/dir, ...")
+        sync.add_argument("remote", help=_REMOTE)
         sync.add_argument("--tag", help="only the entry this tag names (and the tag)")
-        sync.add_argument("--remote-options", help="fsspec storage options, JSON")
+        sync.add_argument("--remote-options", help=_REMOTE_OPTIONS)
         sync.add_argument("--json", action="store_true")
     check = actions.add_parser(
         "verify", help="check every digest (and signature, with trusted keys configured)"
