@@ -609,7 +609,7 @@ def test_compiled_generate_with_cudagraphs_matches_without(
         assert torch.equal(states[0], states[1]) and torch.equal(states[0], states[2])
     # the sampled steps ran in a graph drawing from its own generator (a generator made
     # for "cuda" has no device index; it was once taken for another device's)
-    assert any(key[6] for key in graphs._decode_graphs._graphs)
+    assert any(key[2][4] for key in graphs._decode_graphs._graphs)  # Sampling.key: own generator
     outputs = []  # sampling from torch's default generator, inside the graph too
     for compiled in (plain, graphs, graphs):
         torch.manual_seed(5)
