@@ -277,11 +277,13 @@ INTERNAL_SUBJECTS = {
     "tests/test_compile.py": {"precompile._variant_compile"},  # counts compiles
     "tests/test_cudagraphs.py": {"precompile.runtime._cudagraphs"},
     # the decode loop driven by a plain callable: a refusal checked without a compile;
-    # serve_generate's routing keys compared with its per-step signatures
+    # serve_generate's routing keys compared with its per-step signatures; step-graph keys
+    # made from Sampling values
     "tests/test_decode.py": {
         "precompile._generate",
         "precompile.runtime._cudagraphs",
         "precompile.runtime._decode_loop",
+        "precompile.runtime._sampling",
     },
     # the installed torch's standalone_compile parameters; a failing compile
     "tests/test_dropin.py": {"precompile._torch_adapter", "precompile._variant_compile"},
