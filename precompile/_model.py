@@ -36,44 +36,37 @@ from precompile.runtime.compiler_interface import (
     ABOUT_BLOCKS,
     ABOUT_CONFIG,
     CudaGraphsOption,
+    KVCacheLayout,
     ModelPlan,
     TensorInput,
     class_path,
     cudagraph_options,
+    describe_kv_cache,
     dtype_name,
-    file_digest,
     hooks_on,
     is_kv_cache,
     kv_cache_capacity,
+    kv_cache_counter_values,
+    kv_cache_tensors,
     load_cached_model,
-    model_identity,
     store_model,
     synthesize_inputs,
     this_rank,
     tree_flatten,
-    tree_unflatten,
-    treespec_to_json,
 )
-from precompile.runtime.compiler_interface import KV_CACHE_FIELDS as CACHE_FIELDS
-from precompile.runtime.compiler_interface import KVCacheLayout as CacheLayout
-from precompile.runtime.compiler_interface import describe_kv_cache as describe_cache
-from precompile.runtime.compiler_interface import kv_cache_counter_values as counter_values
-from precompile.runtime.compiler_interface import kv_cache_tensors as cache_tensors
 from precompile.runtime.compiler_interface import plan_stale_reason as stale_reason
 
 from ._caller_state import CallerState
 from ._environment_reads import reads_environment
+from ._example_call import DynamicSpec, ExampleCall, argument_name, with_distinct_tensors
+from ._model_plan import build_plan
 from ._offline import is_offline, refuse
-from ._trace_read import trace_read
 from ._variant_plan import Hints, Sizes, check_kinds
 
 log = logging.getLogger("precompile.compile")
-DynamicSpec = Mapping[int | str, Sequence[int]] | None
 
 
-def _dynamic_dims(
-    leaves: Sequence[Any], spec_paths: Sequence[Any], dynamic: DynamicSpec, args_count: int
-) -> dict[int, set[int]]:
+def _dynamic_dims(call: ExampleCall, dynamic: DynamicSpec) -> dict[int, set[int]]:
     """Per tensor leaf, the dims to trace as dynamic: from ``dynamic`` (positional index or
     kwarg name -> dims) or from ``torch._dynamo.mark_dynamic`` on the example tensors. An
     argument holding several tensors (a dict of masks, one per layer type, as transformers'
@@ -81,6 +74,7 @@ def _dynamic_dims(
     its first left the others' sizes fixed, and the trace specialized the call to them."""
     from . import _torch_adapter as adapter  # lazily, as below: a warm lookup needs little
 
+    leaves, spec_paths = call.leaves, call.paths
     dims: dict[int, set[int]] = {}
     for index, leaf in enumerate(leaves):
         marked = adapter.marked_dynamic_dims(leaf)
@@ -114,7 +108,7 @@ def _dynamic_dims(
         for index in matches:
             leaf = leaves[index]
             if not isinstance(leaf, torch.Tensor):
-                continue  # a cache beside tensors in one argument: not a dim of it
+                continue  # a KV cache beside tensors in one argument: not a dim of it
             for dim in wanted:
                 if not isinstance(dim, int) or not 0 <= dim < leaf.dim():
                     raise InvalidOptionError(
@@ -130,69 +124,53 @@ def _dynamic_dims(
     return dims
 
 
-def _leaf_paths(args: Sequence[Any], kwargs: Mapping[str, Any]) -> list[Any]:
-    """Each flattened leaf's top-level argument: positional index or keyword name, in the
-    order pytree flattens ``(args, kwargs)`` (a dict in its own key order)."""
-    paths: list[Any] = []
-    _, spec = tree_flatten(dict(kwargs), is_leaf=is_kv_cache)
-    for index, value in enumerate(args):
-        paths += [index] * len(tree_flatten(value, is_leaf=is_kv_cache)[0])
-    for name in spec.context if spec.context is not None else ():
-        paths += [name] * len(tree_flatten(kwargs[name], is_leaf=is_kv_cache)[0])
-    return paths
-
-
-def _cache_batch_follows_call(leaves: Sequence[Any], dims: dict[int, set[int]]) -> None:
-    """A cache's batch (dim 0 of its keys and values) is dynamic when the batch of the
-    call's tensors is: Dynamo would otherwise specialize the call's batch to the cache's."""
+def _kv_cache_batch_follows_call(call: ExampleCall, dims: dict[int, set[int]]) -> None:
+    """A KV cache's batch (dim 0 of its keys and values) is dynamic when the batch of the
+    call's tensors is: Dynamo would otherwise specialize the call's batch to its own."""
+    leaves = call.leaves
     dynamic_batches = {
         int(leaves[i].shape[0])
         for i, wanted in dims.items()
         if isinstance(leaves[i], torch.Tensor) and 0 in wanted
     }
-    for index, leaf in enumerate(leaves):
-        if is_kv_cache(leaf) and index not in dims:
-            keys = leaf.layers[0].keys
+    for index, kv_cache in call.kv_caches().items():
+        if index not in dims:
+            keys = kv_cache.layers[0].keys
             if int(keys.shape[0]) in dynamic_batches:
                 dims[index] = {0}
 
 
-def _prepare_caches(
-    model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], leaves: list[Any],
-    paths: Sequence[Any], state: CallerState,
-) -> dict[int, CacheLayout]:  # fmt: skip
+def _prepare_kv_caches(
+    model: torch.nn.Module, call: ExampleCall, state: CallerState
+) -> dict[int, KVCacheLayout]:
     """The example call's KV caches, initialized (a fresh StaticCache is initialized by
     running the model once eagerly, then emptied again: what its lazy initialization on a
     first write would leave; the rest of what that run wrote is put back), and their
-    layouts; unsupported caches, and caches written under grad, are refused before
+    layouts; unsupported KV caches, and KV caches written under grad, are refused before
     anything runs. Their tensors are watched from then on."""
-    caches = {i: leaf for i, leaf in enumerate(leaves) if is_kv_cache(leaf)}
-    if not caches:
-        _refuse_a_cache_the_model_makes(model, kwargs)
+    kv_caches = call.kv_caches()
+    if not kv_caches:
+        _refuse_a_kv_cache_the_model_makes(model, call.kwargs)
         return {}
-    for index, cache in caches.items():
-        describe_cache(cache, _argument_name(paths[index]), initialized=False)
-    _refuse_grad_into_caches(model, leaves, paths)
-    if not all(layer.is_initialized for c in caches.values() for layer in c.layers):
+    for index, kv_cache in kv_caches.items():
+        describe_kv_cache(kv_cache, call.argument_name(index), initialized=False)
+    _refuse_grad_into_kv_caches(model, call)
+    if not all(layer.is_initialized for c in kv_caches.values() for layer in c.layers):
         log.info("initializing the example call's KV cache with one eager run")
         state.keep_all()
         try:
             with torch.no_grad():
-                model(*args, **kwargs)
+                model(*call.args, **call.kwargs)
         finally:
             state.restore()
-        for cache in caches.values():
-            for _, _, tensor in cache_tensors(cache):
+        for kv_cache in kv_caches.values():
+            for _, _, tensor in kv_cache_tensors(kv_cache):
                 tensor.zero_()
-    for index, cache in caches.items():
-        for layer, field, tensor in cache_tensors(cache):
-            name = f"{_argument_name(paths[index])}.layers[{layer}].{field}"
+    for index, kv_cache in kv_caches.items():
+        for layer, field, tensor in kv_cache_tensors(kv_cache):
+            name = f"{call.argument_name(index)}.layers[{layer}].{field}"
             state.watch(name, tensor, "cache")
-    return {i: describe_cache(c, _argument_name(paths[i])) for i, c in caches.items()}
-
-
-def _argument_name(path: Any) -> str:
-    return f"argument {path}" if isinstance(path, int) else str(path)
+    return {i: describe_kv_cache(c, call.argument_name(i)) for i, c in kv_caches.items()}
 
 
 # A config's sizes worth a glance, and their short names (transformers' attribute_map
@@ -247,9 +225,9 @@ def compile_model(
     at 1 are traced apart, as Dynamo traces them, into the same compiled model (decode
     steps are served from a trace at 1; see ``_trace_with_pieces``); 0 is refused.
     ``hints``, ``sizes``, ``options`` and ``cudagraphs`` as for ``standalone_compile``.
-    ``cache``: a later process with the same model and call finds the compiled model
-    there without tracing. ``warmup``: load every variant ("background" by default, so a
-    new size never waits once warm-up is done).
+    ``cache``: the artifact store, where a later process with the same model and call
+    finds the compiled model without tracing. ``warmup``: load every variant
+    ("background" by default, so a new size never waits once warm-up is done).
     ``compile=False`` (or ``PRECOMPILE_OFFLINE=1``): a miss raises ``ArtifactNotFoundError``.
     Compiling writes none of the caller's state: the model's parameters, buffers and
     attributes and the example's tensors are as they were (see ``_caller_state``).
@@ -267,89 +245,42 @@ def compile_model(
             "itself); register it on a submodule (traced into the graph), or apply it to "
             "the compiled model's inputs or outputs"
         )
-    args = tuple(example_args)
     kwargs = dict(sorted((example_kwargs or {}).items()))  # a call's kwargs, sorted by name
-    args, kwargs, dynamic = _distinct_tensors(args, kwargs, dynamic)
-    leaves, _ = tree_flatten((args, kwargs), is_leaf=is_kv_cache)
-    paths = _leaf_paths(args, kwargs)
-    named = [(_argument_name(path), leaf) for path, leaf in zip(paths, leaves, strict=True)]
-    with CallerState(model, named) as state:
+    call = ExampleCall.of(example_args, kwargs)
+    call, dynamic = with_distinct_tensors(call, dynamic)
+    with CallerState(model, call.named_leaves()) as state:
         compiled = _compiled_model(
-            model, args, kwargs, leaves, paths, state,
-            dynamic=dynamic, hints=hints, sizes=sizes, options=options, cache=cache,
+            model, call, state,
+            dynamic=dynamic, hints=hints, sizes=sizes, options=options, store_option=cache,
             offline=offline,
         )  # fmt: skip
     return _finish(compiled, cudagraphs, warmup)
 
 
-def _distinct_tensors(
-    args: tuple[Any, ...], kwargs: dict[str, Any], dynamic: DynamicSpec
-) -> tuple[tuple[Any, ...], dict[str, Any], DynamicSpec]:
-    """The example call with each tensor that fills more than one argument slot
-    (``labels=input_ids``, the usual call of a causal LM's loss) copied into every slot
-    after its first. Dynamo traces one tensor as one graph input, and the plan bound
-    that input to one slot: the other was never read, so a later call with labels
-    unlike its ids was answered from the labels alone (logits 0.56 off eager on a tiny
-    Llama) or refused as ids (-100, transformers' ignore index, "outside the embedding's
-    256 rows"). Each slot is now an input of its own; a call that passes one tensor in
-    both slots is served too (the graph writes neither: the runtime refuses aliasing of
-    an input the graph writes). A copy's argument gets the dynamic dims ``dynamic``
-    names for the slot it was copied from, where ``dynamic`` names none of its own: the
-    same tensor, so the same dims (with ``labels=input_ids``, ``dynamic={"input_ids":
-    [1]}`` makes both lengths dynamic, as it did when they were one input)."""
-    leaves, spec = tree_flatten((args, kwargs), is_leaf=is_kv_cache)
-    paths = _leaf_paths(args, kwargs)
-    first: dict[int, int] = {}
-    twins: list[tuple[int, int]] = []
-    for index, leaf in enumerate(leaves):
-        if not isinstance(leaf, torch.Tensor):
-            continue
-        if id(leaf) in first:
-            from ._torch_adapter import with_dynamo_marks
-
-            copied = leaf.detach().clone(memory_format=torch.preserve_format)
-            leaves[index] = with_dynamo_marks(leaf, copied.requires_grad_(leaf.requires_grad))
-            twins.append((index, first[id(leaf)]))
-        first.setdefault(id(leaf), index)
-    if not twins:
-        return args, kwargs, dynamic
-    if isinstance(dynamic, Mapping):
-        dynamic = dict(dynamic)
-        for copy_index, original in twins:
-            source, target = paths[original], paths[copy_index]
-            if source in dynamic and target not in dynamic:
-                dynamic[target] = dynamic[source]
-    args, kwargs = tree_unflatten(leaves, spec)
-    return tuple(args), dict(kwargs), dynamic
-
-
 def _compiled_model(
     model: torch.nn.Module,
-    args: tuple[Any, ...],
-    kwargs: dict[str, Any],
-    leaves: list[Any],
-    paths: list[Any],
+    call: ExampleCall,
     state: CallerState,
     *,
     dynamic: DynamicSpec,
     hints: Hints,
     sizes: Sizes,
     options: Mapping[str, Any] | None,
-    cache: CacheOption,
+    store_option: CacheOption,
     offline: bool,
 ) -> CompiledModel:
-    """``compile_model`` up to its warm-up: found in the cache, or traced and compiled."""
-    dims = _dynamic_dims(leaves, paths, dynamic, len(args))
-    caches = _prepare_caches(model, args, kwargs, leaves, paths, state)
-    if caches:
-        _cache_batch_follows_call(leaves, dims)
-    store = resolve_cache(cache)
+    """``compile_model`` up to its warm-up: found in the artifact store (``store_option``:
+    the ``cache=`` it was given), or traced and compiled."""
+    dims = _dynamic_dims(call, dynamic)
+    kv_caches = _prepare_kv_caches(model, call, state)
+    if kv_caches:
+        _kv_cache_batch_follows_call(call, dims)
+    store = resolve_cache(store_option)
     # the compile side's key module imports its adapter: not in a process that only loads
     from ._cache_key import cache_key, model_factors
 
-    factors = model_factors(model, args, kwargs, dims, hints, sizes, options or {})
+    factors = model_factors(model, call.args, call.kwargs, dims, hints, sizes, options or {})
     key = cache_key(factors)
-    traced = (model, args, kwargs, leaves, paths, dims, hints, sizes, options)
 
     blocks: list[str] = []
 
@@ -357,7 +288,16 @@ def _compiled_model(
         from ._repeated_blocks import recording
 
         with recording() as found:
-            compiled = _trace_with_pieces(*traced, store, state)
+            compiled = _trace_with_pieces(
+                model,
+                call,
+                dims,
+                hints=hints,
+                sizes=sizes,
+                options=options,
+                store=store,
+                state=state,
+            )
         blocks.extend(found)
         if store is not None:
             compiled.cache_key = key
@@ -377,7 +317,7 @@ def _compiled_model(
 
     return get_or_build(
         store, key, factors,
-        load=lambda store: _cached_model(store, key, model),
+        load=lambda store: _model_in_store(store, key, model),
         build=build,
         save=save,
         refuse=refuse_offline if offline else None,
@@ -385,14 +325,14 @@ def _compiled_model(
     )  # fmt: skip
 
 
-def _refuse_a_cache_the_model_makes(model: torch.nn.Module, kwargs: Mapping[str, Any]) -> None:
+def _refuse_a_kv_cache_the_model_makes(model: torch.nn.Module, kwargs: Mapping[str, Any]) -> None:
     """Refuse, before tracing, a call of a transformers model that will make a KV cache
-    itself (``use_cache`` on in its config, not turned off by the call, and no cache
+    itself (``use_cache`` on in its config, not turned off by the call, and no KV cache
     passed): its output holds a ``DynamicCache``, which the trace would find only at
     its end, after minutes of tracing a large model."""
     config = getattr(model, "config", None)
     forward = inspect.signature(model.forward).parameters
-    # transformers names the cache argument past_key_values (``cache`` from version 5.2x)
+    # transformers names the KV cache argument past_key_values (``cache`` from version 5.2x)
     slots = [name for name in ("past_key_values", "cache") if name in forward]
     if "use_cache" not in forward or not slots:
         return
@@ -408,18 +348,16 @@ def _refuse_a_cache_the_model_makes(model: torch.nn.Module, kwargs: Mapping[str,
         )
 
 
-def _refuse_grad_into_caches(
-    model: torch.nn.Module, leaves: Sequence[Any], paths: Sequence[Any]
-) -> None:
+def _refuse_grad_into_kv_caches(model: torch.nn.Module, call: ExampleCall) -> None:
     """Refuse, before anything runs, a call that writes a KV cache with grad enabled and
-    parameters (or arguments) that require grad: each call writes the cache with values
-    that require grad, so after one its tensors require grad, and the graph, compiled for
-    them as they are before a call, cannot take the next one on that cache."""
-    caches = [_argument_name(paths[i]) for i, leaf in enumerate(leaves) if is_kv_cache(leaf)]
+    parameters (or arguments) that require grad: each call writes the KV cache with
+    values that require grad, so after one its tensors require grad, and the graph,
+    compiled for them as they are before a call, cannot take the next one on it."""
+    caches = [call.argument_name(i) for i in call.kv_caches()]  # KV caches, by name
     if not caches or not torch.is_grad_enabled():
         return
     parameters = any(p.requires_grad for p in model.parameters())
-    if parameters or any(isinstance(t, torch.Tensor) and t.requires_grad for t in leaves):
+    if parameters or any(isinstance(t, torch.Tensor) and t.requires_grad for t in call.leaves):
         raise UnsupportedGraphError(
             f"the call writes the KV cache {caches[0]!r} with grad enabled: its tensors would "
             "require grad after a call (the written keys and values come from parameters "
@@ -439,7 +377,9 @@ def _finish(
     return compiled
 
 
-def _cached_model(store: ArtifactCache, key: str, model: torch.nn.Module) -> CompiledModel | None:
+def _model_in_store(store: ArtifactCache, key: str, model: torch.nn.Module) -> CompiledModel | None:
+    """The compiled model under ``key`` in the artifact store, where it is there, trusted,
+    fresh and fits ``model``; None sends ``get_or_build`` on to compile."""
     try:
         found = load_cached_model(store, key)
     except UntrustedArtifactError as exc:
@@ -548,28 +488,28 @@ def _symbol_where(manifest: Any, symbol: Any) -> str:
 
 def _trace_and_compile(
     model: torch.nn.Module,
-    args: tuple[Any, ...],
-    kwargs: dict[str, Any],
-    leaves: list[Any],
-    paths: list[Any],
+    call: ExampleCall,
     dims: Mapping[int, set[int]],
+    *,
     hints: Hints,
     sizes: Sizes,
     options: Mapping[str, Any] | None,
     store: ArtifactCache | None,
     state: CallerState,
 ) -> CompiledModel:
+    """One trace of ``call`` with ``dims`` dynamic, its graph compiled and its plan made."""
     # The compile side (Dynamo, inductor, sympy) is imported only on a miss: a hit costs
     # none of it.
     from . import _torch_adapter as adapter
     from ._model_trace import trace_model
     from ._standalone import standalone_compile
 
+    leaves = call.leaves
     started = time.perf_counter()
     for index, wanted in dims.items():
         for dim in wanted:
             if is_kv_cache(leaves[index]):
-                for _, field, tensor in cache_tensors(leaves[index]):
+                for _, field, tensor in kv_cache_tensors(leaves[index]):
                     if field != "cumulative_length":
                         adapter.maybe_mark_dynamic(tensor, dim)
             else:
@@ -577,7 +517,7 @@ def _trace_and_compile(
 
     def compile_graph(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
         def by_input(value: Any) -> Any:
-            return _graph_dims(value, example_inputs, leaves, paths)
+            return _graph_dims(value, example_inputs, call)
 
         return standalone_compile(
             gm,
@@ -588,9 +528,10 @@ def _trace_and_compile(
             sizes=[by_input(s) if isinstance(s, Mapping) else s for s in sizes]
             if sizes is not None
             else None,
-            # Under torch.distributed, the graph is cached under its own key too (no rank
+            # Under torch.distributed, the graph is stored under its own key too (no rank
             # in it): of ranks tracing the same graph, one compiles and the others load
-            # (the cache's lock per key). Otherwise the model's entry is the only one.
+            # (the artifact store's lock per key). Otherwise the model's entry is the only
+            # one.
             cache=store if store is not None and this_rank() is not None else False,
         )
 
@@ -606,15 +547,15 @@ def _trace_and_compile(
                      "(%.1f s)", time.perf_counter() - started)  # fmt: skip
         state.keep(flat[i] for i in sorted(written))
 
-    caches = {i: leaf for i, leaf in enumerate(leaves) if is_kv_cache(leaf)}
+    kv_caches = call.kv_caches()
     capacity = min(
-        (n for c in caches.values() if (n := kv_cache_capacity(c)) is not None), default=None
+        (n for c in kv_caches.values() if (n := kv_cache_capacity(c)) is not None), default=None
     )
-    before = {i: counter_values([layer.cumulative_length for layer in c.layers])
-              for i, c in caches.items()}  # fmt: skip
+    before = {i: kv_cache_counter_values([layer.cumulative_length for layer in c.layers])
+              for i, c in kv_caches.items()}  # fmt: skip
     python_state = state.python_state(model)
     try:
-        trace = trace_model(model, args, kwargs, compile_graph, keep_written)
+        trace = trace_model(model, call.args, call.kwargs, compile_graph, keep_written)
         written = state.written(python_state)
         if written:
             raise UnsupportedGraphError(
@@ -624,9 +565,9 @@ def _trace_and_compile(
                 "state in buffers (a graph writes those), or outside the model"
             )
         advanced = {
-            i: [b - a for a, b in zip(before[i], counter_values(
+            i: [b - a for a, b in zip(before[i], kv_cache_counter_values(
                 [layer.cumulative_length for layer in c.layers]), strict=True)]
-            for i, c in caches.items()
+            for i, c in kv_caches.items()
         }  # fmt: skip
     finally:
         # What the traced run wrote is put back before the plan records the model (its
@@ -634,32 +575,31 @@ def _trace_and_compile(
         state.put_back(python_state)
         state.restore()
     state.check()
-    plan = _plan(model, args, kwargs, leaves, paths, trace, advanced)
+    plan = build_plan(model, call, trace, advanced)
     if reads_environment(trace.guards):
         plan = dataclasses.replace(
-            plan, trace_read=_with_environment(model, args, kwargs, state, plan.trace_read)
+            plan, trace_read=_with_environment(model, call, state, plan.trace_read)
         )
-    _check_dynamic(plan, trace.artifact.manifest, dims, paths, leaves)
+    _check_dynamic(plan, trace.artifact.manifest, dims, call)
     log.info("traced and compiled %s in %.1f s", class_path(model), time.perf_counter() - started)
     return CompiledModel(model, trace.artifact, plan, {})
 
 
 def _with_environment(
-    model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], state: CallerState,
-    read: Any,
-) -> Any:  # fmt: skip
+    model: torch.nn.Module, call: ExampleCall, state: CallerState, read: Any
+) -> Any:
     """``read`` with a check of every environment variable the forward looks up, found
     by running it once more, eagerly (``_environment_reads``); what that run writes is
     put back, and its random draws come from forked generators."""
     from ._environment_reads import environment_guards
 
-    devices = sorted({t.device.index or 0 for t in tree_flatten((args, kwargs))[0]
+    devices = sorted({t.device.index or 0 for t in tree_flatten((call.args, call.kwargs))[0]
                       if isinstance(t, torch.Tensor) and t.device.type == "cuda"})  # fmt: skip
     python_state = state.python_state(model)
     state.keep_all()
     try:
         with torch.random.fork_rng(devices=devices):
-            found = environment_guards(lambda: model(*args, **kwargs))
+            found = environment_guards(lambda: model(*call.args, **call.kwargs))
     finally:
         state.put_back(python_state)
         state.restore()
@@ -670,11 +610,9 @@ def _with_environment(
 
 def _trace_with_pieces(
     model: torch.nn.Module,
-    args: tuple[Any, ...],
-    kwargs: dict[str, Any],
-    leaves: list[Any],
-    paths: list[Any],
+    call: ExampleCall,
     dims: Mapping[int, set[int]],
+    *,
     hints: Hints,
     sizes: Sizes,
     options: Mapping[str, Any] | None,
@@ -687,10 +625,12 @@ def _trace_with_pieces(
     trace, graph and plan, with the other lengths dynamic). A model whose Python branches
     on a length (``x * 2 if x.shape[0] > 1 else x * 3``) is so served each branch from a
     trace of it. Length 0 is refused (``NoVariantError``). A dynamic batch that a KV
-    cache follows is traced at 1 with a copy of the cache narrowed to batch 1."""
-    main = _trace_and_compile(model, args, kwargs, leaves, paths, dims, hints,
-                              _at_least_two(sizes), options, store, state)  # fmt: skip
-    lengths = _lengths(main, leaves)
+    cache follows is traced at 1 with a copy of the KV cache narrowed to batch 1."""
+    main = _trace_and_compile(
+        model, call, dims, hints=hints, sizes=_at_least_two(sizes), options=options,
+        store=store, state=state,
+    )  # fmt: skip
+    lengths = _lengths(main, call.leaves)
     if not lengths:
         return main
     artifact = main.artifact
@@ -700,10 +640,9 @@ def _trace_with_pieces(
     corners = [frozenset(i for i in range(count) if mask >> i & 1) for mask in range(1, 1 << count)]
     if count > 3:  # 2^k traces: each length alone at 1, and all of them (the rest refused)
         corners = [frozenset({i}) for i in range(count)] + [frozenset(range(count))]
-    spec = tree_flatten((args, kwargs), is_leaf=is_kv_cache)[1]
     pieces: dict[frozenset[int], CompiledModel] = {}
     for ones in corners:
-        narrowed = list(leaves)
+        narrowed = list(call.leaves)
         at_one: set[tuple[int, int]] = set()
         for index in ones:
             for leaf, dim in lengths[index][1]:
@@ -714,13 +653,13 @@ def _trace_with_pieces(
                 at_one.add((leaf, 0))
         corner_dims = {leaf: {d for d in wanted if (leaf, d) not in at_one}
                        for leaf, wanted in dims.items()}  # fmt: skip
-        corner_args, corner_kwargs = tree_unflatten(narrowed, spec)
-        said = ", ".join(f"{_where(paths, lengths[i][1])} = 1" for i in sorted(ones))
+        corner = call.with_leaves(narrowed)
+        said = ", ".join(f"{_where(call, lengths[i][1])} = 1" for i in sorted(ones))
         try:
             piece = _trace_and_compile(
-                model, corner_args, corner_kwargs, narrowed, paths,
-                {leaf: d for leaf, d in corner_dims.items() if d},
-                _hints_besides(hints, paths, at_one), [], options, store, state,
+                model, corner, {leaf: d for leaf, d in corner_dims.items() if d},
+                hints=_hints_besides(hints, call, at_one), sizes=[], options=options,
+                store=store, state=state,
             )  # fmt: skip
         except Exception as exc:  # the model cannot be traced there: those calls refused
             log.warning(
@@ -730,7 +669,7 @@ def _trace_with_pieces(
             )  # fmt: skip
             continue
         piece_artifact = piece.artifact
-        for name, _, _ in _lengths(piece, narrowed):
+        for name, _, _ in _lengths(piece, corner.leaves):
             piece_artifact = piece_artifact.excluding(f"{name} >= 2")
         pieces[ones] = CompiledModel(model, piece_artifact, piece.plan, {})
         log.info("compile_model: traced %s apart, as Dynamo would", said)
@@ -751,11 +690,11 @@ def _lengths(
 ) -> list[tuple[str, list[Any], list[int]]]:
     """The graph's dynamic lengths Dynamo traced at 2 or more, by symbol, each with the
     argument dims it is read at and the KV caches whose batch it is (a dynamic batch the
-    cache follows: a trace at batch 1 takes a copy of the cache narrowed to batch 1)."""
+    KV cache follows: a trace at batch 1 takes a copy of it narrowed to batch 1)."""
     bindings = compiled.plan.bindings
     found = []
     for symbol in compiled.artifact.manifest.symbols:
-        places, caches, other = [], set(), False
+        places, kv_caches, other = [], set(), False
         for src in symbol.sources:
             kind, target = bindings[src.input_index]
             if kind == "leaf" and src.dim is not None:
@@ -763,20 +702,20 @@ def _lengths(
             elif kind == "cache":
                 leaf, _, field = target
                 other |= src.dim != 0 or field == "cumulative_length"
-                caches.add(leaf)
+                kv_caches.add(leaf)
         if places and not other and all(int(leaves[leaf].shape[dim]) >= 2 for leaf, dim in places):
-            found.append((symbol.name, places, sorted(caches)))
+            found.append((symbol.name, places, sorted(kv_caches)))
     return found
 
 
-def _batch_of_one(cache: Any) -> Any:
+def _batch_of_one(kv_cache: Any) -> Any:
     """A copy of a StaticCache whose layers hold the first row of its keys and values:
-    the cache a trace at batch 1 takes (the example's own is never written)."""
+    the KV cache a trace at batch 1 takes (the example's own is never written)."""
     from ._torch_adapter import with_static_mark
 
-    narrowed = copy.copy(cache)
+    narrowed = copy.copy(kv_cache)
     narrowed.layers = []
-    for layer in cache.layers:
+    for layer in kv_cache.layers:
         row = copy.copy(layer)
         for field in ("keys", "values"):
             original = getattr(layer, field)
@@ -803,31 +742,31 @@ def _at_least_two(sizes: Sizes) -> Sizes:
     return [s for s in sizes if all(not isinstance(v, int) or v >= 2 for v in values(s))]
 
 
-def _hints_besides(hints: Hints, paths: list[Any], at_one: set[tuple[int, int]]) -> Hints:
+def _hints_besides(hints: Hints, call: ExampleCall, at_one: set[tuple[int, int]]) -> Hints:
     """Per-dim hints less those of dims a piece fixes at 1 (and symbol names, which
     name the first trace's symbols)."""
     if not isinstance(hints, Mapping):
         return hints
-    fixed = {(paths[leaf], dim) for leaf, dim in at_one}
+    fixed = {(call.paths[leaf], dim) for leaf, dim in at_one}
     return {key: value for key, value in hints.items()
             if isinstance(key, tuple) and tuple(key) not in fixed}  # fmt: skip
 
 
-def _where(paths: list[Any], places: list[tuple[int, int]]) -> str:
+def _where(call: ExampleCall, places: list[tuple[int, int]]) -> str:
     """The argument dims a length is read from, as a caller names them."""
-    return "/".join(f"{_argument_name(paths[leaf])} dim {dim}" for leaf, dim in places)
+    return "/".join(f"{call.argument_name(leaf)} dim {dim}" for leaf, dim in places)
 
 
 def _check_dynamic(
     plan: ModelPlan,
     manifest: Any,
     dims: Mapping[int, set[int]],
-    paths: list[Any],
-    leaves: list[Any],
+    call: ExampleCall,
 ) -> None:
     """Every dim asked to be dynamic is a symbol in the graph (where the graph reads that
     argument); Dynamo specializes a dim the model's code fixes, and the variants would
     then serve one size only."""
+    paths = call.paths
     bound: dict[tuple[int, int], Any] = {}
     for index, (kind, target) in enumerate(plan.bindings):
         spec = manifest.inputs[index]
@@ -841,14 +780,14 @@ def _check_dynamic(
             size = bound.get((leaf, dim))
             if isinstance(size, int):
                 raise UnsupportedGraphError(
-                    f"dynamic dim {dim} of argument {_argument_name(paths[leaf])!r} was "
+                    f"dynamic dim {dim} of argument {argument_name(paths[leaf])!r} was "
                     f"specialized to {size} by the trace (the model's code fixes it); the "
                     "compiled model could serve that size only"
                 )
 
 
 def _graph_dims(
-    value: Mapping[Any, Any], example_inputs: list[Any], leaves: list[Any], paths: list[Any]
+    value: Mapping[Any, Any], example_inputs: list[Any], call: ExampleCall
 ) -> dict[Any, Any]:
     """Per-dim ``hints``/``sizes`` keyed by ``(argument, dim)`` (positional index or
     keyword name, as ``dynamic=`` names them) re-keyed by the graph input that argument
@@ -862,7 +801,7 @@ def _graph_dims(
         argument, dim = key if len(key) == 2 else (None, None)
         matches = [
             by_id[id(leaf)]
-            for leaf, path in zip(leaves, paths, strict=True)
+            for leaf, path in zip(call.leaves, call.paths, strict=True)
             if path == argument and isinstance(leaf, torch.Tensor) and id(leaf) in by_id
         ]
         if not matches or not isinstance(dim, int):
@@ -872,160 +811,6 @@ def _graph_dims(
             )
         found[(matches[0], dim)] = item
     return found
-
-
-def _token_source(
-    model: torch.nn.Module, leaves: list[Any], paths: list[Any], advanced: Mapping[int, list[int]]
-) -> tuple[int, int] | None:
-    """Where a call's token count (what it writes into each cache) is read: the last dim
-    of ``input_ids`` or dim 1 of ``inputs_embeds``, checked against what the traced call
-    advanced every cache layer by."""
-    if not advanced:
-        return None
-    deltas = {d for layers in advanced.values() for d in layers}
-    try:
-        positional = list(inspect.signature(model.forward).parameters)
-    except (TypeError, ValueError):
-        positional = []
-    for index, leaf in enumerate(leaves):
-        path = paths[index]
-        name = positional[path] if isinstance(path, int) and path < len(positional) else path
-        if not isinstance(leaf, torch.Tensor) or leaf.dim() < 2:
-            continue
-        dim = {"input_ids": leaf.dim() - 1, "inputs_embeds": 1}.get(str(name))
-        if dim is not None and deltas == {int(leaf.shape[dim])}:
-            return index, dim
-    raise UnsupportedGraphError(
-        f"the traced call advanced its KV cache layers by {sorted(deltas)} tokens, which is "
-        "not the token count of an input_ids or inputs_embeds argument; compile_model "
-        "cannot tell how many tokens a call writes, so it cannot keep it within the cache"
-    )
-
-
-def _plan(
-    model: torch.nn.Module,
-    args: tuple[Any, ...],
-    kwargs: dict[str, Any],
-    leaves: list[Any],
-    paths: list[Any],
-    trace: Any,
-    advanced: Mapping[int, list[int]],
-) -> ModelPlan:
-    """How the traced call maps onto the graph: found by identity, since Dynamo hands the
-    backend the real parameters, buffers, argument tensors and cache tensors."""
-    names: dict[int, tuple[str, Any]] = {}
-    for name, tensor in model.named_buffers(remove_duplicate=False):
-        names.setdefault(id(tensor), ("buffer", name))
-    for name, tensor in model.named_parameters(remove_duplicate=False):
-        names.setdefault(id(tensor), ("parameter", name))
-    caches: dict[int, CacheLayout] = {}
-    for index, leaf in enumerate(leaves):
-        if is_kv_cache(leaf):
-            caches[index] = describe_cache(leaf, _argument_name(paths[index]))
-            for layer, field, tensor in cache_tensors(leaf):
-                names[id(tensor)] = ("cache", (index, layer, field))
-    leaf_of = {id(leaf): i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)}
-    manifest = trace.artifact.manifest
-    bindings: list[tuple[str, Any]] = []
-    for index, value in enumerate(trace.example_inputs):
-        if isinstance(value, torch.Tensor):
-            if id(value) in leaf_of:
-                bindings.append(("leaf", leaf_of[id(value)]))
-            elif id(value) in names:
-                bindings.append(names[id(value)])
-            else:
-                raise UnsupportedGraphError(
-                    f"graph input {index} ({trace.placeholder_names[index]}) is neither an "
-                    "argument of the call nor a parameter or buffer of the model; compile_model "
-                    "cannot feed it in a later process"
-                )
-        else:
-            bindings.append(("size", None))
-    for index, (kind, _) in enumerate(bindings):
-        if kind == "size":
-            bindings[index] = ("size", _size_source(manifest, index, bindings))
-    for leaf in caches:
-        bound = {(t[1], t[2]) for kind, t in bindings if kind == "cache" and t[0] == leaf}
-        missing = [(layer, f) for layer in range(len(caches[leaf].layer_classes))
-                   for f in CACHE_FIELDS[:2] if (layer, f) not in bound]  # fmt: skip
-        if missing:
-            raise UnsupportedGraphError(
-                f"the graph does not take the cache tensors {missing[:3]} of "
-                f"{_argument_name(paths[leaf])} as inputs; compile_model serves caches whose "
-                "every layer the model reads and writes"
-            )
-    constants: dict[int, Any] = {}
-    for index, leaf in enumerate(leaves):
-        if isinstance(leaf, torch.Tensor) or index in caches:
-            continue
-        if not isinstance(leaf, (bool, int, float, str, type(None))):
-            raise UnsupportedGraphError(
-                f"argument leaf {index} is a {type(leaf).__name__}; compile_model takes tensors, "
-                "plain values (bool, int, float, str, None) and a transformers StaticCache as "
-                "arguments"
-            )
-        constants[index] = leaf
-    out_leaves, out_spec = tree_flatten(trace.result, is_leaf=is_kv_cache)
-    produced = {id(t): i for i, t in enumerate(trace.graph_outputs) if isinstance(t, torch.Tensor)}
-    passed = {id(leaves[i]): i for i in caches}
-    outputs: list[tuple[str, Any]] = []
-    for index, leaf in enumerate(out_leaves):
-        if isinstance(leaf, torch.Tensor) and id(leaf) in produced:
-            outputs.append(("graph", produced[id(leaf)]))
-        elif id(leaf) in passed:
-            outputs.append(("cache", passed[id(leaf)]))
-        elif isinstance(leaf, (bool, int, float, str, type(None))):
-            outputs.append(("constant", leaf))
-        else:
-            raise UnsupportedGraphError(
-                f"output leaf {index} is a {type(leaf).__name__} that the graph does not "
-                "return (a cache the model made itself: pass past_key_values=StaticCache("
-                "config=model.config, max_cache_len=N), or use_cache=False); compile_model "
-                "rebuilds outputs of tensors, plain values and the caches it was passed"
-            )
-    try:
-        out_json = treespec_to_json(out_spec)
-        in_json = treespec_to_json(tree_flatten(trace.call, is_leaf=is_kv_cache)[1])
-    except (TypeError, NotImplementedError, ValueError) as exc:
-        raise UnsupportedGraphError(
-            f"the call's arguments or output have a structure torch cannot serialize ({exc})"
-        ) from None
-    position = next(
-        (i for i, path in enumerate(paths)
-         if path == "cache_position" and isinstance(leaves[i], torch.Tensor)),
-        None,
-    ) if caches else None  # fmt: skip
-    files = {path: digest for path in sorted(trace.traced_files) if (digest := file_digest(path))}
-    return ModelPlan(
-        model_class=class_path(model),
-        in_spec=in_json,
-        bindings=tuple(bindings),
-        constants=constants,
-        out_spec=out_json,
-        outputs=tuple(outputs),
-        traced_files=files,
-        training=model.training,
-        identity=model_identity(model),
-        caches=caches,
-        tokens=_token_source(model, leaves, paths, advanced),
-        position_leaf=position,
-        distributed=this_rank(),
-        trace_read=trace_read(model, args, kwargs, trace.guards, trace.traced_code, trace.wrapper),
-    )
-
-
-def _size_source(manifest: Any, index: int, bindings: Sequence[tuple[str, Any]]) -> tuple[int, int]:
-    """Where graph input ``index`` (a SymInt) is read from a call: a dim of an argument."""
-    for symbol in manifest.symbols:
-        if not any(s.input_index == index and s.dim is None for s in symbol.sources):
-            continue
-        for source in symbol.sources:
-            if source.dim is not None and bindings[source.input_index][0] == "leaf":
-                return bindings[source.input_index][1], source.dim
-    raise UnsupportedGraphError(
-        f"graph input {index} is a size that no argument's dims carry; compile_model cannot "
-        "compute it from a call"
-    )
 
 
 def load_model(

@@ -1,0 +1,187 @@
+"""The plan of a traced call: how a later call maps onto the compiled graph.
+
+Dynamo hands the backend the real parameters, buffers, argument tensors and KV cache
+tensors, so each graph input is found by identity: a leaf of the call, a parameter or
+buffer by name, a KV cache tensor by layer and field, or a size read from an argument's
+dim. The plan (``ModelPlan``) records that, with how the output is rebuilt, so a later
+process runs the graph with no trace.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from precompile.runtime import UnsupportedGraphError
+from precompile.runtime.compiler_interface import (
+    KV_CACHE_FIELDS,
+    KVCacheLayout,
+    ModelPlan,
+    class_path,
+    describe_kv_cache,
+    file_digest,
+    is_kv_cache,
+    kv_cache_tensors,
+    model_identity,
+    this_rank,
+    tree_flatten,
+    treespec_to_json,
+)
+
+from ._example_call import ExampleCall
+from ._trace_read import trace_read
+
+
+def _token_source(
+    model: torch.nn.Module, call: ExampleCall, advanced: Mapping[int, list[int]]
+) -> tuple[int, int] | None:
+    """Where a call's token count (what it writes into each KV cache) is read: the last
+    dim of ``input_ids`` or dim 1 of ``inputs_embeds``, checked against what the traced
+    call advanced every KV cache layer by."""
+    if not advanced:
+        return None
+    deltas = {d for layers in advanced.values() for d in layers}
+    try:
+        positional = list(inspect.signature(model.forward).parameters)
+    except (TypeError, ValueError):
+        positional = []
+    for index, leaf in enumerate(call.leaves):
+        path = call.paths[index]
+        name = positional[path] if isinstance(path, int) and path < len(positional) else path
+        if not isinstance(leaf, torch.Tensor) or leaf.dim() < 2:
+            continue
+        dim = {"input_ids": leaf.dim() - 1, "inputs_embeds": 1}.get(str(name))
+        if dim is not None and deltas == {int(leaf.shape[dim])}:
+            return index, dim
+    raise UnsupportedGraphError(
+        f"the traced call advanced its KV cache layers by {sorted(deltas)} tokens, which is "
+        "not the token count of an input_ids or inputs_embeds argument; compile_model "
+        "cannot tell how many tokens a call writes, so it cannot keep it within the cache"
+    )
+
+
+def build_plan(
+    model: torch.nn.Module, call: ExampleCall, trace: Any, advanced: Mapping[int, list[int]]
+) -> ModelPlan:
+    """How the traced ``call`` maps onto the graph: found by identity, since Dynamo hands
+    the backend the real parameters, buffers, argument tensors and KV cache tensors.
+    ``advanced``: by how many tokens the traced call advanced each KV cache's layers."""
+    leaves = call.leaves
+    names: dict[int, tuple[str, Any]] = {}
+    for name, tensor in model.named_buffers(remove_duplicate=False):
+        names.setdefault(id(tensor), ("buffer", name))
+    for name, tensor in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(tensor), ("parameter", name))
+    kv_caches: dict[int, KVCacheLayout] = {}
+    for index, leaf in enumerate(leaves):
+        if is_kv_cache(leaf):
+            kv_caches[index] = describe_kv_cache(leaf, call.argument_name(index))
+            for layer, field, tensor in kv_cache_tensors(leaf):
+                names[id(tensor)] = ("cache", (index, layer, field))
+    leaf_of = {id(leaf): i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)}
+    manifest = trace.artifact.manifest
+    bindings: list[tuple[str, Any]] = []
+    for index, value in enumerate(trace.example_inputs):
+        if isinstance(value, torch.Tensor):
+            if id(value) in leaf_of:
+                bindings.append(("leaf", leaf_of[id(value)]))
+            elif id(value) in names:
+                bindings.append(names[id(value)])
+            else:
+                raise UnsupportedGraphError(
+                    f"graph input {index} ({trace.placeholder_names[index]}) is neither an "
+                    "argument of the call nor a parameter or buffer of the model; compile_model "
+                    "cannot feed it in a later process"
+                )
+        else:
+            bindings.append(("size", None))
+    for index, (kind, _) in enumerate(bindings):
+        if kind == "size":
+            bindings[index] = ("size", _size_source(manifest, index, bindings))
+    for leaf in kv_caches:
+        bound = {(t[1], t[2]) for kind, t in bindings if kind == "cache" and t[0] == leaf}
+        missing = [(layer, f) for layer in range(len(kv_caches[leaf].layer_classes))
+                   for f in KV_CACHE_FIELDS[:2] if (layer, f) not in bound]  # fmt: skip
+        if missing:
+            raise UnsupportedGraphError(
+                f"the graph does not take the cache tensors {missing[:3]} of "
+                f"{call.argument_name(leaf)} as inputs; compile_model serves caches whose "
+                "every layer the model reads and writes"
+            )
+    constants: dict[int, Any] = {}
+    for index, leaf in enumerate(leaves):
+        if isinstance(leaf, torch.Tensor) or index in kv_caches:
+            continue
+        if not isinstance(leaf, (bool, int, float, str, type(None))):
+            raise UnsupportedGraphError(
+                f"argument leaf {index} is a {type(leaf).__name__}; compile_model takes tensors, "
+                "plain values (bool, int, float, str, None) and a transformers StaticCache as "
+                "arguments"
+            )
+        constants[index] = leaf
+    out_leaves, out_spec = tree_flatten(trace.result, is_leaf=is_kv_cache)
+    produced = {id(t): i for i, t in enumerate(trace.graph_outputs) if isinstance(t, torch.Tensor)}
+    passed = {id(leaves[i]): i for i in kv_caches}
+    outputs: list[tuple[str, Any]] = []
+    for index, leaf in enumerate(out_leaves):
+        if isinstance(leaf, torch.Tensor) and id(leaf) in produced:
+            outputs.append(("graph", produced[id(leaf)]))
+        elif id(leaf) in passed:
+            outputs.append(("cache", passed[id(leaf)]))
+        elif isinstance(leaf, (bool, int, float, str, type(None))):
+            outputs.append(("constant", leaf))
+        else:
+            raise UnsupportedGraphError(
+                f"output leaf {index} is a {type(leaf).__name__} that the graph does not "
+                "return (a cache the model made itself: pass past_key_values=StaticCache("
+                "config=model.config, max_cache_len=N), or use_cache=False); compile_model "
+                "rebuilds outputs of tensors, plain values and the caches it was passed"
+            )
+    try:
+        out_json = treespec_to_json(out_spec)
+        in_json = treespec_to_json(tree_flatten(trace.call, is_leaf=is_kv_cache)[1])
+    except (TypeError, NotImplementedError, ValueError) as exc:
+        raise UnsupportedGraphError(
+            f"the call's arguments or output have a structure torch cannot serialize ({exc})"
+        ) from None
+    position = next(
+        (i for i, path in enumerate(call.paths)
+         if path == "cache_position" and isinstance(leaves[i], torch.Tensor)),
+        None,
+    ) if kv_caches else None  # fmt: skip
+    files = {path: digest for path in sorted(trace.traced_files) if (digest := file_digest(path))}
+    return ModelPlan(
+        model_class=class_path(model),
+        in_spec=in_json,
+        bindings=tuple(bindings),
+        constants=constants,
+        out_spec=out_json,
+        outputs=tuple(outputs),
+        traced_files=files,
+        training=model.training,
+        identity=model_identity(model),
+        caches=kv_caches,
+        tokens=_token_source(model, call, advanced),
+        position_leaf=position,
+        distributed=this_rank(),
+        trace_read=trace_read(
+            model, call.args, call.kwargs, trace.guards, trace.traced_code, trace.wrapper
+        ),
+    )
+
+
+def _size_source(manifest: Any, index: int, bindings: Sequence[tuple[str, Any]]) -> tuple[int, int]:
+    """Where graph input ``index`` (a SymInt) is read from a call: a dim of an argument."""
+    for symbol in manifest.symbols:
+        if not any(s.input_index == index and s.dim is None for s in symbol.sources):
+            continue
+        for source in symbol.sources:
+            if source.dim is not None and bindings[source.input_index][0] == "leaf":
+                return bindings[source.input_index][1], source.dim
+    raise UnsupportedGraphError(
+        f"graph input {index} is a size that no argument's dims carry; compile_model cannot "
+        "compute it from a call"
+    )
