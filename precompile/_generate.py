@@ -1,23 +1,24 @@
 """``precompile.serve_generate``: every forward call of ``model.generate()`` served by
-compiled models, with no Dynamo frame in a process whose cache is warm.
+compiled models, with no Dynamo frame in a process whose artifact store is warm.
 
 ``generate`` calls the model's forward with a few call structures: the prefill (the
 prompt, sequence length varying) and the decode steps (one token each; some versions
-add a 4-d attention mask over the static cache). transformers' own ``CompileConfig``
+add a 4-d attention mask over the static KV cache). transformers' own ``CompileConfig``
 takes a ``backend``, but that still runs Dynamo in every process, and it only covers the
 decode steps. Here the model's ``forward`` is swapped, on this instance and only inside
 the ``with`` block, for a router: each call structure (argument names, which are
-tensors, the plain values) gets one ``compile_model`` (found in the cache without
-tracing where it was compiled before), and ``get_compiled_call`` (generate's hook for
-``torch.compile``) returns the same router, so no step is compiled by torch.compile.
+tensors, the plain values) gets one ``compile_model`` (found in the artifact store
+without tracing where it was compiled before), and ``get_compiled_call`` (generate's
+hook for ``torch.compile``) returns the same router, so no step is compiled by
+torch.compile.
 
 Dynamic dims: the prompt's sequence dim (``input_ids`` last dim, ``position_ids``'s
 last dim of that size, and the query dim of the 4-d mask generate makes for a padded
-prefill) when it is longer than 1, with the given ``hints``; a 2-d
-attention mask is padded with zeros to the static cache's length (as transformers' mask
-code pads it), so it has one shape; with ``dynamic_batch=True`` also dim 0 of every
-tensor argument (and the cache's batch) where the call's batch is over 1, so batch sizes
-share one compile.
+prefill) when it is longer than 1, with the given ``hints``; a 2-d attention mask is
+padded with zeros to the static KV cache's length (as transformers' mask code pads it),
+so it has one shape; with ``dynamic_batch=True`` also dim 0 of every tensor argument
+(and the KV cache's batch) where the call's batch is over 1, so batch sizes share one
+compile.
 """
 
 from __future__ import annotations
@@ -56,7 +57,7 @@ _SIGNATURES_KEPT = 256
 
 def _structure(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> tuple[Any, ...]:
     """What makes two forward calls the same compiled call: argument names, which are
-    tensors (and their rank), caches, and the plain values."""
+    tensors (and their rank), KV caches, and the plain values."""
     if args:
         raise UnsupportedGraphError(
             f"serve_generate serves keyword calls (generate's); got {len(args)} positional"
@@ -133,9 +134,9 @@ def _dynamic(kwargs: Mapping[str, Any], dynamic_batch: bool) -> dict[int | str, 
 
 def _static_sizes(kwargs: Mapping[str, Any], dynamic_batch: bool) -> tuple[Any, ...]:
     """The sizes a call's compiled model holds fixed: every tensor dim not made dynamic,
-    and each cache's max_cache_len. A call differing in one of them (another cache length,
-    say: ``generate`` sizes its static cache to prompt + new tokens) is another compiled
-    model, never a call the first one refuses."""
+    and each KV cache's max_cache_len. A call differing in one of them (another KV cache
+    length, say: ``generate`` sizes its static KV cache to prompt + new tokens) is another
+    compiled model, never a call the first one refuses."""
     dims = _dynamic(kwargs, dynamic_batch)
     sizes: list[Any] = []
     for name, value in sorted(kwargs.items()):
@@ -154,7 +155,7 @@ def _static_sizes(kwargs: Mapping[str, Any], dynamic_batch: bool) -> tuple[Any, 
 
 def _call_signature(kwargs: Mapping[str, Any]) -> tuple[Any, ...] | None:
     """What ``_structure`` and ``_static_sizes`` read, in a form cheap enough for every
-    decode step: each argument's name, a tensor's whole shape, a cache's type and its
+    decode step: each argument's name, a tensor's whole shape, a KV cache's type and its
     layers' lengths, a plain value with its type. Equal signatures have equal keys, so a
     signature seen before names its compiled model without the full key (which flattens
     every argument). None where an argument is anything else: the full key decides."""
@@ -179,16 +180,16 @@ def _call_signature(kwargs: Mapping[str, Any]) -> tuple[Any, ...] | None:
     return tuple(parts)
 
 
-def _pad_mask_to_cache(kwargs: dict[str, Any]) -> None:
+def _pad_mask_to_kv_cache(kwargs: dict[str, Any]) -> None:
     """A 2-d attention mask (batch, tokens so far), which grows by one every decode step,
-    padded with zeros to the static cache's length: what transformers' mask code does to
+    padded with zeros to the static KV cache's length: what transformers' mask code does to
     it anyway (the positions past the tokens so far are masked), so every decode step
     has one shape and one CUDA graph."""
     mask = kwargs.get("attention_mask")
-    cache = kwargs.get("past_key_values")
-    if not (isinstance(mask, torch.Tensor) and mask.dim() == 2 and is_kv_cache(cache)):
+    kv_cache = kwargs.get("past_key_values")
+    if not (isinstance(mask, torch.Tensor) and mask.dim() == 2 and is_kv_cache(kv_cache)):
         return
-    layers = getattr(cache, "layers", None) or []
+    layers = getattr(kv_cache, "layers", None) or []
     lengths = {getattr(layer, "max_cache_len", None) for layer in layers}
     if len(lengths) != 1:
         return
@@ -276,7 +277,7 @@ class GenerateServer:
 
     # -- serving -----------------------------------------------------------------------
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        _pad_mask_to_cache(kwargs)
+        _pad_mask_to_kv_cache(kwargs)
         signature = None if args else _call_signature(kwargs)
         compiled = self._by_signature.get(signature) if signature is not None else None
         if compiled is None:
@@ -375,7 +376,7 @@ def serve_generate(
 ) -> GenerateServer:
     """A context manager under which ``model.generate(...)`` runs every forward call on
     compiled models (``compile_model`` per call structure, with ``options``: ``hints``,
-    ``sizes``, ``cache``, ``cudagraphs``, ``compile``, ``warmup``...). Use a static cache:
+    ``sizes``, ``cache``, ``cudagraphs``, ``compile``, ``warmup``...). Use a static KV cache:
     ``model.generate(ids, cache_implementation="static")`` or
     ``past_key_values=StaticCache(...)`` (a fixed ``max_cache_len`` keeps one compile for
     every length of prompt and output)::
