@@ -3,13 +3,23 @@ packages raise (the runtime and the compile side re-export and subclass these).
 
 Each one subclasses the stdlib exception a caller would already catch for that kind of
 problem, so ``except ValueError`` keeps working around code that moves to precompile.
+All of them are importable from one public module, ``precompile.errors``.
 """
 
 from __future__ import annotations
 
+import os
+
 
 class PrecompileError(Exception):
-    """Base class of every error this library raises on purpose."""
+    """Base class of every error this library raises on purpose.
+
+    The facts a handler needs ride on the error as attributes, set from keyword-only
+    arguments (None where the raising code did not know them), so ``raise X("message")``
+    stays valid. They survive pickling, which errors need to cross processes (the
+    tensor-parallel and subprocess paths): ``BaseException`` pickles as
+    ``(type(self), self.args, self.__dict__)``, and the attributes live in ``__dict__``.
+    """
 
 
 class InvalidOptionError(PrecompileError, ValueError):
@@ -22,7 +32,16 @@ class CacheRootError(InvalidOptionError, NotADirectoryError):
 
 
 class CorruptArtifactError(PrecompileError, ValueError):
-    """An artifact is truncated, altered, foreign, or fails its checksum."""
+    """An artifact is truncated, altered, foreign, or fails its checksum.
+
+    ``path``: the file or directory that is damaged, where the raising code reads one;
+    None where it checks bytes or a document already read (a payload, a manifest field, a
+    remote object, whose message names it), which is most of the checks.
+    """
+
+    def __init__(self, *args: object, path: str | os.PathLike[str] | None = None) -> None:
+        super().__init__(*args)
+        self.path: str | None = None if path is None else os.fspath(path)
 
 
 class PayloadLimitError(CorruptArtifactError):
@@ -52,9 +71,11 @@ class UntrustedArtifactError(PrecompileError, PermissionError):
 
 __all__ = [
     "ArtifactAccessError",
+    "CacheRootError",
     "CacheWriteError",
     "CorruptArtifactError",
     "InvalidOptionError",
+    "PayloadLimitError",
     "PrecompileError",
     "UnsafeCacheError",
     "UntrustedArtifactError",

@@ -355,3 +355,66 @@ for name in ("cache", "runtime"):
     )
     assert "cache refused: import precompile.cache, not cache" in out, out
     assert "runtime refused: import precompile.runtime, not runtime" in out, out
+
+
+# Exceptions of ours that never reach a caller: each is raised and caught inside the
+# library, as a signal between two of its modules.
+INTERNAL_SIGNALS = {
+    "precompile.cache._deadline.RemoteTimeout",  # a remote call's deadline: logged, local copy
+    "precompile.runtime._cudagraphs.CaptureFailed",  # a failed capture: the call's outputs kept
+    "precompile.runtime._torch_adapter.LeanImportRefused",  # a lean load: upstream's path runs
+    "precompile.runtime._model_guards.Unencodable",  # a value a model guard cannot record
+    "precompile._kernel_checks._Unparsed",  # kernel source the index checks cannot read
+    "precompile._torch_adapter._TunedConfigNotBuilt",  # an autotuned config not in the kernel
+    "precompile._trace_read._Untranslatable",  # a guard the trace reader cannot translate
+}
+
+ERROR_CLASSES = """
+import importlib, inspect, json, pkgutil
+found = {}
+for package in ("precompile.cache", "precompile.runtime", "precompile"):
+    module = importlib.import_module(package)
+    names = [package] + [f"{package}.{i.name}" for i in pkgutil.iter_modules(module.__path__)
+                         if i.name != "__main__"]
+    for name in names:
+        for value in vars(importlib.import_module(name)).values():
+            if (inspect.isclass(value) and issubclass(value, BaseException)
+                    and value.__module__.split(".")[0] == "precompile"):
+                found[f"{value.__module__}.{value.__qualname__}"] = value
+errors = importlib.import_module("precompile.errors")
+listed = {f"{getattr(errors, n).__module__}.{n}" for n in errors.__all__}
+faces = {
+    package: sorted(n for n in importlib.import_module(package).__all__
+                    if inspect.isclass(getattr(importlib.import_module(package), n))
+                    and issubclass(getattr(importlib.import_module(package), n), BaseException))
+    for package in ("precompile.cache", "precompile.runtime", "precompile")
+}
+print(json.dumps({"defined": sorted(found), "listed": sorted(listed), "faces": faces,
+                  "private_alls": {m: sorted(importlib.import_module(m).__all__)
+                                   for m in ("precompile.cache._errors",
+                                             "precompile.runtime._errors")},
+                  "defined_in": {m: sorted(n for n, v in vars(importlib.import_module(m)).items()
+                                           if inspect.isclass(v) and v.__module__ == m)
+                                 for m in ("precompile.cache._errors",
+                                           "precompile.runtime._errors")}}))
+"""
+
+
+def test_precompile_errors_lists_every_error_class() -> None:
+    """``precompile.errors`` lists every exception class defined anywhere in the three
+    packages (but the internal signals above), each where it is defined; each private
+    errors module's ``__all__`` lists all its classes (the runtime's the cache's too,
+    which it re-exports); and each face keeps serving the errors it served (``precompile``
+    and the runtime all of them, the cache its own)."""
+    found = json.loads(run_python(ERROR_CLASSES).strip().splitlines()[-1])
+    defined = set(found["defined"])
+    assert defined - INTERNAL_SIGNALS == set(found["listed"])
+    assert defined >= INTERNAL_SIGNALS, INTERNAL_SIGNALS - defined
+    in_cache = found["defined_in"]["precompile.cache._errors"]
+    in_runtime = found["defined_in"]["precompile.runtime._errors"]
+    assert found["private_alls"]["precompile.cache._errors"] == in_cache
+    assert found["private_alls"]["precompile.runtime._errors"] == sorted(in_cache + in_runtime)
+    listed = {name.rsplit(".", 1)[1] for name in found["listed"]}
+    assert set(found["faces"]["precompile"]) == listed
+    assert set(found["faces"]["precompile.runtime"]) == listed
+    assert set(found["faces"]["precompile.cache"]) == set(in_cache)
