@@ -68,7 +68,7 @@ def open_checked(path: str, trust_foreign: bool) -> int:
     try:
         info = os.fstat(fd)
         if not stat.S_ISREG(info.st_mode):
-            raise CorruptArtifactError(f"{path} is not a regular file")
+            raise CorruptArtifactError(f"{path} is not a regular file", path=path)
         if not trust_foreign:
             check_owner(info, path)
     except BaseException:

@@ -256,7 +256,8 @@ class ArtifactCache:
                 self._quarantine_blob(path, digest)  # the link moves; nothing is followed
             raise CorruptArtifactError(
                 f"cache blob {digest[:12]} is a symbolic link"
-                + (" (moved to quarantine)" if quarantine else "")
+                + (" (moved to quarantine)" if quarantine else ""),
+                path=path,
             ) from None
 
     def _quarantine_blob(self, path: str, digest: str) -> None:

@@ -32,7 +32,9 @@ from ._contract import (
     Prepared,
     check_indices,
     index_checks,
+    input_label,
     kernel_index_failure,
+    label_index,
     name_inputs,
 )
 from ._cudagraphs import (
@@ -789,13 +791,14 @@ class CompiledArtifact:
         if tag is not None:
             key = store.tagged(tag)
             if key is None:
-                raise ArtifactNotFoundError(f"no entry is tagged {tag!r} in {store.root}")
+                raise ArtifactNotFoundError(f"no entry is tagged {tag!r} in {store.root}", key=tag)
         assert key is not None
         entry = store.get(key, lazy=True)  # payloads read as variants load
         if entry is None:
             raise ArtifactNotFoundError(
                 f"cache {store.root} has no intact entry {key[:12]}"
-                + (f" (tagged {tag!r})" if tag else "")
+                + (f" (tagged {tag!r})" if tag else ""),
+                key=key,
             )
         return artifact_from_entry(entry)
 
@@ -803,12 +806,19 @@ class CompiledArtifact:
     def _from_path(
         source: str, format: str, trusted: tuple[bytes, ...] | None, run_edited_code: bool
     ) -> CompiledArtifact:
-        if format == "binary":
-            if run_edited_code:
-                raise InvalidOptionError("run_edited_code applies to format='unpacked' only")
-            manifest, payloads, _ = read_binary(source, trusted)
-        else:
-            manifest, payloads, _ = read_unpacked(source, trusted, run_edited_code=run_edited_code)
+        if format == "binary" and run_edited_code:
+            raise InvalidOptionError("run_edited_code applies to format='unpacked' only")
+        try:
+            if format == "binary":
+                manifest, payloads, _ = read_binary(source, trusted)
+            else:
+                manifest, payloads, _ = read_unpacked(
+                    source, trusted, run_edited_code=run_edited_code
+                )
+        except CorruptArtifactError as exc:
+            if exc.path is None:  # the readers' checks see bytes; the file is known here
+                exc.path = source
+            raise
         check_compatible(manifest.environment, f"artifact {source!r}")
         return CompiledArtifact(manifest, payloads)
 
@@ -839,7 +849,11 @@ def _with_index_checks(
         try:
             check_indices(args, checks)
         except IndexOutOfRangeError as exc:
-            raise IndexOutOfRangeError(name_inputs(str(exc), names)) from None
+            index = label_index(exc.input_name, ())
+            raise exc.restated(
+                name_inputs(str(exc), names),
+                input_name=None if index is None else input_label(index, names),
+            ) from None
         try:
             return function(*args)
         except RuntimeError as exc:

@@ -364,7 +364,10 @@ class InputContract:
         try:
             return self._coerce(args, copy)
         except InputMismatchError as exc:
-            raise type(exc)(name_inputs(str(exc), self.names)) from None
+            raise exc.restated(name_inputs(str(exc), self.names)) from None
+
+    def _label(self, index: int) -> str:
+        return input_label(index, self.names)
 
     def _coerce(self, args: Sequence[Any], copy: bool) -> Prepared:
         if len(args) != len(self.inputs):
@@ -373,17 +376,22 @@ class InputContract:
             )
             raise InputMismatchError(
                 f"expected {len(self.inputs)} flat inputs (the graph's placeholders, "
-                f"SymInt placeholders as ints), got {len(args)}; the inputs are {listed}"
+                f"SymInt placeholders as ints), got {len(args)}; the inputs are {listed}",
+                expected=len(self.inputs),
+                got=len(args),
             )
         values: dict[str, tuple[int, str]] = {}
-        deferred: list[tuple[str, int, str]] = []
+        deferred: list[tuple[str, int, str, int]] = []
 
-        def record(name: str, value: int, where: str) -> None:
+        def record(name: str, value: int, where: str, index: int) -> None:
             if name in values and values[name][0] != value:
                 first, origin = values[name]
                 raise InputMismatchError(
                     f"symbol {name} is {first} from {origin} but {value} from {where}; "
-                    "the graph needs them equal"
+                    "the graph needs them equal",
+                    input_name=self._label(index),
+                    expected=first,
+                    got=value,
                 )
             values.setdefault(name, (value, where))
 
@@ -392,15 +400,23 @@ class InputContract:
                 if type(arg) is not int:
                     raise InputMismatchError(
                         f"input {index} should be an int (a SymInt placeholder), "
-                        f"got {type(arg).__name__}"
+                        f"got {type(arg).__name__}",
+                        input_name=self._label(index),
+                        expected="int",
+                        got=type(arg).__name__,
                     )
                 if isinstance(spec.value, int):
                     if arg != spec.value:
-                        raise InputMismatchError(f"input {index} should be {spec.value}, got {arg}")
+                        raise InputMismatchError(
+                            f"input {index} should be {spec.value}, got {arg}",
+                            input_name=self._label(index),
+                            expected=spec.value,
+                            got=arg,
+                        )
                 elif spec.value in self.symbols:
-                    record(spec.value, arg, f"input {index}")
+                    record(spec.value, arg, f"input {index}", index)
                 else:
-                    deferred.append((spec.value, arg, f"input {index}"))
+                    deferred.append((spec.value, arg, f"input {index}", index))
                 continue
             self._check_tensor_kind(index, spec, arg)
             for dim, size in enumerate(spec.shape):
@@ -409,18 +425,24 @@ class InputContract:
                     if actual != size:
                         raise InputMismatchError(
                             f"input {index} dim {dim} is static and must be {size} "
-                            f"(shape {_shape_text(spec.shape)}), got shape {tuple(arg.shape)}"
+                            f"(shape {_shape_text(spec.shape)}), got shape {tuple(arg.shape)}",
+                            input_name=self._label(index),
+                            expected=tuple(spec.shape),
+                            got=tuple(arg.shape),
                         )
                 elif size in self.symbols:
-                    record(size, actual, f"input {index} dim {dim}")
+                    record(size, actual, f"input {index} dim {dim}", index)
                 else:
-                    deferred.append((size, actual, f"input {index} dim {dim}"))
+                    deferred.append((size, actual, f"input {index} dim {dim}", index))
         key = tuple(values[name][0] for name in self.symbols)
-        for expression, actual, where in deferred:
+        for expression, actual, where, index in deferred:
             expected = compile_function([expression], self.symbols)(*key)[0]
             if actual != expected:
                 raise InputMismatchError(
-                    f"{where} must equal {expression} = {expected}, got {actual}"
+                    f"{where} must equal {expression} = {expected}, got {actual}",
+                    input_name=self._label(index),
+                    expected=expected,
+                    got=actual,
                 )
         prepared = Prepared(key, list(args))
         grad = torch.is_grad_enabled()
@@ -439,30 +461,48 @@ class InputContract:
         if not isinstance(arg, torch.Tensor):
             raise InputMismatchError(
                 f"input {index} should be a {spec.dtype} tensor on {spec.device}, "
-                f"got {type(arg).__name__}"
+                f"got {type(arg).__name__}",
+                input_name=self._label(index),
+                expected="Tensor",
+                got=type(arg).__name__,
             )
         if type(arg) not in _PLAIN_TYPES:
             raise InputMismatchError(
                 f"input {index} is a {type(arg).__name__} (a tensor subclass); the variants "
-                "were compiled for plain tensors"
+                "were compiled for plain tensors",
+                input_name=self._label(index),
+                expected="Tensor",
+                got=type(arg).__name__,
             )
         if arg.layout is not torch.strided:
             raise InputMismatchError(
                 f"input {index} has layout {arg.layout}; the variants were compiled for "
-                "torch.strided (dense) tensors"
+                "torch.strided (dense) tensors",
+                input_name=self._label(index),
+                expected=str(torch.strided),
+                got=str(arg.layout),
             )
         if arg.dtype is not self._dtypes[index]:
             raise InputMismatchError(
-                f"input {index} should have dtype {spec.dtype}, got {dtype_name(arg.dtype)}"
+                f"input {index} should have dtype {spec.dtype}, got {dtype_name(arg.dtype)}",
+                input_name=self._label(index),
+                expected=spec.dtype,
+                got=dtype_name(arg.dtype),
             )
         if arg.device != self._devices[index]:
             raise InputMismatchError(
-                f"input {index} should be on device {spec.device}, got {arg.device}"
+                f"input {index} should be on device {spec.device}, got {arg.device}",
+                input_name=self._label(index),
+                expected=spec.device,
+                got=str(arg.device),
             )
         if arg.dim() != len(spec.shape):
             raise InputMismatchError(
                 f"input {index} should have rank {len(spec.shape)} with shape "
-                f"{_shape_text(spec.shape)}, got shape {tuple(arg.shape)}"
+                f"{_shape_text(spec.shape)}, got shape {tuple(arg.shape)}",
+                input_name=self._label(index),
+                expected=tuple(spec.shape),
+                got=tuple(arg.shape),
             )
 
     def _check_tensor_state(
@@ -474,7 +514,10 @@ class InputContract:
             if not same:
                 raise InputMismatchError(
                     f"input {index} is a float the variants were specialized to ({spec.value!r}), "
-                    f"got {actual!r}; compile again for another value"
+                    f"got {actual!r}; compile again for another value",
+                    input_name=self._label(index),
+                    expected=spec.value,
+                    got=actual,
                 )
         if self.exact_grad and arg.requires_grad != spec.requires_grad:
             name = f"input {index}" + (f" ({spec.name})" if spec.name else "")
@@ -482,7 +525,10 @@ class InputContract:
                 f"{name} has requires_grad={arg.requires_grad}, but the model was traced with "
                 f"requires_grad={spec.requires_grad}: its forward may read the flag (Dynamo "
                 "guards it), so the compiled model holds for that value alone; set it back "
-                "(requires_grad_()) or compile the model as it is now"
+                "(requires_grad_()) or compile the model as it is now",
+                input_name=self._label(index),
+                expected=spec.requires_grad,
+                got=arg.requires_grad,
             )
         if not grad:
             return
@@ -490,12 +536,18 @@ class InputContract:
             raise InputMismatchError(
                 f"input {index} requires grad, but the variants were compiled for inference "
                 "(no backward graph), so the output would not be connected to autograd; call "
-                "under torch.no_grad() or torch.inference_mode(), or compile with grad enabled"
+                "under torch.no_grad() or torch.inference_mode(), or compile with grad enabled",
+                input_name=self._label(index),
+                expected=False,
+                got=True,
             )
         if self.training and arg.requires_grad != spec.requires_grad:
             raise InputMismatchError(
                 f"input {index} has requires_grad={arg.requires_grad}, but the backward graph "
-                f"was compiled for requires_grad={spec.requires_grad}"
+                f"was compiled for requires_grad={spec.requires_grad}",
+                input_name=self._label(index),
+                expected=spec.requires_grad,
+                got=arg.requires_grad,
             )
 
     def _fit_layout(self, index: int, spec: TensorInput, prepared: Prepared, copy: bool) -> None:
@@ -511,7 +563,10 @@ class InputContract:
             raise InputMismatchError(
                 f"input {index} has storage offset {arg.storage_offset()}, but an output is "
                 f"a view of it compiled for offset {spec.storage_offset}; pass a tensor "
-                f"with that offset"
+                f"with that offset",
+                input_name=self._label(index),
+                expected=spec.storage_offset,
+                got=arg.storage_offset(),
             )
         if not differs and not flags:
             return
@@ -526,25 +581,37 @@ class InputContract:
             )
             raise InputMismatchError(
                 f"input {index} has {what}; it cannot be copied into the compiled layout "
-                f"because {reason}: pass it with strides {expected} and no neg/conj bit"
+                f"because {reason}: pass it with strides {expected} and no neg/conj bit",
+                input_name=self._label(index),
+                expected=expected,
+                got=tuple(actual),
             )
         if spec.mutation == "data":
             if may_overlap(arg.shape, arg.stride()):
                 raise InputMismatchError(
                     f"input {index} has {what}, and its elements overlap in memory (an expand()ed "
-                    "tensor), but the graph writes it: pass a tensor that owns its elements"
+                    "tensor), but the graph writes it: pass a tensor that owns its elements",
+                    input_name=self._label(index),
+                    expected=expected,
+                    got=tuple(actual),
                 )
             if arg.requires_grad and torch.is_grad_enabled():
                 raise InputMismatchError(
                     f"input {index} has {what}, requires grad and is written by the graph; "
-                    f"pass it with strides {expected}"
+                    f"pass it with strides {expected}",
+                    input_name=self._label(index),
+                    expected=expected,
+                    got=tuple(actual),
                 )
         if differs and may_overlap(arg.shape, expected):
             raise InputMismatchError(
                 f"input {index} has {what}: the variants were compiled for a layout whose "
                 f"elements overlap in memory (an expand()ed example), which holds one value "
                 "where this input may hold several; compile with an example that owns its "
-                "elements (.contiguous()), or pass this input expanded alike"
+                "elements (.contiguous()), or pass this input expanded alike",
+                input_name=self._label(index),
+                expected=expected,
+                got=tuple(actual),
             )
         if not copy:
             return
@@ -607,7 +674,10 @@ def check_indices(args: Sequence[Any], checks: Sequence[tuple[int, int]]) -> Non
             bad = low if low < 0 else high
             raise IndexOutOfRangeError(
                 f"input {index} holds {bad}, outside the embedding's {rows} rows (its values "
-                f"must lie in [0, {rows}))"
+                f"must lie in [0, {rows}))",
+                input_name=f"input {index}",
+                expected=range(rows),
+                got=bad,
             )
 
 
@@ -630,6 +700,23 @@ def kernel_index_failure(message: str) -> str | None:
 
 
 _INPUT_INDEX = re.compile(r"\binput (\d+)\b(?! \()")
+
+
+def input_label(index: int, names: Sequence[str | None]) -> str:
+    """How a refusal's ``input_name`` says graph input ``index``: its name in the
+    manifest, else ``input N``."""
+    name = names[index] if index < len(names) else None
+    return name or f"input {index}"
+
+
+def label_index(label: str | None, names: Sequence[str | None]) -> int | None:
+    """The graph input an ``input_label`` says (None: none, or not one of these)."""
+    if label is None:
+        return None
+    if label in names:
+        return names.index(label)
+    found = re.fullmatch(r"input (\d+)", label)
+    return int(found.group(1)) if found else None
 
 
 def name_inputs(message: str, names: Sequence[str | None]) -> str:

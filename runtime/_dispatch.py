@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from types import MappingProxyType
 from typing import Any, Literal
 
@@ -202,6 +202,9 @@ class Dispatcher:
             raise NoVariantError(
                 "no compiled variant admits these sizes, and precompile never compiles at "
                 "call time; compile with a hint or exact size that covers them.\n"
-                + str(explanation)
+                + str(explanation),
+                sizes=explanation.sizes,
+                # points as dicts: a mappingproxy does not pickle, and errors cross processes
+                candidates=[replace(c, point=dict(c.point)) for c in explanation.candidates],
             )
         return explanation.chosen

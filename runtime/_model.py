@@ -35,6 +35,7 @@ from . import _torch_adapter as adapter
 from ._artifact import CompiledArtifact
 from ._binary_format import read_binary_with_model, write_binary
 from ._cached import load_cached_model
+from ._contract import label_index
 from ._cudagraphs import why_not_capturable
 from ._decode_graphs import DecodeGraphs, GraphedSteps
 from ._decode_loop import decode_loop, step_graph_key
@@ -375,7 +376,9 @@ class CompiledModel:
             raise NoVariantError(
                 f"no trace of the model serves {said} at 1: the model could not be traced "
                 "there when it was compiled (see the warning it logged then), so calls with "
-                "those lengths are refused"
+                "those lengths are refused",
+                sizes={self._length_name(i): 1 for i in ones},
+                candidates=(),
             )
         return piece
 
@@ -430,7 +433,10 @@ class CompiledModel:
             if not isinstance(value, torch.Tensor) or value.dim() <= tokens_dim:
                 raise InputMismatchError(
                     f"{self._names[tokens_leaf]} should be a tensor whose dim {tokens_dim} is "
-                    f"the call's token count, got {type(value).__name__}"
+                    f"the call's token count, got {type(value).__name__}",
+                    input_name=str(self._names[tokens_leaf]),
+                    expected="Tensor",
+                    got=type(value).__name__,
                 )
             return int(value.shape[tokens_dim])
 
@@ -486,9 +492,9 @@ class CompiledModel:
             said = self._shape_refusal(leaves)
             if said is None:
                 raise
-            raise InputMismatchError(said) from None
+            raise said from None
 
-    def _shape_refusal(self, leaves: list[Any]) -> str | None:
+    def _shape_refusal(self, leaves: list[Any]) -> InputMismatchError | None:
         """Where a refused call has a tensor argument of another rank, or another size in
         a static dim, than the model was compiled for: that, in the call's terms (the
         argument's name, dynamic lengths as ``*``). The graph that refused it may be a
@@ -507,10 +513,13 @@ class CompiledModel:
             ):
                 continue
             wanted = ", ".join(str(size) if isinstance(size, int) else "*" for size in shape)
-            return (
+            return InputMismatchError(
                 f"{self._names[target]} should have rank {len(shape)} with shape ({wanted}) "
                 f"(*: a dynamic length), the shape the model was compiled for; got shape "
-                f"{tuple(value.shape)}"
+                f"{tuple(value.shape)}",
+                input_name=str(self._names[target]),
+                expected=tuple(size if isinstance(size, int) else "*" for size in shape),
+                got=tuple(value.shape),
             )
         return None
 
@@ -571,7 +580,10 @@ class CompiledModel:
             if type(leaves[index]) is not type(value) or leaves[index] != value:
                 raise InputMismatchError(
                     f"argument leaf {index} is {leaves[index]!r}, but the model was compiled "
-                    f"for {value!r}; compile again for that value"
+                    f"for {value!r}; compile again for that value",
+                    input_name=str(self._names[index]),
+                    expected=value,
+                    got=leaves[index],
                 )
         if self.model.training != self.plan.training:
             mode = "train()" if self.model.training else "eval()"
@@ -601,7 +613,9 @@ class CompiledModel:
                 said, compiled = str(spec), str(self._in_spec)
             raise InputMismatchError(
                 f"this call's arguments are structured as {said}, but the model was compiled "
-                f"for {compiled}; compile again for this call structure"
+                f"for {compiled}; compile again for this call structure",
+                expected=compiled,
+                got=said,
             )
         return leaves
 
@@ -624,7 +638,12 @@ class CompiledModel:
         try:
             return self.artifact(*self._graph_inputs(leaves))
         except InputMismatchError as exc:
-            raise type(exc)(self._named(exc, leaves)) from None
+            graph_names = [spec.name for spec in self.artifact.manifest.inputs]
+            index = label_index(exc.input_name, graph_names)
+            raise exc.restated(
+                self._named(exc, leaves),
+                input_name=None if index is None else self._input_name(index),
+            ) from None
 
     def _named(self, exc: InputMismatchError, leaves: list[Any]) -> str:
         """The artifact's message with each graph input it names said as the model's
@@ -918,7 +937,7 @@ class CompiledModel:
         if tag is not None:
             key = cache_to_read(cache).tagged(tag)
             if key is None:
-                raise ArtifactNotFoundError(f"no entry is tagged {tag!r} in the cache")
+                raise ArtifactNotFoundError(f"no entry is tagged {tag!r} in the cache", key=tag)
         if path is not None:
             source = os.fspath(path)
             where = f"the compiled model {source!r}"
@@ -935,7 +954,7 @@ class CompiledModel:
         else:
             found = load_cached_model(cache, key)  # type: ignore[arg-type]
             if found is None:
-                raise ArtifactNotFoundError(f"no intact model entry {key}")
+                raise ArtifactNotFoundError(f"no intact model entry {key}", key=key)
             artifact, raw_plan = found
             where = f"the compiled model in cache entry {str(key)[:12]}"
         plan = ModelPlan.from_json(raw_plan, len(artifact.manifest.inputs))

@@ -4,9 +4,11 @@ survive pickling (errors cross processes in the tensor-parallel and subprocess p
 from __future__ import annotations
 
 import pickle
+from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 import precompile.cache
 import precompile.runtime
@@ -60,3 +62,64 @@ def test_restated_refusal_keeps_class_and_facts() -> None:
     said = error.restated("input 0 (ids) holds 12", input_name="ids")
     assert type(said) is errors.IndexOutOfRangeError and str(said) == "input 0 (ids) holds 12"
     assert (said.input_name, said.expected, said.got) == ("ids", None, 12)
+
+
+def test_a_refused_size_says_its_sizes_and_candidates() -> None:
+    """A real dispatch (no compile: ``synthetic``'s one-variant artifact) refuses a size
+    its guard excludes, with the sizes and each variant's failed guards, pickled too."""
+    from synthetic import make_artifact
+
+    art = make_artifact([("hint", {"s0": 8}, ("s0 <= 100",))])
+    with pytest.raises(errors.NoVariantError) as info:
+        art(torch.randn(101, 4))
+    error = pickle.loads(pickle.dumps(info.value))
+    assert error.sizes == {"s0": 101}
+    (candidate,) = error.candidates
+    assert (candidate.variant, candidate.failed_guards) == (0, ("s0 <= 100",))
+    assert str(error) == str(info.value)
+
+
+def test_a_refused_input_says_which_and_what(mlp: Any) -> None:
+    """The session MLP (compiled for float32 [batch, 32]) refuses a float64 input and a
+    wrong width, naming the input and what it wanted and got."""
+    good = mlp.captured.flat(torch.randn(4, 32))
+    (index,) = mlp.captured.user_positions
+    names = [spec.name for spec in mlp.artifact.manifest.inputs]
+    bad = list(good)
+    bad[index] = good[index].double()
+    with pytest.raises(errors.InputMismatchError) as info:
+        mlp.artifact(*bad)
+    error = pickle.loads(pickle.dumps(info.value))
+    assert (error.input_name, error.expected, error.got) == (names[index], "float32", "float64")
+    bad[index] = torch.randn(4, 32, 2)
+    with pytest.raises(errors.InputMismatchError) as info:
+        mlp.artifact(*bad)
+    assert info.value.input_name == names[index] and info.value.got == (4, 32, 2)
+    assert len(info.value.expected) == 2 and info.value.expected[1] == 32
+    with pytest.raises(errors.InputMismatchError) as info:
+        mlp.artifact(*good[:-1])
+    assert (info.value.input_name, info.value.expected, info.value.got) == (
+        None,
+        len(good),
+        len(good) - 1,
+    )
+
+
+def test_a_missing_tag_or_key_says_it(tmp_path: Path) -> None:
+    store = precompile.cache.ArtifactCache(str(tmp_path))
+    with pytest.raises(errors.ArtifactNotFoundError) as info:
+        precompile.runtime.CompiledArtifact.load(tag="model", cache=store)
+    assert pickle.loads(pickle.dumps(info.value)).key == "model"
+    with pytest.raises(errors.ArtifactNotFoundError) as info:
+        precompile.runtime.CompiledArtifact.load(key="0" * 64, cache=store)
+    assert info.value.key == "0" * 64
+
+
+def test_a_truncated_file_says_its_path(saved: dict[str, str], tmp_path: Path) -> None:
+    data = Path(saved["binary"]).read_bytes()
+    for label, content in {"in payloads": data[:-100], "in header": data[:30]}.items():
+        path = tmp_path / "truncated.pt2c"
+        path.write_bytes(content)
+        with pytest.raises(errors.CorruptArtifactError) as info:
+            precompile.runtime.CompiledArtifact.load(path=path)
+        assert pickle.loads(pickle.dumps(info.value)).path == str(path), label
