@@ -71,7 +71,7 @@ def backend(
             artifact = compiled(cache)
         except ArtifactNotFoundError as exc:
             if static:
-                raise ArtifactNotFoundError(f"{exc}. {ORDER_HINT}") from None
+                raise ArtifactNotFoundError(f"{exc}. {ORDER_HINT}", key=exc.key) from None
             raise
         except CacheRootError as exc:
             if is_offline(compile):

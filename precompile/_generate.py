@@ -344,7 +344,10 @@ def _tokens_in_vocabulary(model: torch.nn.Module, kwargs: Mapping[str, Any]) -> 
         bad = low if low < 0 else high
         raise IndexOutOfRangeError(
             f"input_ids holds {bad}, outside the embedding's {rows} rows (its values must lie "
-            f"in [0, {rows}))"
+            f"in [0, {rows}))",
+            input_name="input_ids",
+            expected=range(rows),
+            got=bad,
         )
 
 

@@ -34,5 +34,5 @@ def refuse(
         found = f"{where} has no entry {key[:12]}"
         found += "" if store is None else f"; {store.explain_miss(key, factors)}"
     raise ArtifactNotFoundError(
-        f"compiling is off (compile=False or PRECOMPILE_OFFLINE=1) and {found}"
+        f"compiling is off (compile=False or PRECOMPILE_OFFLINE=1) and {found}", key=key
     )

@@ -193,7 +193,10 @@ class CacheGuard:
                     raise InputMismatchError(
                         f"{slot.name} layer {index} holds {length} tokens of max_cache_len "
                         f"{capacity}, and this call writes {tokens} more: past the cache's "
-                        "end; reset() the cache or use a longer one"
+                        "end; reset() the cache or use a longer one",
+                        input_name=slot.name,
+                        expected=capacity,
+                        got=length + tokens,
                     )
             if self._position_leaf is not None:
                 self._check_positions(leaves[self._position_leaf], lengths, tokens, slot.name)
@@ -239,14 +242,20 @@ class CacheGuard:
         if not is_kv_cache(cache):
             raise InputMismatchError(
                 f"{slot.name} is a {type(cache).__name__}, but the model was compiled for a "
-                f"{layout.cache_class.rpartition('.')[2]}"
+                f"{layout.cache_class.rpartition('.')[2]}",
+                input_name=slot.name,
+                expected=layout.cache_class.rpartition(".")[2],
+                got=type(cache).__name__,
             )
         layers = getattr(cache, "layers", None)
         if not isinstance(layers, list) or len(layers) != len(layout.layer_classes):
             count = len(layers) if isinstance(layers, list) else "no"
             raise InputMismatchError(
                 f"{slot.name} has {count} layers, but the model was compiled for a cache of "
-                f"{len(layout.layer_classes)}"
+                f"{len(layout.layer_classes)}",
+                input_name=slot.name,
+                expected=len(layout.layer_classes),
+                got=len(layers) if isinstance(layers, list) else None,
             )
         for index, layer in enumerate(layers):
             pair = (type(cache), type(layer))
@@ -256,12 +265,18 @@ class CacheGuard:
                 raise InputMismatchError(
                     f"{slot.name} is a {type(cache).__name__}, but the model was compiled for "
                     f"a {layout.cache_class.rpartition('.')[2]}; pass a cache of that class "
-                    "(a dynamic cache cannot be served where a static one was compiled)"
+                    "(a dynamic cache cannot be served where a static one was compiled)",
+                    input_name=slot.name,
+                    expected=layout.cache_class.rpartition(".")[2],
+                    got=type(cache).__name__,
                 )
             if class_path(layer) != layout.layer_classes[index]:
                 raise InputMismatchError(
                     f"{slot.name} layer {index} is a {type(layer).__name__}, but the model was "
-                    f"compiled for a {layout.layer_classes[index].rpartition('.')[2]}"
+                    f"compiled for a {layout.layer_classes[index].rpartition('.')[2]}",
+                    input_name=f"{slot.name}.layers[{index}]",
+                    expected=layout.layer_classes[index].rpartition(".")[2],
+                    got=type(layer).__name__,
                 )
             self._accepted.add(pair)
         return layers
@@ -279,7 +294,8 @@ class CacheGuard:
             if not all(isinstance(n, int) for n in (key_dim, value_dim, heads)):
                 raise InputMismatchError(
                     f"{slot.name} is not initialized, and its compiled shape is not static "
-                    "beyond the batch: initialize it (cache.early_initialization) first"
+                    "beyond the batch: initialize it (cache.early_initialization) first",
+                    input_name=slot.name,
                 )
             shape_k = (batch, heads, 0, key_dim)
             shape_v = (batch, heads, 0, value_dim)
@@ -304,7 +320,10 @@ class CacheGuard:
                     where = tensor.device if isinstance(tensor, torch.Tensor) else "no tensor"
                     raise InputMismatchError(
                         f"{slot.name} layer {index} {field} is on device {where}, but the model "
-                        f"was compiled for {device}"
+                        f"was compiled for {device}",
+                        input_name=f"{slot.name}.layers[{index}].{field}",
+                        expected=str(device),
+                        got=str(where),
                     )
         lengths = tuple(counter_values(counters))
         versions = _versions(counters)
@@ -321,7 +340,8 @@ class CacheGuard:
         if len(set(lengths)) != 1:
             raise InputMismatchError(
                 f"cache_position is given, but the layers of {name} hold different lengths "
-                f"{sorted(set(lengths))}; no one position fits them all"
+                f"{sorted(set(lengths))}; no one position fits them all",
+                input_name="cache_position",
             )
         start = lengths[0]
         if not isinstance(positions, torch.Tensor) or positions.dim() != 1:
@@ -329,14 +349,20 @@ class CacheGuard:
             if isinstance(positions, torch.Tensor):
                 got += f" of shape {tuple(positions.shape)}"
             raise InputMismatchError(
-                f"cache_position must be a 1-d tensor of {tokens} positions, got {got}"
+                f"cache_position must be a 1-d tensor of {tokens} positions, got {got}",
+                input_name="cache_position",
+                expected="1-d tensor",
+                got=got,
             )
         expected = torch.arange(start, start + tokens, device=positions.device)
         if positions.numel() != tokens or not torch.equal(positions.to(expected.dtype), expected):
             shown = positions.tolist() if positions.numel() <= 8 else f"{positions.numel()} values"
             raise InputMismatchError(
                 f"cache_position is {shown}, but {name} holds {start} tokens, so this call's "
-                f"{tokens} tokens take positions {start}..{start + tokens - 1}"
+                f"{tokens} tokens take positions {start}..{start + tokens - 1}",
+                input_name="cache_position",
+                expected=list(range(start, start + tokens)),
+                got=positions.tolist(),
             )
 
     # -- explaining a contract failure -----------------------------------------------

@@ -512,7 +512,9 @@ class BoundGuards:
                 raise InputMismatchError(
                     f"{readable(guard.expr)} is {owner.training}, but {self.where} was "
                     f"traced with it {training}; switch it back (.train()/.eval()) or "
-                    "compile the model in this mode"
+                    "compile the model in this mode",
+                    expected=training,
+                    got=owner.training,
                 )
         for guard in self._environment:
             failure = guard.failure(self.roots)
