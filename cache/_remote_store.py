@@ -62,6 +62,11 @@ METHODS = ("get", "put", "create", "exists", "delete", "names")
 
 def as_store(remote: object) -> RemoteStore:
     """``remote`` as a ``RemoteStore``, or ``InvalidOptionError`` naming what it lacks."""
+    if isinstance(remote, type):  # its methods are there, unbound: every call would fail
+        raise InvalidOptionError(
+            f"remote must be a URL or a RemoteStore object; got the class {_short(remote)}: "
+            "make one (call it) and pass that"
+        )
     missing = [name for name in METHODS if not callable(getattr(remote, name, None))]
     if missing or not isinstance(remote, RemoteStore):
         raise InvalidOptionError(

@@ -133,9 +133,11 @@ class RemoteTier:
         if len(found) != len(wanted):
             raise ValueError(f"the store answered {len(found)} objects for {len(wanted)}")
         for (name, limit), data in zip(wanted, found, strict=True):
+            if data is not None and not isinstance(data, (bytes, bytearray, memoryview)):
+                raise TypeError(f"the store answered {type(data).__name__} for {name}, not bytes")
             if data is not None and len(data) > limit:
                 raise ValueError(f"remote object {name} is over {limit} bytes")
-        return found
+        return [None if data is None else bytes(data) for data in found]
 
     # -- reading -----------------------------------------------------------------------
     def _refusal(self, blobs: Mapping[str, int]) -> str | None:

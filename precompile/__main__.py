@@ -192,9 +192,9 @@ def _remote_options(text: str | None) -> dict[str, Any] | None:
     try:
         value = json.loads(text)
     except ValueError:
-        raise SystemExit(f"precompile: --remote-options must be JSON, got {text!r}") from None
+        _fail(f"--remote-options must be JSON, got {text!r}")
     if not isinstance(value, dict):
-        raise SystemExit("precompile: --remote-options must be a JSON object")
+        _fail(f"--remote-options must be a JSON object, got {text!r}")
     return value
 
 

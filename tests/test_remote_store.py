@@ -117,6 +117,28 @@ def test_an_object_that_is_not_a_store_is_refused_naming_what_it_lacks(tmp_path:
         ArtifactCache(root, remote=object())  # type: ignore[arg-type]
     with pytest.raises(InvalidOptionError, match="remote_options are fsspec's"):
         ArtifactCache(root, remote=MemoryStore(), remote_options={"anon": True})
+    # the class, not an object: its methods are there, unbound (found by a client trial:
+    # accepted, then every remote call failed as a warning)
+    with pytest.raises(InvalidOptionError, match="got the class .*MemoryStore.*make one"):
+        ArtifactCache(root, remote=MemoryStore)  # type: ignore[arg-type]
+
+
+class TextStore(MemoryStore):
+    """Answers text where bytes are due."""
+
+    def get(self, wanted: Sequence[tuple[str, int]]) -> list[Any]:
+        return [None if d is None else d.decode("latin-1") for d in super().get(wanted)]
+
+
+def test_a_store_answering_other_than_bytes_is_a_miss(tmp_path: Any) -> None:
+    """A client trial: a store whose get returned str failed the compile with an
+    AttributeError from the entry's decoding; it is a miss like any failing store."""
+    store = TextStore()
+    put(ArtifactCache(str(tmp_path / "a"), remote=store), key_of(1), fake_artifact(1), {})
+    assert store.objects  # uploaded as bytes
+    reader = ArtifactCache(str(tmp_path / "b"), remote=store)
+    assert reader.get(key_of(1)) is None
+    assert reader.stats().remote_errors >= 1
 
 
 DIRECTORY_STORE = '''
@@ -204,3 +226,6 @@ def test_cli_takes_a_store_by_module_and_attribute(tmp_path: Any) -> None:
     assert wrong.returncode == 2 and "lacks the methods get, put" in wrong.stderr, wrong.stderr
     missing = cli("--root", there, "ls", "--remote", "directory_store:Nothing")
     assert missing.returncode == 2 and "directory_store has no Nothing" in missing.stderr
+    for text in ("[1]", "{"):  # an option error exits 2, as every error does
+        bad = cli("--root", there, "ls", "--remote", spec, "--remote-options", text)
+        assert bad.returncode == 2 and "--remote-options must be" in bad.stderr, bad.stderr
