@@ -819,6 +819,10 @@ class CompiledArtifact:
             if exc.path is None:  # the readers' checks see bytes; the file is known here
                 exc.path = source
             raise
+        except FileNotFoundError as exc:  # one of ours (a FileNotFoundError still)
+            if isinstance(exc, ArtifactNotFoundError):
+                raise
+            raise ArtifactNotFoundError(f"no artifact at {source!r}: {exc.strerror}") from None
         check_compatible(manifest.environment, f"artifact {source!r}")
         return CompiledArtifact(manifest, payloads)
 

@@ -941,9 +941,20 @@ class CompiledModel:
         if path is not None:
             source = os.fspath(path)
             where = f"the compiled model {source!r}"
-            manifest, payloads, _, raw_plan = read_binary_with_model(
-                source, resolve_trusted_keys(trusted_keys)
-            )
+            try:
+                manifest, payloads, _, raw_plan = read_binary_with_model(
+                    source, resolve_trusted_keys(trusted_keys)
+                )
+            except CorruptArtifactError as exc:
+                if exc.path is None:  # the reader's checks see bytes; the file is known here
+                    exc.path = source
+                raise
+            except FileNotFoundError as exc:  # one of ours (a FileNotFoundError still)
+                if isinstance(exc, ArtifactNotFoundError):
+                    raise
+                raise ArtifactNotFoundError(
+                    f"no compiled model at {source!r}: {exc.strerror}"
+                ) from None
             if raw_plan is None:
                 raise InvalidOptionError(
                     f"{source!r} is a compiled graph, not a compiled model: load it with "

@@ -123,3 +123,16 @@ def test_a_truncated_file_says_its_path(saved: dict[str, str], tmp_path: Path) -
         with pytest.raises(errors.CorruptArtifactError) as info:
             precompile.runtime.CompiledArtifact.load(path=path)
         assert pickle.loads(pickle.dumps(info.value)).path == str(path), label
+
+
+def test_a_missing_file_is_one_of_ours_and_still_a_file_not_found(tmp_path: Any) -> None:
+    """A client trial: loading a path that is not there raised a plain FileNotFoundError,
+    which ``except PrecompileError`` missed."""
+    absent = str(tmp_path / "absent.pt2c")
+    for load in (
+        lambda: precompile.CompiledArtifact.load(path=absent),
+        lambda: precompile.load_model(torch.nn.Linear(2, 2), path=absent),
+    ):
+        with pytest.raises(errors.ArtifactNotFoundError, match=r"absent\.pt2c") as info:
+            load()
+        assert isinstance(info.value, FileNotFoundError)

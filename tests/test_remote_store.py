@@ -119,7 +119,7 @@ def test_an_object_that_is_not_a_store_is_refused_naming_what_it_lacks(tmp_path:
         ArtifactCache(root, remote=MemoryStore(), remote_options={"anon": True})
     # the class, not an object: its methods are there, unbound (found by a client trial:
     # accepted, then every remote call failed as a warning)
-    with pytest.raises(InvalidOptionError, match="got the class .*MemoryStore.*make one"):
+    with pytest.raises(InvalidOptionError, match=r"got the class .*MemoryStore.*make one"):
         ArtifactCache(root, remote=MemoryStore)  # type: ignore[arg-type]
 
 
