@@ -471,9 +471,10 @@ def _variant_points_accepted(
                 for symbol in manifest.symbols
             )
             raise UnsupportedGraphError(
-                f"the variant at {sizes} pairs sizes the model's own operations refuse "
-                f"({exc}); dims that must agree (a mask's batch and input_ids') need the "
-                "same hints: give each of them hints"
+                f"the variant at {sizes} has sizes the model's own operations refuse "
+                f"({exc}): either a hint past what the model takes at all (a length past "
+                "its position table: keep hints within it), or dims that must agree (a "
+                "mask's batch and input_ids') given different hints (give each the same)"
             ) from None
 
 

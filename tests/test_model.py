@@ -622,6 +622,25 @@ def test_a_trace_its_own_operations_refuse_is_never_run_compiled(tmp_path: objec
     assert "refused:" in out
 
 
+def test_a_hint_past_the_position_table_is_refused_saying_so() -> None:
+    """A client trial: hints [8, 64] on a model of 16 positions were refused as if two
+    dims had been given different hints; the refusal now names both causes."""
+
+    class Positions(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.table = torch.nn.Embedding(16, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x + self.table(torch.arange(x.shape[1]))
+
+    with pytest.raises(precompile.UnsupportedGraphError, match=r"dim 1 = 64 .*position table"):
+        precompile.compile_model(
+            Positions().eval(), (torch.randn(1, 6, 4),), dynamic={0: [1]}, hints=[8, 64],
+            cache=False,
+        )  # fmt: skip
+
+
 def test_a_refused_point_prints_no_traceback(capfd: pytest.CaptureFixture[str]) -> None:
     """The traced graph's own operations run before its compiled code; where they refuse
     (an index past a table), that is an answer: no FX traceback on stderr (a compile with
