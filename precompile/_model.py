@@ -474,7 +474,7 @@ def _variant_points_accepted(
                 f"the variant at {sizes} has sizes the model's own operations refuse "
                 f"({exc}): either a hint past what the model takes at all (a length past "
                 "its position table: keep hints within it), or dims that must agree (a "
-                "mask's batch and input_ids') given different hints (give each the same)"
+                "mask's batch and input_ids') given different hints: give them the same hints"
             ) from None
 
 
