@@ -96,6 +96,22 @@ print("done", hits)
 """
 
 
+def _race(script: str, root: str) -> tuple[list[subprocess.Popen[str]], list[tuple[str, str]]]:
+    """Eight processes running ``script`` on the cache at ``root`` at once (seeds 0-7,
+    5000 operations each); each process and its (stdout, stderr)."""
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", script, root, str(seed), str(5_000)],
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for seed in range(8)
+    ]
+    return procs, [p.communicate(timeout=600) for p in procs]
+
+
 def test_racing_writers_and_evictions_lose_nothing_healthy(tmp_path: Any) -> None:
     """8 processes write, read and evict over a cache that holds about 3 entries. A write
     in flight keeps its blobs (writers hold the gc lock shared); a file vanishing under
@@ -104,17 +120,7 @@ def test_racing_writers_and_evictions_lose_nothing_healthy(tmp_path: Any) -> Non
     root = str(tmp_path)
     ArtifactCache(root)
     started = time.monotonic()
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-c", RACER, root, str(seed), str(5_000)],
-            cwd=ROOT,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for seed in range(8)
-    ]
-    outputs = [p.communicate(timeout=600) for p in procs]
+    procs, outputs = _race(RACER, root)
     for proc, (out, err) in zip(procs, outputs, strict=True):
         assert proc.returncode == 0 and "done" in out, err[-3000:]
     assert time.monotonic() - started < 300
@@ -525,17 +531,7 @@ def test_a_loaded_entry_keeps_its_blobs_while_others_evict_them(tmp_path: Any) -
     no healthy blob is quarantined."""
     root = str(tmp_path)
     ArtifactCache(root)
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-c", LAZY_RACER, root, str(seed), str(5_000)],
-            cwd=ROOT,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for seed in range(8)
-    ]
-    outputs = [p.communicate(timeout=600) for p in procs]
+    procs, outputs = _race(LAZY_RACER, root)
     reads = 0
     for proc, (out, err) in zip(procs, outputs, strict=True):
         assert proc.returncode == 0 and "done" in out, err[-3000:]
