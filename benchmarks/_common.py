@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import re
 import statistics
 import sys
 import warnings
@@ -20,6 +21,15 @@ def device_name(device: str) -> str:
     if device.startswith("cuda"):
         return str(torch.cuda.get_device_name(0))
     return f"{platform.processor() or platform.machine()} CPU, {os.cpu_count()} cores"
+
+
+def device_slug(device: str, env: dict[str, Any]) -> str:
+    """The short name of ``device`` in result file names ("cpu", "h200"), from
+    ``environment(device)``'s description of it."""
+    if device == "cpu":
+        return "cpu"
+    chip = re.search(r"\b([A-Z]\d{2,3})\b", str(env["device"]))
+    return chip[1].lower() if chip else "gpu"
 
 
 def environment(device: str) -> dict[str, Any]:

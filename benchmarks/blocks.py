@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import subprocess
 import sys
 import tempfile
@@ -149,11 +148,10 @@ def main() -> None:
     if args.child:
         print(json.dumps(child(args.layers, args.gemms)))
         return
-    from _common import RESULTS, environment, table
+    from _common import RESULTS, device_slug, environment, table
 
     env = environment("cuda")
-    chip = re.search(r"\b([A-Z]\d{2,3})\b", env["device"])
-    path = args.out or os.path.join(RESULTS, f"blocks-{chip[1].lower() if chip else 'gpu'}.json")
+    path = args.out or os.path.join(RESULTS, f"blocks-{device_slug('cuda', env)}.json")
     rows: dict[str, Any] = {}
     for setting, flag in SETTINGS.items():
         scratch = tempfile.mkdtemp(prefix="blocks-bench-")

@@ -253,7 +253,7 @@ def main() -> None:
     if args.child:
         print(json.dumps(child(args.child, int(args.layers), args.device)))
         return
-    from _common import RESULTS, environment
+    from _common import RESULTS, device_slug, environment
 
     layers = ([int(n) for n in args.layers.split(",")] if args.layers
               else CPU_LAYERS if args.device == "cpu" else GPU_LAYERS)  # fmt: skip
@@ -266,9 +266,7 @@ def main() -> None:
     if args.device == "cpu":
         rows = [r for r in rows if r not in GPU_ONLY]
     env = environment(args.device)
-    chip = re.search(r"\b([A-Z]\d{2,3})\b", env["device"])
-    slug = "cpu" if args.device == "cpu" else chip[1].lower() if chip else "gpu"
-    name = f"build-{slug}.json"
+    name = f"build-{device_slug(args.device, env)}.json"
     path = args.out or os.path.join(RESULTS, name)
     document: dict[str, Any] = {"environment": env, "rows": {}}
     if os.path.exists(path):  # runs of other depths or rows add to the same table

@@ -552,6 +552,46 @@ def rewriting_cpp_kernels(rewrite: Callable[[str], str]) -> Iterator[None]:
         KernelGroup.codegen_group = original  # type: ignore[method-assign]
 
 
+class _InThreads(threading.local):
+    active = False
+
+
+_templates_in_threads = _InThreads()
+
+
+@contextmanager
+def precompiling_templates_in_threads() -> Iterator[None]:
+    """For the duration, GEMM template choices that autotuning is about to time are
+    compiled by select_algorithm's own thread pool in this process, never handed to the
+    compile-worker processes. Only in this thread: a compile another thread runs meanwhile
+    decides as inductor would."""
+    from torch._inductor import select_algorithm
+    from torch._inductor.async_compile import AsyncCompile
+
+    original_make = select_algorithm.AlgorithmSelectorCache.make_precompile_fn
+    original_use = AsyncCompile.__dict__["use_process_pool"]
+    use_process_pool = original_use.__get__(None, AsyncCompile)
+
+    def make_precompile_fn(self: Any, *args: Any, **kwargs: Any) -> Any:
+        outer, _templates_in_threads.active = _templates_in_threads.active, True
+        try:
+            return original_make(self, *args, **kwargs)
+        finally:
+            _templates_in_threads.active = outer
+
+    def use_process_pool_here(cls: Any) -> bool:
+        return False if _templates_in_threads.active else bool(use_process_pool())
+
+    with INDUCTOR_LOCK:
+        select_algorithm.AlgorithmSelectorCache.make_precompile_fn = make_precompile_fn  # type: ignore[method-assign]
+        AsyncCompile.use_process_pool = classmethod(use_process_pool_here)  # type: ignore[method-assign,assignment,arg-type]
+        try:
+            yield
+        finally:
+            select_algorithm.AlgorithmSelectorCache.make_precompile_fn = original_make  # type: ignore[method-assign]
+            AsyncCompile.use_process_pool = original_use  # type: ignore[method-assign]
+
+
 def compile_fx(gm: torch.fx.GraphModule, inputs: Sequence[Any], options: Mapping[str, Any]) -> Any:
     """Inductor's compile of ``gm`` for ``inputs``, with compile_fx's keyword ``options``."""
     from torch._inductor.compile_fx import compile_fx as upstream

@@ -303,6 +303,10 @@ INTERNAL_SUBJECTS = {
     "tests/test_repeated_blocks.py": {"precompile._cache_key", "precompile._repeated_blocks"},
     "tests/test_settings.py": {"precompile._offline", "precompile.runtime._lean"},
     "tests/test_signing.py": {"precompile.runtime._binary_format", "precompile.runtime._manifest"},
+    # the variant compile's template-precompile patch and that it is put back
+    "tests/test_template_precompile.py": {
+        "precompile._torch_adapter", "precompile._variant_compile",
+    },
     "tests/test_trace_read.py": {"precompile._torch_adapter", "precompile._trace_read"},
     "tests/test_triton_launch.py": {
         "precompile._lean_scan", "precompile.runtime._lean", "precompile.runtime._triton_launch",

@@ -1,0 +1,97 @@
+"""GEMM template choices compiled in autotuning's own threads during a variant's compile.
+
+On torch 2.11 a choice handed to inductor's compile workers was compiled again, serially,
+when autotuning timed it (docs/benchmarks.md, Build time). These tests need no GPU: they
+check what the compile context changes, for whom, and that it puts everything back.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from torch._inductor import select_algorithm
+from torch._inductor.async_compile import AsyncCompile
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from precompile import _torch_adapter as compile_adapter
+from precompile import _variant_compile
+
+
+@pytest.fixture
+def pool_ready(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
+    """Inductor's pool answers "ready" (no pool is started); each question is recorded."""
+    asked: list[bool] = []
+
+    def ready(cls: Any) -> bool:
+        asked.append(True)
+        return True
+
+    monkeypatch.setattr(AsyncCompile, "use_process_pool", classmethod(ready))
+    return asked
+
+
+def test_choices_precompile_in_this_process_only_inside_autotuning(
+    monkeypatch: pytest.MonkeyPatch, pool_ready: list[bool]
+) -> None:
+    seen: dict[str, bool] = {}
+    other_thread: list[bool] = []
+
+    def make_precompile_fn(self: Any, choices: Any, name: str, *args: Any, **kwargs: Any) -> Any:
+        seen[name] = AsyncCompile.use_process_pool()
+        asked = AsyncCompile.use_process_pool
+        worker = threading.Thread(target=lambda: other_thread.append(asked()))
+        worker.start()
+        worker.join()
+        return None
+
+    selector = select_algorithm.AlgorithmSelectorCache
+    monkeypatch.setattr(selector, "make_precompile_fn", make_precompile_fn)
+    before = (
+        select_algorithm.AlgorithmSelectorCache.__dict__["make_precompile_fn"],
+        AsyncCompile.__dict__["use_process_pool"],
+    )
+    with compile_adapter.precompiling_templates_in_threads():
+        assert AsyncCompile.use_process_pool() is True  # a Triton kernel outside autotuning
+        select_algorithm.AlgorithmSelectorCache.make_precompile_fn(object(), [], "mm", "key")
+        assert AsyncCompile.use_process_pool() is True
+    assert seen == {"mm": False}
+    assert other_thread == [True]  # another thread's compile decides as inductor would
+    after = (
+        select_algorithm.AlgorithmSelectorCache.__dict__["make_precompile_fn"],
+        AsyncCompile.__dict__["use_process_pool"],
+    )
+    assert after == before
+
+
+def test_everything_is_put_back_when_the_compile_fails(pool_ready: list[bool]) -> None:
+    before = (
+        select_algorithm.AlgorithmSelectorCache.__dict__["make_precompile_fn"],
+        AsyncCompile.__dict__["use_process_pool"],
+    )
+    with (
+        pytest.raises(RuntimeError, match="inductor failed"),
+        compile_adapter.precompiling_templates_in_threads(),
+    ):
+        raise RuntimeError("inductor failed")
+    after = (
+        select_algorithm.AlgorithmSelectorCache.__dict__["make_precompile_fn"],
+        AsyncCompile.__dict__["use_process_pool"],
+    )
+    assert after == before
+
+
+def test_every_variant_compile_enters_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    entered: list[bool] = []
+
+    @contextlib.contextmanager
+    def recording() -> Iterator[None]:
+        entered.append(True)
+        yield
+
+    monkeypatch.setattr(compile_adapter, "precompiling_templates_in_threads", recording)
+    with _variant_compile._compile_context(FakeTensorMode(), size_oblivious=False):
+        assert entered == [True]
