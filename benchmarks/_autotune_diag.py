@@ -20,6 +20,7 @@ import sys
 import tempfile
 import threading
 import time
+import traceback
 from collections.abc import Callable
 from typing import Any
 
@@ -28,6 +29,19 @@ sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.dirname(HERE))
 
 Key = tuple[str, str, str]
+
+
+# who asked for each slow compile on the main thread: the innermost inductor frame outside
+# the kernel runtime (select_algorithm's timing, the wrapper's compile-time autotuning, ...)
+callers: collections.Counter[str] = collections.Counter()
+
+
+def _inductor_caller() -> str:
+    for frame in reversed(traceback.extract_stack()[:-2]):
+        path = frame.filename.replace(os.sep, "/")
+        if "torch/_inductor/" in path and "/runtime/" not in path:
+            return f"{path.split('torch/_inductor/')[1]}:{frame.name}"
+    return "outside inductor"
 
 
 def _timed(owner: Any, name: str, label: str, stats: dict[Key, list[float]]) -> None:
@@ -43,6 +57,8 @@ def _timed(owner: Any, name: str, label: str, stats: dict[Key, list[float]]) -> 
             entry = stats[(label, thread, "slow" if took > 0.05 else "fast")]
             entry[0] += 1
             entry[1] += took
+            if label == "triton.compile" and took > 0.05 and thread == "MainThread":
+                callers[_inductor_caller()] += 1
 
     setattr(owner, name, timed)
 
@@ -89,6 +105,7 @@ def main() -> None:
             " | ".join(k): {"count": int(v[0]), "seconds": round(v[1], 2)}
             for k, v in sorted(stats.items())
         },
+        "slow main-thread compiles by caller": dict(callers.most_common()),
     }
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path, "w", encoding="utf-8") as handle:
