@@ -371,7 +371,7 @@ def _finish(
     compiled: CompiledModel, cudagraphs: CudaGraphsOption, warmup: bool | str
 ) -> CompiledModel:
     if cudagraphs is not None:
-        compiled.set_cudagraphs(cudagraphs)
+        compiled.set_cudagraphs(cudagraphs, save=True)  # the compile's choice is the default
     if warmup:
         compiled.warmup(background=warmup == "background")
     return compiled

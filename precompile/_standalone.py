@@ -764,7 +764,7 @@ def standalone_compile(
 
     artifact, common = _cached_or_built(store, key, factors, described, offline, about)
     if graphs is not None:
-        artifact.set_cudagraphs(graphs)
+        artifact.set_cudagraphs(graphs, save=True)  # the compile's choice is the default
     _propagate_common_guards(graph, common)
     return artifact
 

@@ -517,9 +517,11 @@ class CompiledArtifact:
                     log.warning("warm-up run of variant %d failed: %s", variant.index, exc)
 
     # -- CUDA graphs -----------------------------------------------------------------
-    def set_cudagraphs(self, cudagraphs: CudaGraphsOption) -> CompiledArtifact:
-        """Run calls from CUDA graphs captured per size (see ``CudaGraphs``), or not
-        (False). Kept as the artifact's default: ``save`` writes it."""
+    def set_cudagraphs(self, cudagraphs: CudaGraphsOption, *, save: bool = False) -> CompiledArtifact:
+        """Run calls in this process from CUDA graphs captured per size (see
+        ``CudaGraphs``), or not (False). ``save`` writes the artifact's own default (the
+        compile's ``cudagraphs=``) unless ``save=True`` makes this the new default: a
+        serving-time switch leaves what is saved alone."""
         options = cudagraph_options(cudagraphs)
         with self._lock:
             if options is None:
@@ -529,8 +531,9 @@ class CompiledArtifact:
                 if options.capture_sizes:
                     executor.first_call = self._capture_on_first_call
                 self._executor = executor
-            stored = None if options is None else options.to_json()
-            self._manifest = dataclasses.replace(self._manifest, cudagraphs=stored)
+            if save:
+                stored = None if options is None else options.to_json()
+                self._manifest = dataclasses.replace(self._manifest, cudagraphs=stored)
             self._memo.clear()
         return self
 

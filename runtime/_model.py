@@ -408,13 +408,14 @@ class CompiledModel:
         for piece in self.pieces.values():
             piece.check_model()
 
-    def set_cudagraphs(self, cudagraphs: Any) -> CompiledModel:
-        """CUDA graphs (``CudaGraphs``) for this graph and every piece (generate's step
-        graphs, captured under the old setting, are dropped)."""
-        self.artifact.set_cudagraphs(cudagraphs)
+    def set_cudagraphs(self, cudagraphs: Any, *, save: bool = False) -> CompiledModel:
+        """CUDA graphs (``CudaGraphs``) in this process for this graph and every piece
+        (generate's step graphs, captured under the old setting, are dropped). ``save``
+        keeps the compile's default unless ``save=True`` (see ``CompiledArtifact``)."""
+        self.artifact.set_cudagraphs(cudagraphs, save=save)
         self._decode_graphs = None
         for piece in self.pieces.values():
-            piece.artifact.set_cudagraphs(cudagraphs)
+            piece.artifact.set_cudagraphs(cudagraphs, save=save)
         return self
 
     def _cache_guard(self, plan: ModelPlan, manifest: Manifest) -> CacheGuard:

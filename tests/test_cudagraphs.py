@@ -48,11 +48,22 @@ def test_a_cpu_artifact_runs_plainly_and_says_so_once(
             torch.testing.assert_close(art(*mlp.captured.flat(x))[0], mlp.captured.model(x))
     assert caplog.text.count("CUDA graphs off for this artifact") == 1
     assert art.captured_sizes == ()
+    # a serving-time switch leaves what is saved alone: the compile's default (off) travels
+    plain = os.path.join(str(tmp_path), "switched.pt2c")
+    art.save(path=plain)
+    assert precompile.CompiledArtifact.load(path=plain).cudagraphs is None
+    assert art.manifest.cudagraphs is None
+    # save=True makes the options the default a load starts from
+    art.set_cudagraphs({"capture_sizes": [4, 16], "pad": [art.symbols[0].name]}, save=True)
     path = os.path.join(str(tmp_path), "with-graphs.pt2c")
-    art.save(path=path)  # the options travel as the artifact's default
+    art.save(path=path)
     loaded = precompile.CompiledArtifact.load(path=path)
     assert loaded.cudagraphs == art.cudagraphs
     assert precompile.CompiledArtifact.load(path=path, cudagraphs=False).cudagraphs is None
+    # and a load's own cudagraphs= is a switch too: saving it again keeps the default
+    again = os.path.join(str(tmp_path), "again.pt2c")
+    precompile.CompiledArtifact.load(path=path, cudagraphs=False).save(path=again)
+    assert precompile.CompiledArtifact.load(path=again).cudagraphs == art.cudagraphs
 
 
 # -- on a GPU -------------------------------------------------------------------------------
