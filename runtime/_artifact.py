@@ -58,6 +58,8 @@ from ._manifest import Calibration, Manifest, Symbol, Variant
 from ._payloads import LazyPayloads, PayloadStore
 from ._process_groups import check_groups
 from ._unpacked_format import read_unpacked, write_unpacked
+from ._warmup import WarmUpSchedule
+from ._warmup import exiting as _exiting
 
 log = logging.getLogger("precompile.runtime")
 
@@ -115,36 +117,11 @@ _live: weakref.WeakSet[CompiledArtifact] = weakref.WeakSet()
 def _after_fork_in_child() -> None:
     for artifact in list(_live):
         artifact._lock = threading.RLock()
-        artifact._warming = None
-        artifact._foreground = 0
-        artifact._foreground_lock = threading.Lock()
+        artifact._warm_up.after_fork_in_child()
 
 
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_after_fork_in_child)
-
-
-def warmup_grace() -> float:
-    """Seconds a background warm-up leaves to the first call: ``$PRECOMPILE_WARMUP_GRACE``
-    (default 1.0; 0 starts at once)."""
-    text = os.environ.get("PRECOMPILE_WARMUP_GRACE", "")
-    try:
-        value = float(text) if text else 1.0
-    except ValueError:
-        value = -1.0
-    if not 0.0 <= value <= 3600.0:
-        raise InvalidOptionError(
-            f"PRECOMPILE_WARMUP_GRACE must be a number of seconds in [0, 3600], got {text!r}"
-        )
-    return value
-
-
-def _exiting() -> bool:
-    """The interpreter is shutting down (its main thread has finished). A background
-    warm-up stops at its next step then: it is not a daemon, so the interpreter waits for
-    the step it is in, and neither torch's nor our exit handlers (the private build
-    directory's removal) run under a thread still inside a kernel."""
-    return not threading.main_thread().is_alive()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -209,11 +186,7 @@ class CompiledArtifact:
         self._lock = threading.RLock()
         # The key an ArtifactCache stored or found it under (set by the cache), for tagging.
         self.cache_key: str | None = None
-        self._warming: threading.Thread | None = None
-        self._warm_error: BaseException | None = None
-        self._foreground = 0  # first calls in progress (a warm-up waits for them)
-        self._called = threading.Event()  # a call has returned (a warm-up may begin)
-        self._foreground_lock = threading.Lock()
+        self._warm_up = WarmUpSchedule()  # when a background warm-up runs
         # the process groups of its collectives, checked before its first run here
         self._groups_checked = not manifest.process_groups
         self._index_checks = index_checks(manifest)
@@ -240,38 +213,21 @@ class CompiledArtifact:
     def _first_call(self, key: tuple[int, ...], args: Sequence[Any]) -> Any:
         """A call at sizes not seen yet: it may load its variant and pays first-run costs,
         so a background warm-up gives way (between its steps) until it is done."""
-        with self._in_foreground():
+        with self._warm_up.foreground():
             result = self._resolve(key)(*args)
-        self._called.set()
+        self._warm_up.called.set()
         return result if self._unflatten is None else self._unflatten(result)
-
-    @contextlib.contextmanager
-    def _in_foreground(self) -> Iterator[None]:
-        with self._foreground_lock:
-            self._foreground += 1
-        try:
-            yield
-        finally:
-            with self._foreground_lock:
-                self._foreground -= 1
-
-    def _give_way_to_calls(self) -> None:
-        """Wait (up to 60 s) while a first call is in progress: a request is never queued
-        behind warm-up work beyond the one step already running."""
-        deadline = time.monotonic() + 60.0
-        while self._foreground and time.monotonic() < deadline and not _exiting():
-            time.sleep(0.002)
 
     def _call_prepared(self, prepared: Prepared) -> Any:
         """A call whose inputs needed the slow path (and maybe copies into the compiled
         layout, written back after the call where the graph writes them)."""
         function = self._memo.get(prepared.key)
         if function is None:
-            with self._in_foreground():
+            with self._warm_up.foreground():
                 function = self._resolve(prepared.key)
         result = function(*prepared.args)
-        if not self._called.is_set():
-            self._called.set()
+        if not self._warm_up.called.is_set():
+            self._warm_up.called.set()
         for target, source in prepared.writebacks:
             target.copy_(source)
         return result if self._unflatten is None else self._unflatten(result)
@@ -458,16 +414,7 @@ class CompiledArtifact:
         if not background:
             self._warm(in_background=False)
             return self
-        grace = warmup_grace()
-        with self._lock:
-            if self._warming is None:
-                self._warming = threading.Thread(
-                    target=self._warm_in_background,
-                    args=(grace,),
-                    name="precompile-warmup",
-                    daemon=False,
-                )
-                self._warming.start()
+        self._warm_up.start(lambda: self._warm(in_background=True))
         return self
 
     def _warm(self, *, in_background: bool) -> None:
@@ -478,7 +425,7 @@ class CompiledArtifact:
         captures, since every rank captures the same sizes in the same order."""
         collectives = bool(self._manifest.process_groups)
         for variant in self._manifest.variants:
-            self._give_way_to_calls()
+            self._warm_up.give_way()
             if _exiting():
                 return
             with CAPTURE_LOCK:  # never while another thread captures a CUDA graph
@@ -503,7 +450,7 @@ class CompiledArtifact:
         with torch.no_grad():
             by_size = sorted(self._manifest.variants, key=lambda v: sum(v.point.values()))
             for variant in by_size:  # cheapest first: a request waits at most one step
-                self._give_way_to_calls()
+                self._warm_up.give_way()
                 if _exiting():
                     return
                 point = tuple(variant.point[n] for n in self._manifest.symbol_names)
@@ -599,35 +546,9 @@ class CompiledArtifact:
         function = self._variant_callable(self._manifest.variants[self._dispatcher.choose(sizes)])
         return executor.padded_call(sizes, target, function, args)
 
-    def _warm_in_background(self, grace: float) -> None:
-        try:
-            self._await_first_call(grace)
-            self._warm(in_background=True)
-        except BaseException as exc:  # surfaced by wait_warm()
-            if _exiting():  # e.g. a thread pool torch shut down at exit; nobody waits
-                log.debug("background warm-up stopped at exit: %s", exc)
-                return
-            log.warning("background warm-up failed: %s", exc)
-            self._warm_error = exc
-
-    def _await_first_call(self, grace: float) -> None:
-        """A background warm-up begins once the first call has returned, or after
-        ``grace`` seconds without one: a server's first request, usually right after the
-        load, then has the process (GIL, loader, GPU) to itself instead of queueing
-        behind a variant the warm-up is loading."""
-        deadline = time.monotonic() + grace
-        while not _exiting():
-            left = deadline - time.monotonic()
-            if left <= 0 or self._called.wait(min(left, 0.05)):
-                return
-
     def wait_warm(self, timeout: float | None = None) -> bool:
         """Wait for a background warm-up; True when every variant is loaded."""
-        thread = self._warming
-        if thread is not None:
-            thread.join(timeout)
-            if self._warm_error is not None:
-                raise self._warm_error
+        self._warm_up.wait(timeout)
         return len(self.loaded_variants) == len(self._manifest.variants)
 
     @property
