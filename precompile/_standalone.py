@@ -726,7 +726,7 @@ def standalone_compile(
         # keeps calls at 1 away from this graph (it traces 1 apart): no variant at 1 for
         # it. A graph handed over whole (vLLM's range, from_graph) is called at 1.
         called_at_one = dynamic_shapes == "from_graph"
-        with variant_compile.compiling_in_build_dir():
+        with variant_compile.compiling_in_build_dir(cpu=_device_of(graph) == "cpu"):
             artifact, common = _compile_all(
                 gm, graph, symbols, requests, options or {}, groups, called_at_one
             )

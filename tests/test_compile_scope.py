@@ -1,13 +1,17 @@
-"""GEMM template choices compiled in autotuning's own threads during a variant's compile.
+"""What the compile scope of a graph's variants changes in torch, for whom, and that it puts
+everything back. No GPU and no compile here.
 
-On torch 2.11 a choice handed to inductor's compile workers was compiled again, serially,
-when autotuning timed it (docs/benchmarks.md, Build time). These tests need no GPU: they
-check what the compile context changes, for whom, and that it puts everything back.
+- GEMM template choices compile in autotuning's own threads: on torch 2.11 a choice handed
+  to inductor's compile workers was compiled again, serially, when autotuning timed it
+  (docs/benchmarks.md, Build time).
+- A CPU graph's vector-ISA probe runs before the private build dir is entered, so its test
+  programs stay in the user's inductor cache for the next process.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -95,3 +99,24 @@ def test_every_variant_compile_enters_it(monkeypatch: pytest.MonkeyPatch) -> Non
     monkeypatch.setattr(compile_adapter, "precompiling_templates_in_threads", recording)
     with _variant_compile._compile_context(FakeTensorMode(), size_oblivious=False):
         assert entered == [True]
+
+
+def test_a_cpu_graph_probes_the_vector_isa_before_the_private_build_dir(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from precompile.runtime import compiler_interface
+
+    seen: list[str | None] = []
+    monkeypatch.setattr(
+        compile_adapter, "vec_isa", lambda: seen.append(os.environ.get("TORCHINDUCTOR_CACHE_DIR"))
+    )
+    before = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    with _variant_compile.compiling_in_build_dir(cpu=True):
+        inside = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+        with _variant_compile.compiling_in_build_dir(cpu=True):  # nested: entered once
+            pass
+    assert inside == compiler_interface.build_dir() != before
+    assert seen == [before]
+    with _variant_compile.compiling_in_build_dir():  # a CUDA graph: no C++ kernels to build
+        pass
+    assert seen == [before]
