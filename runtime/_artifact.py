@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
 import os
 import threading
-import time
 import weakref
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal
 
 import torch
@@ -464,7 +462,9 @@ class CompiledArtifact:
                     log.warning("warm-up run of variant %d failed: %s", variant.index, exc)
 
     # -- CUDA graphs -----------------------------------------------------------------
-    def set_cudagraphs(self, cudagraphs: CudaGraphsOption, *, save: bool = False) -> CompiledArtifact:
+    def set_cudagraphs(
+        self, cudagraphs: CudaGraphsOption, *, save: bool = False
+    ) -> CompiledArtifact:
         """Run calls in this process from CUDA graphs captured per size (see
         ``CudaGraphs``), or not (False). ``save`` writes the artifact's own default (the
         compile's ``cudagraphs=``) unless ``save=True`` makes this the new default: a
