@@ -96,7 +96,7 @@ def main() -> None:
         return
     sys.path.insert(0, os.path.join(ROOT, "tests"))
     from _common import environment, median, table, write_json
-    from test_remote import S3Server
+    from remote_helpers import S3Server
 
     server = S3Server()
     work = tempfile.mkdtemp(prefix="remote-bench-")

@@ -67,7 +67,7 @@ def llama(cache: str, cudagraphs: str, out: str) -> dict[str, object]:
 
 def decode(cache: str, cudagraphs: str, out: str) -> dict[str, object]:
     sys.path.insert(0, HERE)
-    from test_decode import VOCAB, build, greedy, new_cache
+    from decode_helpers import VOCAB, build, greedy, new_cache
 
     model = build("llama").to(device="cuda", dtype=torch.bfloat16)
     BEFORE.update(sys.modules)

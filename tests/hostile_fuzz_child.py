@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, "tests")
-from test_real_models import VOCAB, tiny_llama
+from tiny_models_helpers import VOCAB, tiny_llama
 
 import precompile
 

@@ -271,7 +271,7 @@ def main() -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     _make_groups(scenario, world)
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from test_warm_start import COUNTED
+    from warm_start_helpers import COUNTED
 
     counters: dict[str, Any] = {}
     exec(COUNTED, counters)

@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 import torch
+from cache_helpers import cache_cli, fake_artifact, get, key_of, put
 from conftest import ROOT, Compiled, assert_close, run_fleet, run_python
 
 import precompile
@@ -21,33 +22,12 @@ from precompile import _graph_description, _graph_name, _variant_compile
 from precompile._cache_key import cache_factors, cache_key
 from precompile.cache import ArtifactCache, sha256_hex
 from precompile.cache import _store as cache_store
-from precompile.runtime import Manifest, Symbol, SymbolSource, Variant
+from precompile.runtime import Manifest, Variant
 from precompile.runtime.compiler_interface import (
     MemoryPayloads,
     TensorInput,
     current_environment,
-    store_artifact,
 )
-from precompile.runtime.compiler_interface import load_cached_artifact as load_cached
-
-put = store_artifact
-get = load_cached
-
-
-def fake_artifact(seed: int, size: int = 2000) -> precompile.CompiledArtifact:
-    payload = bytes((seed * 7 + i) % 251 for i in range(size))
-    digest = sha256_hex(payload)
-    manifest = Manifest(
-        environment=current_environment("cpu"),
-        symbols=(Symbol("s0", (SymbolSource(0, 0),)),),
-        inputs=(TensorInput("float32", "cpu", ("s0", 4)),),
-        variants=(Variant(0, "hint", {"s0": 8}, (), digest, digest),),
-    )
-    return precompile.CompiledArtifact(manifest, MemoryPayloads({digest: payload}))
-
-
-def key_of(n: int) -> str:
-    return sha256_hex(f"key-{n}".encode())
 
 
 def test_layout_is_private_tagged_and_versioned(tmp_path: object) -> None:
@@ -485,7 +465,7 @@ KILL_SCRIPT = """
     import os, signal, sys
     sys.path.insert(0, "tests")
     from precompile.cache import ArtifactCache, _store
-    from test_cache import fake_artifact, key_of, put
+    from cache_helpers import fake_artifact, key_of, put
     store = ArtifactCache(sys.argv[1])
     original = _store.ArtifactCache._write_blob
     def write_then_die(self, digest, raw):
@@ -512,40 +492,31 @@ def test_process_killed_mid_save_leaves_no_entry_that_loads(tmp_path: object) ->
     assert get(store, key_of(7)) is not None
 
 
-def _cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "precompile", "cache", *args],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        env={**os.environ, "COLUMNS": "1000"},  # no cell cut to the terminal's width
-    )
-
-
 def test_cli_commands(tmp_path: object) -> None:
     root = str(tmp_path)
     store = ArtifactCache(root)
     put(store, key_of(1), fake_artifact(1), {"graph": "a", "device": "cpu"})
     put(store, key_of(2), fake_artifact(2), {"graph": "b", "device": "cpu"})
-    listing = _cli("--root", root, "ls")
+    listing = cache_cli("--root", root, "ls")
     assert listing.returncode == 0 and key_of(1)[:12] in listing.stdout
-    entries = json.loads(_cli("--root", root, "ls", "--json").stdout)
+    entries = json.loads(cache_cli("--root", root, "ls", "--json").stdout)
     assert {e["key"] for e in entries} == {key_of(1), key_of(2)}
-    info = json.loads(_cli("--root", root, "info", key_of(1)[:10], "--json").stdout)
+    info = json.loads(cache_cli("--root", root, "info", key_of(1)[:10], "--json").stdout)
     assert info["factors"]["graph"] == "a"
-    assert "differs in: graph" in _cli("--root", root, "explain", key_of(1)[:10]).stdout
-    assert _cli("--root", root, "verify").returncode == 0
-    stats = json.loads(_cli("--root", root, "stats", "--json").stdout)
+    assert "differs in: graph" in cache_cli("--root", root, "explain", key_of(1)[:10]).stdout
+    assert cache_cli("--root", root, "verify").returncode == 0
+    stats = json.loads(cache_cli("--root", root, "stats", "--json").stdout)
     assert stats["entries"] == 2
     planned = json.loads(
-        _cli("--root", root, "prune", "--max-size", "1", "--dry-run", "--json").stdout
+        cache_cli("--root", root, "prune", "--max-size", "1", "--dry-run", "--json").stdout
     )
     assert planned["dry_run"] and len(planned["evicted"]) == 2 and planned["bytes_freed"] > 0
-    assert len(json.loads(_cli("--root", root, "ls", "--json").stdout)) == 2  # nothing went
-    assert json.loads(_cli("--root", root, "prune", "--max-size", "1", "--json").stdout)["evicted"]
-    assert _cli("--root", root, "clear").returncode != 0  # needs --yes
-    assert _cli("--root", root, "clear", "--yes").returncode == 0
-    assert json.loads(_cli("--root", root, "ls", "--json").stdout) == []
+    assert len(json.loads(cache_cli("--root", root, "ls", "--json").stdout)) == 2  # nothing went
+    pruned = cache_cli("--root", root, "prune", "--max-size", "1", "--json")
+    assert json.loads(pruned.stdout)["evicted"]
+    assert cache_cli("--root", root, "clear").returncode != 0  # needs --yes
+    assert cache_cli("--root", root, "clear", "--yes").returncode == 0
+    assert json.loads(cache_cli("--root", root, "ls", "--json").stdout) == []
 
 
 def test_cli_exit_codes_and_reads_that_change_nothing(tmp_path: object) -> None:
@@ -555,18 +526,18 @@ def test_cli_exit_codes_and_reads_that_change_nothing(tmp_path: object) -> None:
     refused (it planned to evict everything)."""
     missing = os.path.join(str(tmp_path), "none")
     for action in ("ls", "stats", "tags", "verify"):
-        result = _cli("--root", missing, action)
+        result = cache_cli("--root", missing, action)
         assert result.returncode == 0 and "no cache at" in result.stdout, result
     for action in ("info", "explain"):
-        result = _cli("--root", missing, action, "0" * 12)
+        result = cache_cli("--root", missing, action, "0" * 12)
         assert result.returncode == 2 and "no cache at" in result.stderr, result
     assert not os.path.exists(missing)
     root = os.path.join(str(tmp_path), "c")
     store = ArtifactCache(root)
     put(store, key_of(1), fake_artifact(1), {"graph": "a", "device": "cpu"})
-    result = _cli("--root", root, "info", "0" * 12)
+    result = cache_cli("--root", root, "info", "0" * 12)
     assert result.returncode == 2 and "no entry's key starts with" in result.stderr
-    result = _cli("--root", root, "prune", "--max-size", "-5", "--dry-run")
+    result = cache_cli("--root", root, "prune", "--max-size", "-5", "--dry-run")
     assert result.returncode == 2 and "expected a number of bytes >= 0" in result.stderr
     files = subprocess.run(
         [sys.executable, "-m", "precompile", "verify", os.path.join(root, "no-such.pt2c")],
@@ -582,10 +553,10 @@ def test_cli_exit_codes_and_reads_that_change_nothing(tmp_path: object) -> None:
         handle.seek(10)
         handle.write(bytes([byte[0] ^ 0xFF]))
     quarantine = os.path.join(root, "v2", "quarantine")
-    checked = _cli("--root", root, "verify")
+    checked = cache_cli("--root", root, "verify")
     assert checked.returncode == 1 and "1 corrupt, left in place" in checked.stdout
     assert not os.listdir(quarantine) and store.contains(key_of(1))
-    moved = _cli("--root", root, "verify", "--quarantine")
+    moved = cache_cli("--root", root, "verify", "--quarantine")
     assert moved.returncode == 1 and "moved to quarantine" in moved.stdout
     assert os.listdir(quarantine) and not store.contains(key_of(1))
 
@@ -601,18 +572,18 @@ def test_cli_counts_and_odd_input(tmp_path: object) -> None:
     put(store, key_of(2), fake_artifact(2), {})
     with open(os.path.join(root, "v2", "entries", key_of(3) + ".json"), "w") as handle:
         handle.write("x")
-    checked = _cli("--root", root, "verify")
+    checked = cache_cli("--root", root, "verify")
     assert checked.returncode == 1
     assert "checked 3 entries: 2 intact, 1 could not be checked" in checked.stdout, checked
     missing = os.path.join(str(tmp_path), "none")
     for args in (("prune", "--dry-run"), ("clear", "--dry-run")):
-        assert _cli("--root", missing, *args).returncode == 0
-    refused = _cli("--root", missing, "clear")
+        assert cache_cli("--root", missing, *args).returncode == 0
+    refused = cache_cli("--root", missing, "clear")
     assert refused.returncode == 2 and "--yes" in refused.stderr
-    assert _cli("--root", root, "clear").returncode == 2
+    assert cache_cli("--root", root, "clear").returncode == 2
     assert not os.path.exists(missing)
     for odd in (" 5", "1_000", "+5", "5.0"):
-        result = _cli("--root", root, "prune", "--max-size", odd, "--dry-run")
+        result = cache_cli("--root", root, "prune", "--max-size", odd, "--dry-run")
         assert result.returncode == 2 and "expected a number of bytes" in result.stderr, odd
 
 
@@ -655,7 +626,7 @@ def test_cli_ls_shows_what_is_unknown_as_unknown(tmp_path: object) -> None:
         precompile.CompiledArtifact(static, MemoryPayloads({digest: b"static"})),
         {},
     )
-    listing = _cli("--root", root, "ls")
+    listing = cache_cli("--root", root, "ls")
     assert listing.returncode == 0, listing.stderr
     rows = {line[:12]: line.split("  ") for line in listing.stdout.splitlines()}
     cells = {k: [c.strip() for c in row if c.strip()] for k, row in rows.items()}
@@ -664,13 +635,13 @@ def test_cli_ls_shows_what_is_unknown_as_unknown(tmp_path: object) -> None:
     assert cells[key_of(3)[:12]][1:5] == ["model Net (evil?[2Jtext)", "?", "?", "cuda:X"]
     assert cells[key_of(5)[:12]][3] == "static"  # was "hints ()"
     assert "\x1b" not in listing.stdout and "4 entries" in listing.stdout
-    listed = {e["key"]: e for e in json.loads(_cli("--root", root, "ls", "--json").stdout)}
+    listed = {e["key"]: e for e in json.loads(cache_cli("--root", root, "ls", "--json").stdout)}
     assert listed[key_of(1)]["kind"] == "graph" and listed[key_of(1)]["name"] is None
     assert listed[key_of(1)]["hints"] == [{"s0": 8}] and listed[key_of(1)]["about"] == {}
     assert listed[key_of(2)]["kind"] == "unknown" and listed[key_of(2)]["inputs"] is None
     assert listed[key_of(3)]["name"] == "m.Net" and listed[key_of(3)]["config"].startswith("evil")
     assert listed[key_of(5)]["hints"] == [] and listed[key_of(5)]["sizes"] == []
-    missing = _cli("--root", root, "explain", "f" * 64)  # said "matches 0 entries; give more"
+    missing = cache_cli("--root", root, "explain", "f" * 64)  # said "matches 0 entries; give more"
     assert missing.returncode != 0 and "no entry's key starts with 'ffff" in missing.stderr
 
 
@@ -757,7 +728,7 @@ def test_tags_name_entries_for_servers(tmp_path: object) -> None:
             store.tag(bad, key_of(1))
     with pytest.raises(precompile.InvalidOptionError, match="sha256"):
         store.tag("model", "not-a-key")
-    out = _cli("--root", str(tmp_path), "tags", "--json").stdout
+    out = cache_cli("--root", str(tmp_path), "tags", "--json").stdout
     assert json.loads(out) == {"model": key_of(2)}
 
 

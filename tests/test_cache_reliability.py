@@ -14,32 +14,11 @@ import time
 from typing import Any
 
 import pytest
+from cache_helpers import fake_artifact, get, key_of, put
 from conftest import ROOT, Compiled, run_python
-from test_cache import fake_artifact, get, key_of, put
 
 import precompile
 from precompile.cache import ArtifactCache
-
-
-def random_artifact(size: int) -> precompile.CompiledArtifact:
-    """An artifact whose one payload is ``size`` random (incompressible) bytes."""
-    from precompile.cache import sha256_hex
-    from precompile.runtime import Manifest, Symbol, SymbolSource, Variant
-    from precompile.runtime.compiler_interface import (
-        MemoryPayloads,
-        TensorInput,
-        current_environment,
-    )
-
-    payload = os.urandom(size)
-    digest = sha256_hex(payload)
-    manifest = Manifest(
-        environment=current_environment("cpu"),
-        symbols=(Symbol("s0", (SymbolSource(0, 0),)),),
-        inputs=(TensorInput("float32", "cpu", ("s0", 4)),),
-        variants=(Variant(0, "hint", {"s0": 8}, (), digest, digest),),
-    )
-    return precompile.CompiledArtifact(manifest, MemoryPayloads({digest: payload}))
 
 
 def _can_unshare() -> bool:
@@ -78,7 +57,7 @@ import random, sys
 sys.path.insert(0, "tests")
 from precompile.cache import ArtifactCache
 from precompile._standalone import _cached_or_built
-from test_cache import fake_artifact, get, key_of, put
+from cache_helpers import fake_artifact, get, key_of, put
 root, seed, limit = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 store = ArtifactCache(root, size_limit=limit, lock_timeout=60)
 rng = random.Random(seed)
@@ -143,7 +122,7 @@ logging.getLogger("precompile").setLevel(logging.INFO)
 import precompile
 from precompile.cache import ArtifactCache
 from precompile._standalone import _cached_or_built
-from test_cache import fake_artifact, get, key_of
+from cache_helpers import fake_artifact, get, key_of
 store = ArtifactCache(sys.argv[1])
 print("writable", store.writable)
 art, _ = get(store, key_of(1))
@@ -202,8 +181,7 @@ logging.getLogger("precompile").addHandler(Keep())
 import precompile
 from precompile.cache import ArtifactCache
 from precompile._standalone import _cached_or_built
-from test_cache_reliability import random_artifact
-from test_cache import fake_artifact, key_of, put
+from cache_helpers import fake_artifact, key_of, put, random_artifact
 store = ArtifactCache(sys.argv[1])
 big = random_artifact(3_000_000)  # incompressible: more than the disk holds
 try:
@@ -240,8 +218,7 @@ sys.path.insert(0, "tests")
 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
 import precompile
 from precompile.cache import ArtifactCache
-from test_cache_reliability import random_artifact
-from test_cache import key_of, put
+from cache_helpers import key_of, put, random_artifact
 store = ArtifactCache(sys.argv[1])
 resource.setrlimit(resource.RLIMIT_FSIZE, (500_000, 500_000))
 try:
@@ -500,7 +477,7 @@ LAZY_RACER = """
 import random, sys, time
 sys.path.insert(0, "tests")
 from precompile.cache import ArtifactCache, CorruptArtifactError
-from test_cache import fake_artifact, key_of, put
+from cache_helpers import fake_artifact, key_of, put
 root, seed, limit = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 store = ArtifactCache(root, size_limit=limit, lock_timeout=60)
 rng = random.Random(seed)

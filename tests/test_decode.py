@@ -17,67 +17,13 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import run_python
-from test_warm_start import AUDIT, COUNTED
+from conftest import ROOT, run_python
+from decode_helpers import MAX_CACHE, STEPS, VOCAB, build, greedy, new_cache
+from warm_start_helpers import AUDIT, COUNTED
 
 import precompile
 
 transformers = pytest.importorskip("transformers")
-
-VOCAB = 128
-STEPS = 32
-MAX_CACHE = 64
-
-
-def _config(name: str) -> Any:
-    common = dict(
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        vocab_size=VOCAB,
-        max_position_embeddings=256,
-    )
-    if name == "llama":
-        return transformers.LlamaConfig(**common)
-    return transformers.Qwen2Config(**common, use_sliding_window=False)
-
-
-def build(name: str) -> torch.nn.Module:
-    torch.manual_seed(0)
-    config = _config(name)
-    cls = transformers.LlamaForCausalLM if name == "llama" else transformers.Qwen2ForCausalLM
-    return cls(config).eval()
-
-
-def new_cache(model: torch.nn.Module, batch: int | None = None, **kwargs: Any) -> Any:
-    cache = transformers.StaticCache(
-        config=model.config, max_cache_len=kwargs.pop("length", MAX_CACHE)
-    )
-    if batch is not None:  # else the first write initializes it (lazily, as in eager)
-        cache.early_initialization(batch, 1, 16, kwargs.get("dtype", torch.float32),
-                                   torch.device(kwargs.get("device", "cpu")))  # fmt: skip
-    return cache
-
-
-def greedy(call: Callable[..., Any], model: torch.nn.Module, prompt: torch.Tensor,
-           positions: bool = False) -> torch.Tensor:  # fmt: skip
-    """Prefill, then STEPS greedy decode steps, the cache written in place."""
-    cache = new_cache(model)
-    tokens, start = prompt, 0
-    generated = []
-    with torch.no_grad():
-        for _ in range(STEPS + 1):
-            extra = {"cache_position": torch.arange(start, start + tokens.shape[1])}
-            out = call(input_ids=tokens, past_key_values=cache, use_cache=True,
-                       **(extra if positions else {}))  # fmt: skip
-            assert out.past_key_values is cache
-            start += tokens.shape[1]
-            tokens = out.logits[:, -1:].argmax(-1)
-            generated.append(tokens)
-    assert int(cache.layers[-1].cumulative_length) == prompt.shape[1] + STEPS
-    return torch.cat(generated, dim=1)
 
 
 @pytest.fixture(scope="module")
@@ -242,7 +188,7 @@ WARM = (
     + """
 import sys, time, torch, precompile
 sys.path.insert(0, "tests")
-import test_decode as t
+import decode_helpers as t
 model = t.build("llama")
 compiled = precompile.load_model(model, path=sys.argv[1])
 torch.manual_seed(1)
@@ -538,7 +484,7 @@ def test_generate_with_cudagraphs_matches_without(
 
 def _synchronizations(run: Callable[[], object]) -> int:
     """How many times ``run`` waited for the GPU (torch's sync debug mode, as warnings)."""
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "benchmarks"))
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
     from _common import gpu_waits
 
     return len(gpu_waits(run))
@@ -1075,7 +1021,7 @@ def test_a_deep_copy_inside_serve_generate_runs_its_own_weights() -> None:
     eager outputs once its weights changed). A copy now runs its class's own forward."""
     import copy
 
-    from test_real_models import VOCAB, tiny_llama
+    from tiny_models_helpers import VOCAB, tiny_llama
 
     model = tiny_llama().eval()
     ids = torch.randint(0, VOCAB, (1, 5))
@@ -1098,7 +1044,7 @@ def test_the_first_request_with_a_bad_token_is_refused_by_name() -> None:
     """A token outside the vocabulary in the first request of a call structure raised
     eager's IndexError from the compile's own eager run; every later request is refused
     with ``IndexOutOfRangeError`` naming ``input_ids``: so is the first, before tracing."""
-    from test_real_models import VOCAB, tiny_llama
+    from tiny_models_helpers import VOCAB, tiny_llama
 
     model = tiny_llama().eval()
     bad = torch.tensor([[1, 2, VOCAB + 3]])

@@ -196,7 +196,7 @@ def test_the_readme_llama_serves_lean_bitwise_as_upstream(
 def decode_cache(tmp_path_factory: pytest.TempPathFactory) -> str:
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
-    from test_decode import VOCAB, build, new_cache
+    from decode_helpers import VOCAB, build, new_cache
 
     cache = str(tmp_path_factory.mktemp("gpu-lean-decode"))
     model = build("llama").to(device="cuda", dtype=torch.bfloat16)

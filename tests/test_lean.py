@@ -146,7 +146,7 @@ def test_transformers_models_are_lean_and_bit_identical(name: str) -> None:
     every graph Dynamo hands the backend is lean, and replaying each call's inputs on the
     lean and upstream paths gives identical outputs."""
     pytest.importorskip("transformers")
-    from test_real_models import SIZES, VOCAB, tiny_bert, tiny_gpt2, tiny_llama
+    from tiny_models_helpers import SIZES, VOCAB, tiny_bert, tiny_gpt2, tiny_llama
 
     builds = {"llama": tiny_llama, "gpt2": tiny_gpt2, "bert": tiny_bert}
     hints = {"llama": [4, 64], "gpt2": [16], "bert": [16]}[name]

@@ -12,10 +12,10 @@ from typing import Any
 
 import pytest
 import torch
+from cache_helpers import cache_cli
 from conftest import MLP, run_python
-from test_cache import _cli
-from test_real_models import VOCAB, tiny_gpt2, tiny_llama
-from test_warm_start import AUDIT, COUNTED
+from tiny_models_helpers import VOCAB, tiny_gpt2, tiny_llama
+from warm_start_helpers import AUDIT, COUNTED
 
 import precompile
 from precompile.cache import ArtifactCache
@@ -85,7 +85,7 @@ def test_cache_ls_says_what_each_entry_is(
     torch._dynamo.reset()
     (graph_key,) = {e.key for e in store.entries()} - {compiled.cache_key}
 
-    text = _cli("--root", llama_cache, "ls")
+    text = cache_cli("--root", llama_cache, "ls")
     assert text.returncode == 0, text.stderr
     rows = {line[:12]: line for line in text.stdout.splitlines()}
     model_row, graph_row = rows[compiled.cache_key[:12]], rows[graph_key[:12]]
@@ -97,7 +97,9 @@ def test_cache_ls_says_what_each_entry_is(
     assert re.search(r"f32\[(s\d+), 32\].* hints \1=16 ", graph_row), graph_row
     assert device in graph_row and graph_row.rstrip().endswith(" -")
 
-    listed = {e["key"]: e for e in json.loads(_cli("--root", llama_cache, "ls", "--json").stdout)}
+    listed = {
+        e["key"]: e for e in json.loads(cache_cli("--root", llama_cache, "ls", "--json").stdout)
+    }
     model, graph = listed[compiled.cache_key], listed[graph_key]
     assert model["kind"] == "model" and model["tags"] == ["tiny-llama"]
     assert model["name"] == "transformers.models.llama.modeling_llama.LlamaForCausalLM"
@@ -119,7 +121,7 @@ WARM = (
     + """
 import sys, time, torch, precompile
 sys.path.insert(0, "tests")
-from test_real_models import VOCAB, tiny_llama
+from tiny_models_helpers import VOCAB, tiny_llama
 model = tiny_llama()
 torch.manual_seed(3)
 with torch.no_grad():
@@ -169,7 +171,7 @@ def test_save_and_load_model_in_a_fresh_process(
 HOSTILE = """
 import sys, torch, precompile
 sys.path.insert(0, "tests")
-from test_real_models import VOCAB, tiny_llama
+from tiny_models_helpers import VOCAB, tiny_llama
 model = tiny_llama()
 compiled = precompile.load_model(model, path={path!r}, warmup=False)
 good = torch.randint(0, VOCAB, (1, 7))

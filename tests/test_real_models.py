@@ -12,53 +12,9 @@ from typing import Any
 import pytest
 import torch
 from conftest import run_python
+from tiny_models_helpers import SIZES, VOCAB, tiny_bert, tiny_gpt2, tiny_llama
 
 import precompile
-
-transformers = pytest.importorskip("transformers")
-
-VOCAB = 128
-SIZES = [(1, 7), (1, 3), (1, 30), (1, 1), (2, 9), (3, 100)]
-
-
-def tiny_llama(**changes: Any) -> torch.nn.Module:
-    """The tiny Llama; ``changes``: config fields set otherwise."""
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        **{
-            "hidden_size": 32,
-            "intermediate_size": 64,
-            "num_hidden_layers": 1,
-            "num_attention_heads": 2,
-            "num_key_value_heads": 1,
-            "vocab_size": VOCAB,
-            "max_position_embeddings": 256,
-            **changes,
-        }
-    )
-    return transformers.LlamaForCausalLM(config).eval()
-
-
-def tiny_gpt2() -> torch.nn.Module:
-    torch.manual_seed(0)
-    config = transformers.GPT2Config(
-        n_embd=32, n_layer=1, n_head=2, vocab_size=VOCAB, n_positions=512,
-        bos_token_id=0, eos_token_id=0,
-    )  # fmt: skip
-    return transformers.GPT2LMHeadModel(config).eval()
-
-
-def tiny_bert() -> torch.nn.Module:
-    torch.manual_seed(0)
-    config = transformers.BertConfig(
-        hidden_size=32,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        intermediate_size=64,
-        vocab_size=VOCAB,
-        max_position_embeddings=256,
-    )
-    return transformers.BertModel(config).eval()
 
 
 def _main_output(output: Any) -> torch.Tensor:
@@ -144,7 +100,7 @@ def test_llama_kv_cache_through_decode_steps() -> None:
 FRESH_LLAMA = """
 import sys, torch, precompile
 sys.path.insert(0, "tests")
-from test_real_models import tiny_llama, VOCAB
+from tiny_models_helpers import tiny_llama, VOCAB
 import torch._inductor.compile_fx as compile_fx
 calls = []
 original = compile_fx.compile_fx

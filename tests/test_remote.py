@@ -7,64 +7,24 @@ compiles."""
 from __future__ import annotations
 
 import json
-import logging
 import os
 import socket
 import subprocess
 import sys
 import threading
 import time
-import uuid
 from collections.abc import Iterator
 from typing import Any
 
-import moto.server as moto_server  # test extra: missing, it fails the suite, never skips
 import pytest
-import s3fs
 import torch
+from cache_helpers import fake_artifact, get, key_of, put
 from conftest import ROOT, Compiled, run_fleet, run_python
-from test_cache import fake_artifact, get, key_of, put
+from remote_helpers import S3Server
 
 import precompile
 from precompile.cache import ArtifactCache, RemoteStore, sha256_hex
 from precompile.cache import _deadline as deadline
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
-
-
-class S3Server:
-    """moto's S3 server on a loopback port, with one bucket."""
-
-    def __init__(self) -> None:
-        logging.getLogger("werkzeug").setLevel(logging.ERROR)  # one line per request
-        self.port = _free_port()
-        self.server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=self.port)
-        self.server.start()
-        self.endpoint = f"http://127.0.0.1:{self.port}"
-        self.options = {
-            "key": "testing",
-            "secret": "testing",
-            "client_kwargs": {"endpoint_url": self.endpoint, "region_name": "us-east-1"},
-            # a vanished server must answer fast: one attempt, short timeouts
-            "config_kwargs": {
-                "connect_timeout": 1,
-                "read_timeout": 5,
-                "retries": {"max_attempts": 1},
-            },
-            "skip_instance_cache": True,
-        }
-        fs = s3fs.S3FileSystem(**self.options)
-        fs.call_s3("create_bucket", Bucket="fleet")
-
-    def url(self) -> str:
-        return f"s3://fleet/{uuid.uuid4().hex[:8]}"
-
-    def stop(self) -> None:
-        self.server.stop()
 
 
 @pytest.fixture(scope="module")

@@ -17,8 +17,8 @@ from typing import Any
 
 import pytest
 import torch
+from cache_helpers import fake_artifact, key_of, put
 from conftest import ROOT, Compiled
-from test_cache import fake_artifact, key_of, put
 
 import precompile
 from precompile.cache import ArtifactCache, InvalidOptionError, RemoteStore

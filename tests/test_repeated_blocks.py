@@ -245,7 +245,7 @@ def test_a_deeper_model_compiles_no_more_layer_bodies(tmp_path: Any) -> None:
 
 
 def test_cache_ls_names_the_blocks_compiled_once(tmp_path: Any) -> None:
-    from test_cache import _cli
+    from cache_helpers import cache_cli
 
     from precompile.cache import ArtifactCache
 
@@ -258,10 +258,10 @@ def test_cache_ls_names_the_blocks_compiled_once(tmp_path: Any) -> None:
         out = torch.compile(model, backend=precompile.backend(hints=[16], cache=store))(x)
     torch._dynamo.reset()
     torch.testing.assert_close(out, model(x))
-    listed = _cli("--root", str(tmp_path), "ls")
+    listed = cache_cli("--root", str(tmp_path), "ls")
     assert listed.returncode == 0, listed.stderr
     assert "compiled once: 3 x Block (" in listed.stdout, listed.stdout
-    (entry,) = json.loads(_cli("--root", str(tmp_path), "ls", "--json").stdout)
+    (entry,) = json.loads(cache_cli("--root", str(tmp_path), "ls", "--json").stdout)
     assert entry["blocks"].startswith("3 x Block (")
 
 

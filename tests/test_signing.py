@@ -13,8 +13,8 @@ from typing import Any
 
 import pytest
 import torch
+from cache_helpers import fake_artifact, get, key_of, put
 from conftest import ROOT, Compiled, assert_close
-from test_cache import fake_artifact, get, key_of, put
 
 import precompile
 from precompile.cache import ArtifactCache
@@ -183,7 +183,7 @@ def test_cache_commands_that_read_change_no_last_use_and_no_count(
     """``ls``, ``info``, ``explain``, ``verify``, ``stats`` and ``tags`` leave every
     entry's last use (the LRU order prune evicts by) and the hit and miss counts as they
     were; ``sign`` writes the signature and keeps the last use."""
-    from test_cache import fake_artifact, key_of, put
+    from cache_helpers import fake_artifact, key_of, put
 
     root = str(tmp_path / "cache")
     store = ArtifactCache(root)

@@ -189,7 +189,7 @@ print("frames", len(frames), "compiles", len(compiles), "spawned", len(spawned),
 
 def test_every_row_warm_starts_in_a_fresh_process(store: str) -> None:
     from conftest import run_python
-    from test_warm_start import AUDIT, COUNTED
+    from warm_start_helpers import AUDIT, COUNTED
 
     for name in ROWS:
         compiled(name, store)

@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 import torch
 from conftest import Compiled, run_python
+from warm_start_helpers import AUDIT
 
 import precompile
 from precompile.cache import decode_json
@@ -18,26 +19,6 @@ from precompile.runtime import Manifest, NativeKernel
 from precompile.runtime import _native_kernels as native
 
 SIZES = [1, 3, 5, 16, 100]
-
-# Counts every process this interpreter starts (gcc, the ISA probe, compile workers...).
-AUDIT = """
-import os, sys
-spawned = []
-def _audit(event, args):
-    if event in ("subprocess.Popen", "os.posix_spawn", "os.exec", "os.system", "os.fork"):
-        spawned.append(event + " " + repr(args)[:160])
-sys.addaudithook(_audit)
-"""
-
-# Counts inductor compiles and Dynamo frames (a warm start must have none of either).
-COUNTED = """
-import torch._inductor.compile_fx as compile_fx
-from torch._dynamo import convert_frame
-compiles, frames = [], []
-original_compile, original_frame = compile_fx.compile_fx, convert_frame._compile
-compile_fx.compile_fx = lambda *a, **k: (compiles.append(1), original_compile(*a, **k))[1]
-convert_frame._compile = lambda *a, **k: (frames.append(1), original_frame(*a, **k))[1]
-"""
 
 
 def cases(mlp: Compiled, directory: str, sizes: list[int] = SIZES) -> str:

@@ -181,7 +181,7 @@ def main() -> None:
     faulthandler.dump_traceback_later(240, exit=True)  # a hang fails the test, with stacks
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
     rank, world = dist.get_rank(), dist.get_world_size()
-    from test_warm_start import COUNTED
+    from warm_start_helpers import COUNTED
 
     counters: dict[str, Any] = {}
     exec(COUNTED, counters)

@@ -1,0 +1,54 @@
+"""The tiny random-initialized ``transformers`` models the tests build (from small
+configs, nothing downloaded): Llama, GPT-2 and BERT."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+VOCAB = 128
+SIZES = [(1, 7), (1, 3), (1, 30), (1, 1), (2, 9), (3, 100)]
+
+
+def tiny_llama(**changes: Any) -> torch.nn.Module:
+    """The tiny Llama; ``changes``: config fields set otherwise."""
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        **{
+            "hidden_size": 32,
+            "intermediate_size": 64,
+            "num_hidden_layers": 1,
+            "num_attention_heads": 2,
+            "num_key_value_heads": 1,
+            "vocab_size": VOCAB,
+            "max_position_embeddings": 256,
+            **changes,
+        }
+    )
+    return transformers.LlamaForCausalLM(config).eval()
+
+
+def tiny_gpt2() -> torch.nn.Module:
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(
+        n_embd=32, n_layer=1, n_head=2, vocab_size=VOCAB, n_positions=512,
+        bos_token_id=0, eos_token_id=0,
+    )  # fmt: skip
+    return transformers.GPT2LMHeadModel(config).eval()
+
+
+def tiny_bert() -> torch.nn.Module:
+    torch.manual_seed(0)
+    config = transformers.BertConfig(
+        hidden_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=64,
+        vocab_size=VOCAB,
+        max_position_embeddings=256,
+    )
+    return transformers.BertModel(config).eval()

@@ -1,0 +1,22 @@
+"""Code that counts what a fresh process does, prepended to the scripts of warm-start
+checks (a warm start must start no process, compile nothing and trace no frame)."""
+
+# Counts every process this interpreter starts (gcc, the ISA probe, compile workers...).
+AUDIT = """
+import os, sys
+spawned = []
+def _audit(event, args):
+    if event in ("subprocess.Popen", "os.posix_spawn", "os.exec", "os.system", "os.fork"):
+        spawned.append(event + " " + repr(args)[:160])
+sys.addaudithook(_audit)
+"""
+
+# Counts inductor compiles and Dynamo frames (a warm start must have none of either).
+COUNTED = """
+import torch._inductor.compile_fx as compile_fx
+from torch._dynamo import convert_frame
+compiles, frames = [], []
+original_compile, original_frame = compile_fx.compile_fx, convert_frame._compile
+compile_fx.compile_fx = lambda *a, **k: (compiles.append(1), original_compile(*a, **k))[1]
+convert_frame._compile = lambda *a, **k: (frames.append(1), original_frame(*a, **k))[1]
+"""
