@@ -1,4 +1,4 @@
-"""One process of the hostile-input fuzzer (``tests/test_hostile_fuzz.py``).
+"""One process of the hostile-input fuzzer (``tests/fleet/test_hostile_fuzz.py``).
 
 ``python hostile_fuzz_child.py CACHE_DIR FIRST``: compiles (or loads from the cache) each
 target once, then runs the seeded cases from number FIRST on, one JSON line each, flushed

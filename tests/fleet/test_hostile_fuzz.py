@@ -18,7 +18,7 @@ from typing import Any
 
 from hostile_fuzz_child import CASES
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def run_cases(cache: str) -> tuple[dict[int, dict[str, Any]], list[tuple[int, int, str]]]:

@@ -13,7 +13,7 @@ import os
 from typing import Any
 
 import pytest
-from synthetic import digest
+from synthetic_helpers import digest
 
 from precompile._lean_scan import scan_lean_source
 from precompile.runtime import (
@@ -27,10 +27,10 @@ from precompile.runtime import (
 from precompile.runtime._triton_launch import launcher_source
 from precompile.runtime.compiler_interface import TensorInput, TritonLaunch, current_environment
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+DATA = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data")
 # A wrapper module inductor generated on an H100 (torch 2.11, Triton 3.6) for
 # layer_norm(relu(linear(x))) -> softmax * sum, amax: an extern mm and two Triton kernels.
-with open(os.path.join(HERE, "data", "cuda_wrapper_torch211.txt"), encoding="utf-8") as _file:
+with open(os.path.join(DATA, "cuda_wrapper_torch211.txt"), encoding="utf-8") as _file:
     CUDA_WRAPPER = _file.read()
 
 

@@ -5,7 +5,7 @@ One cold pair of ranks compiles into a shared local cache (module fixture), then
 warm pair and a world of one process read what it left. Then ranks as on separate
 machines: a local cache each and one shared remote tier, cold (started by Popen), then
 warm with new empty local caches (started by torchrun). The per-rank script is
-``tests/tensor_parallel.py``.
+``tests/tensor_parallel_helpers.py``.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from conftest import ROOT, run_python
 
 from precompile.cache import LAYOUT, ArtifactCache
 
-SCRIPT = os.path.join(ROOT, "tests", "tensor_parallel.py")
+SCRIPT = os.path.join(ROOT, "tests", "tensor_parallel_helpers.py")
 TOLERANCE = 1e-5
 
 

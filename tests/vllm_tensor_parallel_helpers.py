@@ -4,16 +4,16 @@ vLLM does not trace ``torch.distributed._functional_collectives``: its layers ca
 ``torch.ops.vllm.all_reduce(x, group_name="tp:0")``, a custom op whose ``group_name``
 names a group in vLLM's own registry (a ``GroupCoordinator`` holding a torch group made
 by ``dist.new_group``), not a name torch registered. Written here the same way (op,
-registry and coordinator, reduced), on the decoder layer of ``vllm_adaptor_harness``
+registry and coordinator, reduced), on the decoder layer of ``vllm_adaptor_helpers``
 sharded as vLLM's column- and row-parallel layers shard it: each rank one head, half the
 MLP, and the row-parallel biases on rank 0.
 
 The graph is compiled three ways: by vLLM's ``InductorStandaloneAdaptor`` (the calls of
-``vllm_adaptor_harness``: a compile size and the range, saved under ``rank_<r>_0``, loaded
+``vllm_adaptor_helpers``: a compile size and the range, saved under ``rank_<r>_0``, loaded
 by a fresh pair), by ``precompile.backend`` and by ``precompile.compile_model``. Every
 output is compared with the unsharded layer run eagerly in one process.
 
-Run as ``python tests/vllm_tensor_parallel.py SCENARIO DIRECTORY`` with ``RANK``,
+Run as ``python tests/vllm_tensor_parallel_helpers.py SCENARIO DIRECTORY`` with ``RANK``,
 ``WORLD_SIZE``, ``MASTER_ADDR`` and ``MASTER_PORT`` set; it prints one JSON line.
 """
 
@@ -32,8 +32,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import vllm_adaptor_harness as harness
-from tensor_parallel import error_text
+import vllm_adaptor_helpers as harness
+from tensor_parallel_helpers import error_text
 
 SHARDS = 2  # the layer is sharded for two ranks, whatever world loads it
 HEAD_DIM = harness.HIDDEN // harness.HEADS

@@ -7,7 +7,7 @@ import threading
 
 import pytest
 import torch
-from synthetic import make_artifact
+from synthetic_helpers import make_artifact
 
 import precompile
 from precompile.runtime import log2_distance

@@ -6,7 +6,7 @@ units), row-parallel projections out, and a functional all-reduce after each (so
 keeps the collective in the graph). A shard's shapes do not depend on the world size, so
 the same model class and shapes can be loaded into a world of another size.
 
-Run as ``python tests/tensor_parallel.py SCENARIO DIRECTORY`` with ``RANK``,
+Run as ``python tests/tensor_parallel_helpers.py SCENARIO DIRECTORY`` with ``RANK``,
 ``WORLD_SIZE``, ``MASTER_ADDR`` and ``MASTER_PORT`` set; it prints one JSON line. On CPU
 the group is gloo; with ``PRECOMPILE_TP_DEVICE=cuda`` it is NCCL, one GPU per rank, bf16,
 and the cold and warm runs also serve the block from CUDA graphs.

@@ -21,7 +21,7 @@ import pytest
 import torch
 from torch import nn
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 class BasicBlock(nn.Module):
@@ -170,7 +170,7 @@ def test_each_row_is_served_equal_to_eager(name: str, store: str) -> None:
 
 WARM = """
 import sys, torch, precompile
-sys.path.insert(0, "tests")
+sys.path[:0] = ["tests", "tests/models"]
 from test_torch_modules import ROWS, build
 {counted}
 for name, row in ROWS.items():

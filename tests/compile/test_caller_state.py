@@ -33,7 +33,7 @@ def _warm_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
 class Stateful(torch.nn.Module):
     """Writes its state on every call: a counter buffer, a parameter and its tensor
     argument ``acc``, each in place (a forward that writes a Python attribute is refused:
-    tests/test_trace_read.py)."""
+    tests/compile/test_trace_read.py)."""
 
     def __init__(self) -> None:
         super().__init__()

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import torch
 from conftest import Captured, capture, run_python
-from contract_cases import (
+from contract_cases_helpers import (
     Accumulate,
     Projection,
     Rows,
@@ -73,7 +73,7 @@ def test_views_in_a_fresh_process(
 import sys, torch, precompile
 sys.path.insert(0, "tests")
 from conftest import capture
-from contract_cases import Projection, check_projection
+from contract_cases_helpers import Projection, check_projection
 torch.manual_seed(0)
 model = Projection().eval()
 captured = capture(model, torch.randn(6, 8))

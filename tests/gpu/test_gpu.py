@@ -155,7 +155,7 @@ def test_cuda_fresh_process_load(
 def test_cuda_views_compute_eager_results_or_are_refused() -> None:
     """The input contract on the GPU: strides, expands, neg bits, storage offsets (Triton
     kernels assume 16-byte alignment), sparse, subclasses, grad mode."""
-    from contract_cases import Projection, check_projection
+    from contract_cases_helpers import Projection, check_projection
 
     torch.manual_seed(0)
     model = Projection().cuda().eval()

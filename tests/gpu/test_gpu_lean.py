@@ -22,7 +22,7 @@ from conftest import ROOT, capture
 import precompile
 
 pytestmark = pytest.mark.gpu
-CHILD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gpu_lean_child.py")
+CHILD = os.path.join(ROOT, "tests", "gpu_lean_child.py")
 SIZES = (1, 3, 5, 16, 100, 300)
 
 

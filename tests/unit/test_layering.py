@@ -266,56 +266,63 @@ INTERNAL_SUBJECTS = {
         "precompile._standalone", "precompile._torch_adapter", "precompile._trace_read",
         "precompile.runtime._global_state", "precompile.runtime._model_guards",
     },
-    "tests/tensor_parallel.py": {"precompile.cache._tier"},  # times each remote lease wait
-    "tests/test_backend.py": {  # the backend's graph reading and variant planning
+    # times each remote lease wait
+    "tests/tensor_parallel_helpers.py": {"precompile.cache._tier"},
+    "tests/compile/test_backend.py": {  # the backend's graph reading and variant planning
         "precompile._backend", "precompile._graph", "precompile._standalone",
         "precompile._variant_plan",
     },
-    "tests/test_cache.py": {  # the key's factors; counts compiles
+    "tests/fleet/test_cache.py": {  # the key's factors; counts compiles
         "precompile._attention_policy", "precompile._cache_key",
         "precompile._graph_description", "precompile._graph_name", "precompile._standalone",
         "precompile._variant_compile", "precompile._variant_plan", "precompile.cache._store",
     },
-    "tests/test_compile.py": {"precompile._variant_compile"},  # counts compiles
-    "tests/test_cudagraphs.py": {"precompile.runtime._cudagraphs"},
+    "tests/compile/test_compile.py": {"precompile._variant_compile"},  # counts compiles
+    "tests/compile/test_cudagraphs.py": {"precompile.runtime._cudagraphs"},
     # the decode loop driven by a plain callable: a refusal checked without a compile;
     # serve_generate's routing keys compared with its per-step signatures; step-graph keys
     # made from Sampling values
-    "tests/test_decode.py": {
+    "tests/models/test_decode.py": {
         "precompile._generate",
         "precompile.runtime._cudagraphs",
         "precompile.runtime._decode_loop",
         "precompile.runtime._sampling",
     },
     # the installed torch's standalone_compile parameters; a failing compile
-    "tests/test_dropin.py": {"precompile._torch_adapter", "precompile._variant_compile"},
-    "tests/test_expressions.py": {"precompile.runtime._expressions"},
-    "tests/test_formats.py": {"precompile.runtime._binary_format"},
-    "tests/test_gemm_policy.py": {
+    "tests/compile/test_dropin.py": {"precompile._torch_adapter", "precompile._variant_compile"},
+    "tests/unit/test_expressions.py": {"precompile.runtime._expressions"},
+    "tests/compile/test_formats.py": {"precompile.runtime._binary_format"},
+    "tests/unit/test_gemm_policy.py": {
         "precompile._cache_key", "precompile._compiler_config", "precompile._gemm_policy",
         "precompile._standalone", "precompile._variant_plan",
     },
-    "tests/test_gpu.py": {"precompile.runtime._torch_adapter"},
+    "tests/gpu/test_gpu.py": {"precompile.runtime._torch_adapter"},
     # the build's configs
-    "tests/test_gpu_lean.py": {"precompile._compiler_config", "precompile._torch_adapter"},
-    "tests/test_hostile_files.py": {"precompile.runtime._binary_format"},  # crafts files
-    "tests/test_model.py": {"precompile._model", "precompile.runtime._binary_format"},
-    "tests/test_remote.py": {"precompile.cache._deadline", "precompile.cache._signing"},
+    "tests/gpu/test_gpu_lean.py": {"precompile._compiler_config", "precompile._torch_adapter"},
+    "tests/compile/test_hostile_files.py": {"precompile.runtime._binary_format"},  # crafts files
+    "tests/models/test_model.py": {"precompile._model", "precompile.runtime._binary_format"},
+    "tests/fleet/test_remote.py": {"precompile.cache._deadline", "precompile.cache._signing"},
     # the outlining pass and the graph digest it must change
-    "tests/test_repeated_blocks.py": {"precompile._cache_key", "precompile._repeated_blocks"},
-    "tests/test_settings.py": {"precompile._offline", "precompile.runtime._lean"},
-    "tests/test_signing.py": {"precompile.runtime._binary_format", "precompile.runtime._manifest"},
+    "tests/compile/test_repeated_blocks.py": {
+        "precompile._cache_key", "precompile._repeated_blocks",
+    },
+    "tests/unit/test_settings.py": {"precompile._offline", "precompile.runtime._lean"},
+    "tests/compile/test_signing.py": {
+        "precompile.runtime._binary_format", "precompile.runtime._manifest",
+    },
     # what a variant compile scope changes in torch, and that it is put back
-    "tests/test_compile_scope.py": {
+    "tests/unit/test_compile_scope.py": {
         "precompile._torch_adapter", "precompile._variant_compile",
     },
-    "tests/test_trace_read.py": {"precompile._torch_adapter", "precompile._trace_read"},
-    "tests/test_triton_launch.py": {
+    "tests/compile/test_trace_read.py": {"precompile._torch_adapter", "precompile._trace_read"},
+    "tests/unit/test_triton_launch.py": {
         "precompile._lean_scan", "precompile.runtime._lean", "precompile.runtime._triton_launch",
     },
-    "tests/test_variant_plan.py": {"precompile._standalone", "precompile._variant_plan"},
-    "tests/test_warm_start.py": {"precompile._torch_adapter", "precompile.runtime._native_kernels"},
-    "tests/test_warmup_schedule.py": {"precompile.runtime._warmup"},  # when a warm-up runs
+    "tests/unit/test_variant_plan.py": {"precompile._standalone", "precompile._variant_plan"},
+    "tests/fleet/test_warm_start.py": {
+        "precompile._torch_adapter", "precompile.runtime._native_kernels",
+    },
+    "tests/unit/test_warmup_schedule.py": {"precompile.runtime._warmup"},  # when a warm-up runs
 }  # fmt: skip
 
 
@@ -337,7 +344,7 @@ def _private_imports(path: Path) -> set[str]:
 
 
 def test_tests_and_benchmarks_use_the_public_api() -> None:
-    files = [*Path(ROOT, "tests").glob("*.py"), *Path(ROOT, "benchmarks").glob("*.py"),
+    files = [*Path(ROOT, "tests").rglob("*.py"), *Path(ROOT, "benchmarks").glob("*.py"),
              *Path(ROOT, "examples").glob("*.py")]  # fmt: skip
     found = {
         str(path.relative_to(ROOT)): imports

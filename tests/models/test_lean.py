@@ -378,7 +378,7 @@ class TwoLayers(torch.nn.Module):
 
 SERVE_MODEL = """
 import sys, torch, precompile
-sys.path.insert(0, "tests")
+sys.path[:0] = ["tests", "tests/models"]
 from test_lean import TwoLayers
 torch.manual_seed(0)
 model = TwoLayers().eval()

@@ -1,4 +1,4 @@
-"""Drop-in details beyond upstream's own test cases (tests/test_upstream_standalone.py):
+"""Drop-in details beyond upstream's own test cases (tests/compile/test_upstream_standalone.py):
 arguments a torch version lacks, ``fake_mode``'s checks, the grad rule's evidence kept
 across save and load, and the output structure option."""
 

@@ -1,7 +1,7 @@
 """vLLM's InductorStandaloneAdaptor on precompile: its calls, cold and in a fresh process.
 
 The calls vLLM makes of ``standalone_compile`` and ``CompiledArtifact`` (reproduced in
-``vllm_adaptor_harness``): Dynamo captures a decoder layer whose attention is a custom op;
+``vllm_adaptor_helpers``): Dynamo captures a decoder layer whose attention is a custom op;
 ``split_module`` cuts the graph at it; each compiled piece is compiled for the token range
 [1, 256] and for the compile size 8, saved (binary, or unpacked) under vLLM's cache layout,
 and called as returned in the compiling process. A fresh process loads every artifact with
@@ -20,7 +20,7 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
-import vllm_adaptor_harness as harness
+import vllm_adaptor_helpers as harness
 from conftest import ROOT, run_python
 from test_tensor_parallel import one_rank_compiles, run_ranks
 
@@ -69,7 +69,7 @@ def warm(vllm_root: str, cold: Callable[[str], list[str]]) -> dict[str, Any]:
         f"""
         import json, sys
         sys.path.insert(0, "tests")
-        import vllm_adaptor_harness as harness
+        import vllm_adaptor_helpers as harness
         report = harness.fresh_process_report("precompile", {vllm_root!r}, {saved!r})
         print("REPORT " + json.dumps(report))
         """,
@@ -116,10 +116,10 @@ def test_fresh_process_outputs_match_eager(warm: dict[str, Any], config: str) ->
 
 # -- tensor parallel: vLLM's own collective ops ------------------------------------------
 # vLLM's layers sum over ranks with ``torch.ops.vllm.all_reduce(x, group_name="tp:0")``, a
-# custom op naming a group of vLLM's registry. ``vllm_tensor_parallel.py`` runs the
+# custom op naming a group of vLLM's registry. ``vllm_tensor_parallel_helpers.py`` runs the
 # decoder layer sharded over two gloo ranks that way, through vLLM's adaptor (saved under
 # ``rank_<r>_0``), ``precompile.backend`` and ``compile_model``.
-VLLM_TP_SCRIPT = os.path.join(ROOT, "tests", "vllm_tensor_parallel.py")
+VLLM_TP_SCRIPT = os.path.join(ROOT, "tests", "vllm_tensor_parallel_helpers.py")
 
 
 @pytest.fixture(scope="module")

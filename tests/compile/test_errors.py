@@ -65,9 +65,9 @@ def test_restated_refusal_keeps_class_and_facts() -> None:
 
 
 def test_a_refused_size_says_its_sizes_and_candidates() -> None:
-    """A real dispatch (no compile: ``synthetic``'s one-variant artifact) refuses a size
+    """A real dispatch (no compile: ``synthetic_helpers``' one-variant artifact) refuses a size
     its guard excludes, with the sizes and each variant's failed guards, pickled too."""
-    from synthetic import make_artifact
+    from synthetic_helpers import make_artifact
 
     art = make_artifact([("hint", {"s0": 8}, ("s0 <= 100",))])
     with pytest.raises(errors.NoVariantError) as info:
