@@ -87,9 +87,8 @@ def main() -> None:
     _timed(select_algorithm.TritonTemplateCaller, "benchmark", "template timing", stats)
     if args.torch_default:
         _torch_adapter.precompiling_templates_in_threads = contextlib.nullcontext  # type: ignore[assignment]
-    from _common import RESULTS, device_slug, environment
-
     import build
+    from _common import RESULTS, device_slug, environment
 
     result = build.child("compile_model", args.layers, "cuda")
     env = environment("cuda")

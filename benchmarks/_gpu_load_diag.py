@@ -172,6 +172,7 @@ def _head(path: str) -> str:
 
 def _model():
     import torch
+
     from _common import llama
 
     return llama("issue", "cuda", torch.bfloat16)

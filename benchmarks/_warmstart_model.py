@@ -49,6 +49,7 @@ HINTS = [16, 256, 2048]
 
 def llama(device: str) -> Any:
     import torch
+
     from _common import llama as build
 
     if device == "cpu":
@@ -75,9 +76,9 @@ def child(row: str, workdir: str, device: str) -> dict[str, Any]:
     if not serving:
         # counting Dynamo frames and inductor compiles imports the compiler: every row but
         # the serving one (which must not import it: checked at the end instead)
-        from _common import count_tracing_and_compiles
-
         import precompile
+
+        from _common import count_tracing_and_compiles
 
         frames, compiles = count_tracing_and_compiles()
     imported = time.perf_counter()

@@ -37,9 +37,10 @@ HINTS = [16, 256, 2048]
 
 def child(layers: int, gemms: str) -> dict[str, Any]:
     import torch
-    from _common import llama, median
 
     import precompile
+
+    from _common import llama, median
 
     model = llama("issue", "cuda", torch.bfloat16, 4096, layers)
     vocab = model.config.vocab_size
@@ -91,10 +92,11 @@ def _decode_ms(model: Any, options: Any) -> dict[str, Any]:
     median ms per one-token step with CUDA graphs (3 rounds of 32 steps, each round on
     the same cache after ``reset()``, so the graphs replay)."""
     import torch
-    from _common import median
     from transformers import StaticCache
 
     import precompile
+
+    from _common import median
 
     vocab = model.config.vocab_size
     cache = StaticCache(config=model.config, max_cache_len=256)

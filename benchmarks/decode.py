@@ -392,6 +392,7 @@ def run_children(args: argparse.Namespace, cache_dir: str, decode: dict[str, Any
 
 def measure(args: argparse.Namespace) -> dict[str, Any]:
     import transformers
+
     from _common import environment
 
     warned = _Warnings()
@@ -672,9 +673,9 @@ def generate_profile(model: torch.nn.Module, prompt: torch.Tensor, cache: Any, s
     import io
     import pstats
 
-    from _common import gpu_waits
-
     from precompile import GenerateServer
+
+    from _common import gpu_waits
 
     def run() -> None:
         cache.reset()
@@ -798,9 +799,9 @@ def warm_start(smoke: bool, cache: str, cache_len: int) -> dict[str, Any]:
 
 def warm_start_only(args: argparse.Namespace) -> dict[str, Any]:
     """Compile the decode model once into a new cache, then the fresh-process rows."""
-    from _common import environment
-
     import precompile
+
+    from _common import environment
 
     cache_dir = args.cache or tempfile.mkdtemp(prefix="precompile-decode-")
     model = build(args.smoke)

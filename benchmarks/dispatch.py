@@ -177,8 +177,9 @@ def tiny_llama(layers: int) -> torch.nn.Module:
 
 
 def main() -> None:
-    from _common import environment, table, write_json
     from demo import MLP
+
+    from _common import environment, table, write_json
 
     torch.manual_seed(0)
     rows = [

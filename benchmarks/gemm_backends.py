@@ -55,9 +55,10 @@ SETTINGS: dict[str, dict[str, Any] | None] = {
 
 def _child(phase: str, setting: str) -> dict[str, Any]:
     import torch
-    from _common import llama
 
     import precompile
+
+    from _common import llama
 
     model = llama("issue", "cuda", torch.bfloat16)
     vocab = model.config.vocab_size

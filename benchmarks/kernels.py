@@ -28,6 +28,7 @@ sys.path.insert(0, os.path.dirname(HERE))
 
 import shapes  # noqa: E402
 import torch  # noqa: E402
+
 from _common import rotating  # noqa: E402
 
 CALLS = 20

@@ -43,11 +43,12 @@ def child(local: str, remote: str, options: str) -> dict[str, Any]:
     import torch
 
     sys.path.insert(0, ROOT)
-    from _common import count_tracing_and_compiles
     from _warmstart_model import llama
 
     import precompile
     from precompile.cache import ArtifactCache
+
+    from _common import count_tracing_and_compiles
 
     frames, compiles = count_tracing_and_compiles()
     model = llama("cpu")
@@ -95,8 +96,9 @@ def main() -> None:
         print(json.dumps(child(*args.child)))
         return
     sys.path.insert(0, os.path.join(ROOT, "tests"))
-    from _common import environment, median, table, write_json
     from remote_helpers import S3Server
+
+    from _common import environment, median, table, write_json
 
     server = S3Server()
     work = tempfile.mkdtemp(prefix="remote-bench-")

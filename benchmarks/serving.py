@@ -109,8 +109,9 @@ def _ids(size: int, vocab: int, device: str, dynamic: bool) -> torch.Tensor:
 
 
 def measure(args: argparse.Namespace) -> dict[str, Any]:
-    from _common import environment, rotating
     from triton.testing import do_bench
+
+    from _common import environment, rotating
 
     device = "cuda"
     sizes = [1, 3, 8, 64] if args.smoke else SIZES

@@ -273,6 +273,7 @@ def main() -> None:
 
 def _model_level(device: str, only: list[str] | None) -> None:
     import _warmstart_model as model_level
+
     from _common import RESULTS, environment, write_json
 
     name = f"warmstart-model-{'cuda' if device.startswith('cuda') else 'cpu'}.json"
