@@ -24,8 +24,8 @@ put = store_artifact
 get = load_cached
 
 
-def fake_artifact(seed: int, size: int = 2000) -> precompile.CompiledArtifact:
-    payload = bytes((seed * 7 + i) % 251 for i in range(size))
+def _artifact_of(payload: bytes) -> precompile.CompiledArtifact:
+    """An artifact of one hint variant whose payload is ``payload`` (never run)."""
     digest = sha256_hex(payload)
     manifest = Manifest(
         environment=current_environment("cpu"),
@@ -34,19 +34,15 @@ def fake_artifact(seed: int, size: int = 2000) -> precompile.CompiledArtifact:
         variants=(Variant(0, "hint", {"s0": 8}, (), digest, digest),),
     )
     return precompile.CompiledArtifact(manifest, MemoryPayloads({digest: payload}))
+
+
+def fake_artifact(seed: int, size: int = 2000) -> precompile.CompiledArtifact:
+    return _artifact_of(bytes((seed * 7 + i) % 251 for i in range(size)))
 
 
 def random_artifact(size: int) -> precompile.CompiledArtifact:
     """An artifact whose one payload is ``size`` random (incompressible) bytes."""
-    payload = os.urandom(size)
-    digest = sha256_hex(payload)
-    manifest = Manifest(
-        environment=current_environment("cpu"),
-        symbols=(Symbol("s0", (SymbolSource(0, 0),)),),
-        inputs=(TensorInput("float32", "cpu", ("s0", 4)),),
-        variants=(Variant(0, "hint", {"s0": 8}, (), digest, digest),),
-    )
-    return precompile.CompiledArtifact(manifest, MemoryPayloads({digest: payload}))
+    return _artifact_of(os.urandom(size))
 
 
 def key_of(n: int) -> str:
