@@ -568,8 +568,11 @@ def precompiling_templates_in_threads() -> Iterator[None]:
     from torch._inductor import select_algorithm
     from torch._inductor.async_compile import AsyncCompile
 
-    original_make = select_algorithm.AlgorithmSelectorCache.make_precompile_fn
-    original_use = AsyncCompile.__dict__["use_process_pool"]
+    original_make = getattr(select_algorithm.AlgorithmSelectorCache, "make_precompile_fn", None)
+    original_use = AsyncCompile.__dict__.get("use_process_pool")
+    if original_make is None or not isinstance(original_use, (classmethod, staticmethod)):
+        yield  # a torch laid out otherwise: its autotuning runs as it would
+        return
     use_process_pool = original_use.__get__(None, AsyncCompile)
 
     def make_precompile_fn(self: Any, *args: Any, **kwargs: Any) -> Any:

@@ -120,3 +120,13 @@ def test_a_cpu_graph_probes_the_vector_isa_before_the_private_build_dir(
     with _variant_compile.compiling_in_build_dir():  # a CUDA graph: no C++ kernels to build
         pass
     assert seen == [before]
+
+
+def test_a_torch_without_the_hooks_compiles_as_it_would(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A torch whose select_algorithm has no make_precompile_fn: nothing is patched, and
+    the compile scope still opens and closes (its autotuning runs as torch's would)."""
+    monkeypatch.delattr(select_algorithm.AlgorithmSelectorCache, "make_precompile_fn")
+    before = AsyncCompile.__dict__["use_process_pool"]
+    with compile_adapter.precompiling_templates_in_threads():
+        assert AsyncCompile.__dict__["use_process_pool"] is before
+    assert AsyncCompile.__dict__["use_process_pool"] is before
