@@ -31,9 +31,25 @@ sys.path.insert(0, os.path.dirname(HERE))
 Key = tuple[str, str, str]
 
 
-# who asked for each slow compile on the main thread: the innermost inductor frame outside
-# the kernel runtime (select_algorithm's timing, the wrapper's compile-time autotuning, ...)
-callers: collections.Counter[str] = collections.Counter()
+# who asked for each slow compile on the main thread: the build's phase, then the innermost
+# inductor frame outside the kernel runtime (select_algorithm's timing, the wrapper's
+# compile-time autotuning, ...), with the count and the seconds they took
+callers: dict[str, list[float]] = collections.defaultdict(lambda: [0, 0.0])
+phase = ["other"]
+
+
+def _phase(owner: Any, name: str, label: str) -> None:
+    """While ``owner.name`` runs, the main thread's slow compiles count under ``label``."""
+    original: Callable[..., Any] = getattr(owner, name)
+
+    def labelled(*args: Any, **kwargs: Any) -> Any:
+        outer, phase[0] = phase[0], label
+        try:
+            return original(*args, **kwargs)
+        finally:
+            phase[0] = outer
+
+    setattr(owner, name, labelled)
 
 
 def _inductor_caller() -> str:
@@ -58,7 +74,9 @@ def _timed(owner: Any, name: str, label: str, stats: dict[Key, list[float]]) -> 
             entry[0] += 1
             entry[1] += took
             if label == "triton.compile" and took > 0.05 and thread == "MainThread":
-                callers[_inductor_caller()] += 1
+                entry = callers[f"{phase[0]}: {_inductor_caller()}"]
+                entry[0] += 1
+                entry[1] += took
 
     setattr(owner, name, timed)
 
@@ -78,13 +96,15 @@ def main() -> None:
     from torch._inductor import select_algorithm
     from torch._inductor.runtime import triton_heuristics
 
-    from precompile import _torch_adapter
+    from precompile import _standalone, _torch_adapter, _variant_compile
 
     stats: dict[Key, list[float]] = collections.defaultdict(lambda: [0, 0.0])
     _timed(triton_compiler, "compile", "triton.compile", stats)
     triton.compile = triton_compiler.compile
     _timed(triton_heuristics.CachingAutotuner, "precompile", "kernel precompile", stats)
     _timed(select_algorithm.TritonTemplateCaller, "benchmark", "template timing", stats)
+    _phase(_variant_compile, "compile_variant", "variant compile")
+    _phase(_standalone, "_complete_gpu_leans", "launch recording")
     if args.torch_default:
         _torch_adapter.precompiling_templates_in_threads = contextlib.nullcontext  # type: ignore[assignment]
     import build
@@ -104,7 +124,10 @@ def main() -> None:
             " | ".join(k): {"count": int(v[0]), "seconds": round(v[1], 2)}
             for k, v in sorted(stats.items())
         },
-        "slow main-thread compiles by caller": dict(callers.most_common()),
+        "slow main-thread compiles by phase and caller": {
+            k: {"count": int(v[0]), "seconds": round(v[1], 2)}
+            for k, v in sorted(callers.items(), key=lambda item: -item[1][1])
+        },
     }
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path, "w", encoding="utf-8") as handle:

@@ -913,12 +913,11 @@ def dynamic_dims_attribute() -> str | None:
 
 # -- the lean path on GPUs: what inductor launched, recorded -------------------------
 def load_generated_module(source: str) -> Any:
-    """Import a generated wrapper module as inductor does (its Triton kernels loaded
-    through ``async_compile``, from Triton's cache where this process compiled them)."""
+    """Import a generated wrapper module as inductor does: its Triton kernels loaded
+    through ``async_compile``, by the compile workers where they are up."""
     from torch._inductor.codecache import PyCodeCache
 
-    with runtime_adapter._no_compile_workers():
-        return PyCodeCache.load(source)
+    return PyCodeCache.load(source)
 
 
 @dataclass(frozen=True)
@@ -976,7 +975,10 @@ def recorded_launch(module: Any, name: str) -> RecordedLaunch | str:
     if len(arguments) != len(kernel.arg_tys):
         return f"Triton kernel {name} passes {len(arguments)} arguments for {kernel.arg_tys!r}"
     device = result.compile_meta.get("device", 0) or 0
-    path = os.path.join(triton_cache_dir(device), launcher.cache_hash, f"{kernel.name}.cubin")
+    # The file the launcher was made from; else where Triton's cache keeps it here.
+    path = getattr(kernel, "cubin_path", None) or os.path.join(
+        triton_cache_dir(device), launcher.cache_hash, f"{kernel.name}.cubin"
+    )
     try:
         with open(path, "rb") as file:
             binary = file.read()

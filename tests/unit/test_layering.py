@@ -258,8 +258,10 @@ def test_the_wheel_installs_one_top_level_name(tmp_path: Path) -> None:
 # module (named here), or where they instrument the compile side (count compiles by
 # wrapping its compile_variant). A new private import anywhere else fails this test.
 INTERNAL_SUBJECTS = {
-    # build diagnostics: the template-precompile patch left out for the "torch default" run
-    "benchmarks/_autotune_diag.py": {"precompile._torch_adapter"},
+    # build diagnostics: phases timed, the template-precompile patch left out for "torch default"
+    "benchmarks/_autotune_diag.py": {
+        "precompile._standalone", "precompile._torch_adapter", "precompile._variant_compile"
+    },
     "benchmarks/_gpu_load_diag.py": {"precompile.runtime._torch_adapter"},  # load diagnostics
     "benchmarks/dispatch.py": {  # times the per-call checks one by one
         "precompile._compiled_payload", "precompile._graph_description",
