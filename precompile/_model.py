@@ -19,7 +19,7 @@ import inspect
 import logging
 import os
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NoReturn
 
 import torch
@@ -52,7 +52,6 @@ from precompile.runtime.compiler_interface import (
     store_model,
     synthesize_inputs,
     this_rank,
-    tree_flatten,
 )
 from precompile.runtime.compiler_interface import plan_stale_reason as stale_reason
 
@@ -590,23 +589,55 @@ def _with_environment(
     model: torch.nn.Module, call: ExampleCall, state: CallerState, read: Any
 ) -> Any:
     """``read`` with a check of every environment variable the forward looks up, found
-    by running it once more, eagerly (``_environment_reads``); what that run writes is
-    put back, and its random draws come from forked generators."""
+    by running it once more, eagerly (``_environment_reads``)."""
     from ._environment_reads import environment_guards
 
-    devices = sorted({t.device.index or 0 for t in tree_flatten((call.args, call.kwargs))[0]
-                      if isinstance(t, torch.Tensor) and t.device.type == "cuda"})  # fmt: skip
-    python_state = state.python_state(model)
-    state.keep_all()
-    try:
-        with torch.random.fork_rng(devices=devices):
-            found = environment_guards(lambda: model(*call.args, **call.kwargs))
-    finally:
-        state.put_back(python_state)
-        state.restore()
+    found = _run_eagerly(model, call, state, environment_guards)
     known = {repr(g.to_json()) for g in read.guards}
     extra = tuple(g for g in found if repr(g.to_json()) not in known)
     return dataclasses.replace(read, guards=(*read.guards, *extra))
+
+
+def _run_eagerly(
+    model: torch.nn.Module,
+    call: ExampleCall,
+    state: CallerState,
+    around: Callable[[Callable[[], Any]], Any] = lambda run: run(),
+) -> Any:
+    """``around(run)``, where ``run`` calls the model's forward on ``call``, eagerly. What
+    it writes is put back (the module's Python state, the buffers and arguments ``state``
+    watches, and the call's own tensors and KV caches, which may be copies the caller
+    never saw), and its random draws come from forked generators."""
+    tensors = []
+    for leaf in call.leaves:
+        if isinstance(leaf, torch.Tensor):
+            tensors.append(leaf)
+        elif is_kv_cache(leaf):
+            tensors.extend(tensor for _, _, tensor in kv_cache_tensors(leaf))
+    devices = sorted({t.device.index or 0 for t in tensors if t.device.type == "cuda"})
+    python_state = state.python_state(model)
+    state.keep_all()
+    state.keep(tensors)
+    try:
+        with torch.random.fork_rng(devices=devices):
+            return around(lambda: model(*call.args, **call.kwargs))
+    finally:
+        state.put_back(python_state)
+        state.restore()
+
+
+def _eager_refusal(model: torch.nn.Module, call: ExampleCall, state: CallerState) -> str | None:
+    """Why the model's own forward refuses ``call``, or None. A trace at lengths of 1
+    pairs sizes that no call of the model's may (an attention mask's batch at 1 beside
+    input_ids' at 2): asked before it is traced, such a trace costs one eager forward
+    instead of a trace and its compile."""
+    try:
+        with torch.no_grad():
+            _run_eagerly(model, call, state)
+    except (IndexError, RuntimeError, ValueError) as exc:
+        said = (str(exc).strip().splitlines() or [""])[0][:300]
+        return f"the model's own forward refuses these inputs ({type(exc).__name__}: {said})"
+    return None
 
 
 def _trace_with_pieces(
@@ -656,6 +687,13 @@ def _trace_with_pieces(
                        for leaf, wanted in dims.items()}  # fmt: skip
         corner = call.with_leaves(narrowed)
         said = ", ".join(f"{_where(call, lengths[i][1])} = 1" for i in sorted(ones))
+        refusal = _eager_refusal(model, corner, state)
+        if refusal is not None:
+            log.info(
+                "compile_model: not traced at %s: %s; calls with those lengths are refused "
+                "(NoVariantError)", said, refusal,
+            )  # fmt: skip
+            continue
         try:
             piece = _trace_and_compile(
                 model, corner, {leaf: d for leaf, d in corner_dims.items() if d},

@@ -597,12 +597,23 @@ def test_a_trace_its_own_operations_refuse_is_never_run_compiled(tmp_path: objec
     """A trace at lengths at 1 that no call of the model's own makes (here the table's
     rows at 1 beside two rows of x, which index it): its graph's operations raise an
     IndexError in eager, and its compiled C++ kernel checks the same bound inside an
-    OpenMP region, where a failure ends the process (std::terminate, exit 134). The
-    trace is refused before its compiled code runs; the model is served elsewhere, and
-    calls at those lengths are refused. Run in a child, so a crash fails this test."""
+    OpenMP region, where a failure ends the process (std::terminate, exit 134). Those
+    lengths are refused before they are traced (the model's own forward refuses them: no
+    trace, no compile); the model is served elsewhere, and calls at those lengths are
+    refused. Run in a child, so a crash fails this test."""
     out = run_python(
         """
         import torch, precompile
+        from precompile import _model_trace
+
+        traced = []
+        trace_model = _model_trace.trace_model
+
+        def counted(model, args, kwargs, *rest):
+            traced.append(tuple(int(a.shape[0]) for a in args))
+            return trace_model(model, args, kwargs, *rest)
+
+        _model_trace.trace_model = counted
 
         class Gather(torch.nn.Module):
             def forward(self, x, table):
@@ -618,10 +629,13 @@ def test_a_trace_its_own_operations_refuse_is_never_run_compiled(tmp_path: objec
                 compiled(x, table[:1])
             except precompile.NoVariantError as exc:
                 print("refused:", exc)
+        print("traced:", sorted(traced))
         """,
         env={"PRECOMPILE_CACHE_DIR": str(tmp_path)},
     )
     assert "refused:" in out
+    # the example (2 rows of x, 3 of the table), x at 1, both at 1; never x at 2 beside 1
+    assert "traced: [(1, 1), (1, 3), (2, 3)]" in out, out
 
 
 def test_a_hint_past_the_position_table_is_refused_saying_so() -> None:
