@@ -24,7 +24,10 @@ tokens - time of 1) / 64, prefill excluded);
 ``compile_model`` with the cache: batch and sequence dynamic, hint points (1|8, 1|128));
 ``ours + cudagraphs`` (the same compiled model with ``cudagraphs=True``);
 ``ours generate + cudagraphs`` (``serve_generate``: every forward of transformers'
-``generate`` on compiled models with CUDA graphs; batch 1, per token as for generate).
+``generate`` on compiled models with CUDA graphs; batch 1, per token as for generate);
+``ours generate, loop=True + cudagraphs`` (``serve_generate(loop=True)``: transformers'
+``generate`` answered by the compiled decode loop; the same, with no EOS token instead of
+``min_new_tokens``, which the loop leaves to transformers).
 
 Decode ms/token: the 64 steps' wall time / 64 (median of ``--rounds`` interleaved rounds).
 Prefill ms at 128 and 1024 tokens (batch 1, median of 5). Also: GPU memory in CUDA-graph
@@ -69,6 +72,7 @@ ROWS = [
     "ours CompiledModel.generate + cudagraphs",
     "ours CompiledModel.generate + cudagraphs, cuBLAS GEMMs",
     "ours generate + cudagraphs",
+    "ours generate, loop=True + cudagraphs",
 ]
 # The attention policy's two settings, built side by side: the default (cuDNN where a
 # variant's attention lengths are fixed) and the previous one (never in hint variants).
@@ -78,17 +82,20 @@ CUDNN_OFF = "ours + cudagraphs, cuDNN off in hint variants"
 # caller's choice, ``max_autotune_gemm_backends="ATEN"``), built side by side.
 CUBLAS = "ours CompiledModel.generate + cudagraphs, cuBLAS GEMMs"
 CUBLAS_OPTIONS = {"config_patches": {"max_autotune_gemm_backends": "ATEN"}}
-BATCH_ONE_ONLY = {"precompile.backend", "transformers generate", "ours generate + cudagraphs"}
+LOOP = "ours generate, loop=True + cudagraphs"
+BATCH_ONE_ONLY = {"precompile.backend", "transformers generate", "ours generate + cudagraphs",
+                  LOOP}  # fmt: skip
 # transformers' own compiled generate runs in a child process of its own: in one run its
 # reduce-overhead graphs hit a device-side assert (an index past the cache), which
 # poisons the CUDA context of every row beside it. serve_generate, the row it is compared
 # with, runs in one too: both drive transformers' Python loop, whose host time (it waits
 # for the GPU every step) grew by up to 40% beside the other rows' objects in one process.
 SERVE = "ours generate + cudagraphs"
-IN_CHILD = {"transformers generate", SERVE}
+IN_CHILD = {"transformers generate", SERVE, LOOP}
 GENERATE_ROWS = {
     "transformers generate",
     "ours generate + cudagraphs",
+    LOOP,
     "ours CompiledModel.generate + cudagraphs",
     CUBLAS,
 }
@@ -334,6 +341,8 @@ def generate_run(model: torch.nn.Module, prompt: torch.Tensor, cache: Any,
     for new in (1, STEPS + 1):
         options: dict[str, Any] = dict(max_new_tokens=new, min_new_tokens=new, do_sample=False,
                                        pad_token_id=0)  # fmt: skip
+        if getattr(served, "loops", None) is not None:  # the compiled loop: no EOS instead
+            options.update(min_new_tokens=None, eos_token_id=None)
         if isinstance(cache, int):  # transformers' default: a new static cache per call
             options.update(cache_implementation="static", max_cache_len=cache)
         else:
@@ -373,15 +382,17 @@ def run_children(args: argparse.Namespace, cache_dir: str, decode: dict[str, Any
     """The rows run in fresh processes of their own, into ``decode``: serve_generate's
     profile, the host's time in a served generate."""
     host_generate = ""
-    for name in (SERVE, "transformers generate"):
+    for name in (SERVE, LOOP, "transformers generate"):
         if name not in ROWS:
             continue
         generate = generate_child(args.smoke, args.cache_len, args.rounds,
-                                  cache_dir if name == SERVE else None)  # fmt: skip
+                                  cache_dir if name in (SERVE, LOOP) else None,
+                                  loop=name == LOOP)  # fmt: skip
         if "ms_per_token" in generate:
             ready_s[name] = generate.pop("ready_s")
-            host_generate = generate.pop("profile", None) or host_generate
-            if "captured" in generate:
+            profile = generate.pop("profile", None)  # served per forward: serve_generate's
+            host_generate = (profile if name == SERVE else None) or host_generate
+            if "captured" in generate and name == SERVE:
                 captured["serve_generate"] = generate.pop("captured")
                 warned.messages.extend(generate.pop("warnings"))
             decode[name]["1"] = generate
@@ -583,7 +594,7 @@ if serve_cache is not None:  # transformers' generate under our serve_generate
     warned = _Warnings()
     logging.getLogger("precompile").addHandler(warned)
     served = precompile.serve_generate(model, cache=serve_cache, cudagraphs=True,
-                                       hints=[PROMPT], warmup=True)
+                                       hints=[PROMPT], warmup=True, loop={loop})
 began = time.perf_counter()
 with torch.no_grad():
     for _ in range(2 if served else 1):  # graphs that write their inputs: 2nd call
@@ -605,19 +616,20 @@ print("RESULT", found)
 """
 
 
-def generate_child(smoke: bool, cache_len: int, rounds: int,
-                   serve_cache: str | None = None) -> dict[str, Any]:  # fmt: skip
+def generate_child(smoke: bool, cache_len: int, rounds: int, serve_cache: str | None = None,
+                   loop: bool = False) -> dict[str, Any]:  # fmt: skip
     """transformers' ``generate`` in a fresh process, batch 1, on a cache it is passed:
     its own (it compiles the decode steps itself), or under ``serve_generate`` on our
-    artifact cache ``serve_cache`` (then with its profile and captured sizes); the error
-    where it fails."""
+    artifact cache ``serve_cache`` (then with its profile and captured sizes; ``loop``:
+    ``serve_generate(loop=True)``, no EOS instead of ``min_new_tokens``); the error where
+    it fails."""
     failures: dict[str, Any] = {}
-    label = SERVE if serve_cache is not None else "transformers generate"
+    label = LOOP if loop else SERVE if serve_cache is not None else "transformers generate"
     for new_caches in (False, True):
         how = "a new cache per call" if new_caches else "a cache it is passed, reset per call"
         code = GENERATE.format(here=HERE, root=ROOT, smoke=smoke, cache_len=cache_len,
                                rounds=rounds, new_caches=new_caches,
-                               serve_cache=serve_cache)  # fmt: skip
+                               serve_cache=serve_cache, loop=loop)  # fmt: skip
         try:
             out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                                  timeout=240)  # fmt: skip

@@ -23,11 +23,13 @@ compile.
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import functools
 import inspect
 import logging
 import threading
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from types import TracebackType
 from typing import Any
 
@@ -36,6 +38,7 @@ import torch
 from precompile.runtime import (
     CompiledModel,
     IndexOutOfRangeError,
+    InputMismatchError,
     InvalidOptionError,
     UnsupportedGraphError,
 )
@@ -46,6 +49,7 @@ from precompile.runtime.compiler_interface import (
     tree_flatten,
 )
 
+from ._generate_loop import DecodeLoops, loop_request
 from ._model import compile_model
 from ._variant_plan import check_kinds
 
@@ -223,14 +227,23 @@ class _OnThisInstance:
 
 class GenerateServer:
     """The router ``serve_generate`` installs: one compiled model per call structure.
-    ``calls``: forward calls served by compiled models; ``compiled``: per structure."""
+    ``calls``: forward calls served by compiled models; ``compiled``: per structure;
+    ``stats``: with ``loop=True``, which loop answered each ``generate`` and why."""
 
     def __init__(
-        self, model: torch.nn.Module, dynamic_batch: bool, options: Mapping[str, Any]
+        self,
+        model: torch.nn.Module,
+        dynamic_batch: bool,
+        options: Mapping[str, Any],
+        loop: bool = False,
     ) -> None:
         self.model = model
         self.dynamic_batch = dynamic_batch
         self.options = dict(options)
+        self.loops = DecodeLoops(model, dynamic_batch, options) if loop else None
+        self._loop_generates = 0
+        self._fallbacks: collections.Counter[str] = collections.Counter()
+        self._loop_refused: dict[tuple[Any, ...], str] = {}
         self.compiled: dict[tuple[Any, ...], CompiledModel] = {}
         # call structures that could not be compiled: refused again without a new trace
         self._refused: dict[tuple[Any, ...], UnsupportedGraphError] = {}
@@ -241,13 +254,22 @@ class GenerateServer:
         self._saved: dict[str, Any] = {}
         self._installed = False
 
+    @property
+    def stats(self) -> dict[str, Any]:
+        """``generate`` calls answered by the compiled loop (``loop_generates``) and by
+        transformers' loop (``fallbacks``: the count per reason); ``calls``: forward
+        calls served by compiled models."""
+        with self._lock:
+            return {"loop_generates": self._loop_generates, "fallbacks": dict(self._fallbacks),
+                    "calls": self.calls}  # fmt: skip
+
     # -- the hook ----------------------------------------------------------------------
     def __enter__(self) -> GenerateServer:
         if self._installed:
             raise InvalidOptionError("serve_generate is already installed on this model")
         model = self.model
         original = type(model).forward.__get__(model)
-        for name in ("forward", "get_compiled_call"):
+        for name in _INSTALLED:
             if name in vars(model):
                 self._saved[name] = vars(model)[name]
 
@@ -257,6 +279,10 @@ class GenerateServer:
         model.get_compiled_call = _OnThisInstance(  # type: ignore[method-assign]
             model, "get_compiled_call", lambda compile_config=None: model.__call__
         )
+        if self.loops is not None:
+            generate = _OnThisInstance(model, "generate", self._generate)
+            functools.update_wrapper(generate, type(model).generate.__get__(model))
+            model.generate = generate  # type: ignore[method-assign]
         self._installed = True
         return self
 
@@ -269,7 +295,7 @@ class GenerateServer:
         self._uninstall()
 
     def _uninstall(self) -> None:
-        for name in ("forward", "get_compiled_call"):
+        for name in _INSTALLED:
             vars(self.model).pop(name, None)
             if name in self._saved:
                 setattr(self.model, name, self._saved[name])
@@ -307,24 +333,80 @@ class GenerateServer:
                 return found
             if key in self._refused:
                 raise self._refused[key]
-            model = self.model
-            installed = {n: vars(model).pop(n) for n in ("forward", "get_compiled_call")
-                         if n in vars(model)}  # fmt: skip
-            try:  # the model's own forward while it is traced (or keyed)
-                compiled = compile_model(
-                    model, (), dict(kwargs), dynamic=_dynamic(kwargs, self.dynamic_batch),
-                    **self.options,
-                )  # fmt: skip
+            try:
+                with self._own_forward():
+                    compiled = compile_model(
+                        self.model, (), dict(kwargs),
+                        dynamic=_dynamic(kwargs, self.dynamic_batch), **self.options,
+                    )  # fmt: skip
             except UnsupportedGraphError as exc:
                 refused = UnsupportedGraphError(_refusal(kwargs, self.dynamic_batch, exc))
                 self._refused[key] = refused
                 raise refused from exc
-            finally:
-                for name, value in installed.items():
-                    setattr(model, name, value)
             log.info("serve_generate: compiled call structure %s", [k[0] for k in key])
             self.compiled[key] = compiled
             return compiled
+
+    @contextlib.contextmanager
+    def _own_forward(self) -> Iterator[None]:
+        """The model's own methods while it is traced (or keyed)."""
+        model = self.model
+        installed = {n: vars(model).pop(n) for n in _INSTALLED if n in vars(model)}
+        try:
+            yield
+        finally:
+            for name, value in installed.items():
+                setattr(model, name, value)
+
+    # -- generate on the compiled loop (loop=True) --------------------------------------
+    def _generate(self, *args: Any, **kwargs: Any) -> Any:
+        assert self.loops is not None
+        request = loop_request(self.model, args, kwargs)
+        if isinstance(request, str):
+            return self._transformers_loop(request, args, kwargs)
+        key = self.loops.key(request)
+        with self._lock:
+            compiled = self.loops.compiled.get(key)
+            if compiled is None and key in self._loop_refused:
+                return self._transformers_loop(self._loop_refused[key], args, kwargs)
+            if compiled is None:
+                try:
+                    with self._own_forward():
+                        compiled = self.loops.compile(key, request)
+                except UnsupportedGraphError as exc:
+                    why = f"the decode loop could not be compiled ({str(exc)[:300]})"
+                    log.info("serve_generate: %s; transformers' loop runs these calls", why)
+                    self._loop_refused[key] = why
+                    return self._transformers_loop(why, args, kwargs)
+            kept = request.kv_cache is None
+            kv_cache = self.loops.take_cache(key, request.capacity) if kept else request.kv_cache
+        try:
+            tokens = compiled.generate(
+                request.input_ids, kv_cache, max_new_tokens=request.max_new_tokens,
+                **request.sampling(),
+            )  # fmt: skip
+        except (InvalidOptionError, InputMismatchError) as exc:
+            # refused before its first write (a cache holding tokens, or too short; a
+            # cache of another dtype): transformers' loop answers it as it would
+            why = f"the compiled loop refused it ({str(exc)[:200]})"
+            return self._transformers_loop(why, args, kwargs)
+        finally:
+            if kept:
+                with self._lock:
+                    self.loops.give_back(key, kv_cache)
+        with self._lock:
+            self._loop_generates += 1
+        return tokens
+
+    def _transformers_loop(self, why: str, args: Any, kwargs: Mapping[str, Any]) -> Any:
+        """transformers' own ``generate``, each forward served by the router."""
+        log.debug("serve_generate: transformers' loop runs this generate: %s", why)
+        with self._lock:
+            self._fallbacks[why] += 1
+        return type(self.model).generate(self.model, *args, **kwargs)
+
+
+_INSTALLED = ("forward", "get_compiled_call", "generate")
 
 
 def _tokens_in_vocabulary(model: torch.nn.Module, kwargs: Mapping[str, Any]) -> None:
@@ -375,7 +457,7 @@ _OPTIONS = frozenset(
 
 
 def serve_generate(
-    model: torch.nn.Module, *, dynamic_batch: bool = False, **options: Any
+    model: torch.nn.Module, *, dynamic_batch: bool = False, loop: bool = False, **options: Any
 ) -> GenerateServer:
     """A context manager under which ``model.generate(...)`` runs every forward call on
     compiled models (``compile_model`` per call structure, with ``options``: ``hints``,
@@ -386,6 +468,12 @@ def serve_generate(
 
         with precompile.serve_generate(model, hints=[16, 256]) as served:
             out = model.generate(ids, max_new_tokens=32, cache_implementation="static")
+
+    ``loop=True``: a ``generate`` whose settings the compiled decode loop implements
+    (greedy or sampling with temperature/top-k/top-p, EOS and padding, one prompt length
+    per batch, a static KV cache) runs on it, ``CompiledModel.generate``, with no
+    transformers Python per step; any other runs as above, its reason counted in
+    ``served.stats`` (see ``_generate_loop``).
     """
     if not isinstance(model, torch.nn.Module):
         raise InvalidOptionError(
@@ -398,6 +486,8 @@ def serve_generate(
         )
     if not isinstance(dynamic_batch, bool):
         raise InvalidOptionError(f"dynamic_batch must be True or False, got {dynamic_batch!r}")
+    if not isinstance(loop, bool):
+        raise InvalidOptionError(f"loop must be True or False, got {loop!r}")
     unknown = sorted(set(options) - _OPTIONS)
     if unknown:
         raise InvalidOptionError(
@@ -406,4 +496,4 @@ def serve_generate(
         )
     check_kinds(options.get("hints"), options.get("sizes"))  # checked now, not at a call
     cudagraph_options(options.get("cudagraphs"))
-    return GenerateServer(model, dynamic_batch, options)
+    return GenerateServer(model, dynamic_batch, options, loop)

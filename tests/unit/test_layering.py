@@ -309,6 +309,7 @@ INTERNAL_SUBJECTS = {
         "precompile._cache_key", "precompile._repeated_blocks",
     },
     "tests/unit/test_settings.py": {"precompile._offline", "precompile.runtime._lean"},
+    "tests/unit/test_loop_request.py": {"precompile._generate_loop"},  # which calls it takes
     "tests/compile/test_signing.py": {
         "precompile.runtime._binary_format", "precompile.runtime._manifest",
     },

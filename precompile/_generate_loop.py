@@ -1,0 +1,208 @@
+"""``serve_generate(..., loop=True)``: a ``model.generate()`` call the compiled decode loop
+can answer runs on it (``CompiledModel.generate``) instead of transformers' loop.
+
+transformers' ``generate`` spends its time per step in Python around the forward (input
+preparation, mask building, logits processors, stopping criteria): served per forward,
+a token costs about three times what the compiled loop's step does. A call is answered
+by the compiled loop when everything it asks for is something that loop does exactly as
+transformers does it: greedy, or sampling with temperature, top-k and top-p; EOS tokens
+and padding after them; ``max_new_tokens`` (or ``max_length``); a static KV cache; one
+prompt length per batch (no attention mask, or one of all ones); an empty
+``StaticCache`` the call passes is used as it is. Anything else (beams,
+other logits processors, a streamer, a padded batch...) goes to transformers' own loop,
+each forward still served by a compiled model; the reason is logged (DEBUG) and counted
+in ``served.stats``.
+
+The effective settings are transformers' own: ``model._prepare_generation_config`` (the
+model's ``generation_config``, transformers' global defaults, then the call's keywords),
+so a default such as ``top_k=50`` when sampling applies here as there. A transformers
+that lays it out otherwise sends every call to its own loop, named.
+
+The compiled loop model is one ``compile_model`` per KV cache length (and batch size,
+unless ``dynamic_batch``): the cache is a ``StaticCache`` of prompt + new tokens rounded
+up to a power of two (at least 64), so requests of nearby lengths share a compiled model
+and a cache. Caches are kept and ``reset()`` between requests (CUDA graphs captured on a
+cache are replayed by the next request on it); a request finding its cache in use by
+another thread gets a new one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from precompile.runtime.compiler_interface import is_kv_cache, kv_cache_capacity
+
+# generate's own arguments the loop takes (the prompt, its mask, the config object), and
+# the generation settings it implements; any other setting must be at its default.
+_ARGUMENTS = frozenset({
+    "input_ids", "inputs", "attention_mask", "generation_config", "past_key_values", "cache",
+})  # fmt: skip
+_SETTINGS = frozenset({
+    "max_new_tokens", "max_length", "do_sample", "temperature", "top_k", "top_p",
+    "eos_token_id", "pad_token_id", "bos_token_id", "cache_implementation", "use_cache",
+})  # fmt: skip
+# Settings that change nothing the loop computes (what the forward returns besides the
+# logits, bookkeeping of the config object itself).
+_IGNORED = frozenset({
+    "output_attentions", "output_hidden_states", "_from_model_config", "transformers_version",
+    "decoder_start_token_id", "compile_config", "cache_config", "disable_compile",
+})  # fmt: skip
+
+log = logging.getLogger("precompile.compile")
+
+
+@dataclasses.dataclass(frozen=True)
+class LoopRequest:
+    """A ``generate`` call the compiled loop answers, with transformers' effective
+    settings."""
+
+    input_ids: torch.Tensor
+    max_new_tokens: int
+    do_sample: bool
+    temperature: float
+    top_k: int | None
+    top_p: float | None
+    eos_token_id: int | list[int] | None
+    pad_token_id: int | None
+    kv_cache: Any = None  # the caller's StaticCache, where the call passes one
+
+    @property
+    def capacity(self) -> int:
+        """The KV cache length it runs on: the caller's cache's, else prompt + new
+        tokens, up to a power of two."""
+        if self.kv_cache is not None:
+            return int(kv_cache_capacity(self.kv_cache))  # type: ignore[arg-type]
+        needed = int(self.input_ids.shape[1]) + self.max_new_tokens
+        return max(64, 1 << (needed - 1).bit_length())
+
+    def sampling(self) -> dict[str, Any]:
+        """``CompiledModel.generate``'s keywords for the choice of tokens and stopping."""
+        chosen: dict[str, Any] = {"do_sample": self.do_sample}
+        if self.do_sample:  # transformers applies each warper only where it changes logits
+            chosen["temperature"] = self.temperature
+            chosen["top_k"] = self.top_k
+            chosen["top_p"] = self.top_p
+        return {**chosen, "eos_token_id": self.eos_token_id, "pad_token_id": self.pad_token_id}
+
+
+def loop_request(
+    model: torch.nn.Module, args: Sequence[Any], kwargs: Mapping[str, Any]
+) -> LoopRequest | str:
+    """The call ``model.generate(*args, **kwargs)`` as the compiled loop runs it, or why
+    transformers' loop must run it."""
+    if getattr(getattr(model, "config", None), "is_encoder_decoder", False):
+        return "an encoder-decoder model"
+    if len(args) > 1:
+        return "positional arguments past input_ids"
+    ids = args[0] if args else kwargs.get("input_ids", kwargs.get("inputs"))
+    if not (isinstance(ids, torch.Tensor) and ids.dim() == 2 and not ids.is_floating_point()):
+        return "input_ids that are not a [batch, length] tensor of token ids"
+    if ids.shape[0] < 1 or ids.shape[1] < 1:
+        return "an empty prompt"
+    mask = kwargs.get("attention_mask")
+    if mask is not None and not (
+        isinstance(mask, torch.Tensor) and mask.shape == ids.shape and bool((mask == 1).all())
+    ):
+        return "an attention_mask with padding (or shaped unlike input_ids)"
+    kv_cache = kwargs.get("past_key_values", kwargs.get("cache"))
+    if kv_cache is not None and not (is_kv_cache(kv_cache) and kv_cache_capacity(kv_cache)):
+        return f"a KV cache that is not static ({type(kv_cache).__name__})"
+    settings = {k: v for k, v in kwargs.items() if k not in _ARGUMENTS}
+    try:
+        config, rest = model._prepare_generation_config(  # type: ignore[operator]
+            kwargs.get("generation_config"), **settings
+        )
+        set_otherwise = _unsupported_settings(model, config)
+    except (AttributeError, TypeError, ValueError) as exc:
+        return f"transformers' generation settings could not be read ({type(exc).__name__})"
+    if rest:  # not a generation setting: a logits processor, a streamer, a model input...
+        return f"option {sorted(rest)[0]!r}"
+    if set_otherwise:
+        return f"generation setting {set_otherwise[0]}"
+    if kv_cache is not None and config.cache_implementation is not None:
+        return "both cache_implementation and a KV cache (transformers refuses them together)"
+    if kv_cache is None and config.cache_implementation != "static":
+        return "a KV cache that is not static (cache_implementation='static' runs on the loop)"
+    new = config.max_new_tokens
+    if new is None and config.max_length is not None:
+        new = int(config.max_length) - int(ids.shape[1])
+    if not isinstance(new, int) or new < 1:
+        return f"max_new_tokens of {new!r}"
+    eos = config.eos_token_id
+    if isinstance(eos, torch.Tensor):
+        eos = eos.tolist()
+    pad = config.pad_token_id
+    if pad is None and eos is not None:  # as transformers does (it warns)
+        pad = eos[0] if isinstance(eos, list) else eos
+    top_k = config.top_k if config.top_k else None
+    top_p = config.top_p if config.top_p is not None and config.top_p < 1.0 else None
+    temperature = 1.0 if config.temperature is None else float(config.temperature)
+    return LoopRequest(
+        ids, new, bool(config.do_sample), temperature, top_k, top_p, eos,
+        None if pad is None else int(pad), kv_cache,
+    )  # fmt: skip
+
+
+def _unsupported_settings(model: torch.nn.Module, config: Any) -> list[str]:
+    """The settings of the effective ``config`` the loop does not implement that differ
+    from transformers' defaults (each ``name=value``)."""
+    defaults = dict(type(config)().to_dict())
+    defaults.update(model.generation_config._get_default_generation_params())  # type: ignore[union-attr,operator]
+    found = []
+    for name, value in config.to_dict().items():
+        if name in _SETTINGS or name in _IGNORED or name.startswith("_"):
+            continue
+        if value != defaults.get(name) and not (value in (None, False) and name not in defaults):
+            found.append(f"{name}={value!r}")
+    return found
+
+
+class DecodeLoops:
+    """The compiled loop models and KV caches of one ``serve_generate`` block."""
+
+    def __init__(self, model: torch.nn.Module, dynamic_batch: bool, options: Mapping[str, Any]):
+        self.model = model
+        self.dynamic_batch = dynamic_batch
+        self.options = dict(options)
+        self.compiled: dict[tuple[Any, ...], Any] = {}
+        self._free: dict[tuple[Any, ...], list[Any]] = {}
+
+    def key(self, request: LoopRequest) -> tuple[Any, ...]:
+        ids = request.input_ids
+        batch = None if self.dynamic_batch else int(ids.shape[0])
+        return (batch, request.capacity, ids.dtype, str(ids.device))
+
+    def compile(self, key: tuple[Any, ...], request: LoopRequest) -> Any:
+        """The loop model for ``key``: ``compile_model`` of a keyword call of
+        ``input_ids`` (sequence dim dynamic; the batch too with ``dynamic_batch``) and a
+        ``StaticCache`` of the request's capacity."""
+        from ._model import compile_model
+
+        ids = request.input_ids
+        batch = max(2, int(ids.shape[0])) if self.dynamic_batch else int(ids.shape[0])
+        example = torch.zeros(batch, 2, dtype=ids.dtype, device=ids.device)
+        call = {"input_ids": example, "past_key_values": self._new_cache(request.capacity),
+                "use_cache": True}  # fmt: skip
+        dynamic: dict[int | str, list[int]] = {"input_ids": [0, 1] if self.dynamic_batch else [1]}
+        compiled = compile_model(self.model, (), call, dynamic=dynamic, **self.options)
+        self.compiled[key] = compiled
+        return compiled
+
+    def take_cache(self, key: tuple[Any, ...], capacity: int) -> Any:
+        """A kept cache for ``key`` no other request holds, else a new one."""
+        free = self._free.setdefault(key, [])
+        return free.pop() if free else self._new_cache(capacity)
+
+    def give_back(self, key: tuple[Any, ...], cache: Any) -> None:
+        cache.reset()
+        self._free.setdefault(key, []).append(cache)
+
+    def _new_cache(self, capacity: int) -> Any:
+        import transformers
+
+        return transformers.StaticCache(config=self.model.config, max_cache_len=capacity)

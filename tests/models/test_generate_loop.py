@@ -1,0 +1,50 @@
+"""``serve_generate(loop=True)``: ``model.generate()`` answered by the compiled decode loop,
+tokens identical to transformers' own ``generate`` (greedy with rows stopping at EOS,
+sampled with torch's default generator seeded alike), no forward of transformers' loop
+run, one compile per KV cache length bucket; what the loop does not implement runs on
+transformers' loop, its reason counted."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from decode_helpers import VOCAB, build
+
+import precompile
+
+transformers = pytest.importorskip("transformers")
+
+
+def test_generate_runs_on_the_compiled_loop_with_transformers_tokens(tmp_path: Any) -> None:
+    model = build("llama")
+    torch.manual_seed(21)
+    prompt, shorter = torch.randint(3, VOCAB, (3, 7)), torch.randint(3, VOCAB, (3, 5))
+    static = {"cache_implementation": "static", "pad_token_id": 0}
+    with torch.no_grad():
+        plain = model.generate(prompt, max_new_tokens=12, do_sample=False, **static)
+        eos = int(plain[0, 7 + 3])  # row 0 stops after 4 new tokens
+        greedy = {**static, "max_new_tokens": 12, "do_sample": False, "eos_token_id": eos}
+        sampled = {**static, "max_new_tokens": 10, "do_sample": True, "temperature": 0.8,
+                   "top_p": 0.9}  # top-k: transformers' default of 50  # fmt: skip
+        want_greedy = model.generate(prompt, **greedy)
+        torch.manual_seed(5)
+        want_sampled = model.generate(shorter, **sampled)
+        with precompile.serve_generate(model, hints=[8], cache=str(tmp_path), loop=True) as served:
+            got_greedy = model.generate(prompt, **greedy)
+            torch.manual_seed(5)
+            got_sampled = model.generate(shorter, **sampled)  # the same cache length bucket
+            passed = transformers.StaticCache(config=model.config, max_cache_len=64)
+            own = {k: v for k, v in greedy.items() if k != "cache_implementation"}
+            got_passed = model.generate(prompt, past_key_values=passed, **own)  # used as is
+            with pytest.raises(precompile.UnsupportedGraphError, match="cache_implementation"):
+                model.generate(prompt, max_new_tokens=2, pad_token_id=0)  # a growing cache
+        stats = served.stats
+    assert torch.equal(got_greedy, want_greedy) and (got_greedy[0, 11:] == 0).all()
+    assert torch.equal(got_sampled, want_sampled) and torch.equal(got_passed, want_greedy)
+    assert stats["loop_generates"] == 3 and stats["calls"] == 0  # no forward of the router
+    assert len(served.loops.compiled) == 1  # one bucket (64), batch 3
+    (why,) = stats["fallbacks"]
+    assert "not static" in why and stats["fallbacks"][why] == 1
+    assert "generate" not in vars(model) and "forward" not in vars(model)

@@ -1,0 +1,85 @@
+"""Which ``generate`` calls ``serve_generate(loop=True)`` answers on the compiled decode
+loop, with transformers' effective settings, and why it leaves the others to
+transformers' loop. Compiles nothing."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from decode_helpers import VOCAB, build
+
+from precompile._generate_loop import LoopRequest, loop_request
+
+pytest.importorskip("transformers")
+
+STATIC = {"cache_implementation": "static"}
+
+
+@pytest.fixture(scope="module")
+def model() -> Any:
+    return build("llama")
+
+
+def test_transformers_defaults_apply_as_in_generate(model: Any) -> None:
+    """Sampling with nothing else set takes transformers' global top-k of 50; greedy
+    passes no sampling settings; the model's EOS pads finished rows where no pad is set."""
+    ids = torch.randint(0, VOCAB, (2, 5))
+    sampled = loop_request(model, (ids,), {**STATIC, "max_new_tokens": 4, "do_sample": True})
+    assert isinstance(sampled, LoopRequest)
+    assert (sampled.top_k, sampled.top_p, sampled.temperature) == (50, None, 1.0)
+    assert sampled.eos_token_id == 2 and sampled.pad_token_id == 2
+    greedy = loop_request(model, (), {**STATIC, "input_ids": ids, "max_length": 9,
+                                      "pad_token_id": 0, "top_p": 0.5})  # fmt: skip
+    assert isinstance(greedy, LoopRequest) and greedy.max_new_tokens == 4
+    assert greedy.sampling() == {"do_sample": False, "eos_token_id": 2, "pad_token_id": 0}
+    assert greedy.capacity == 64 and sampled.capacity == 64
+    long = loop_request(model, (ids,), {**STATIC, "max_new_tokens": 100})
+    assert isinstance(long, LoopRequest) and long.capacity == 128  # 105, to a power of two
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "reason"),
+    [
+        ({"num_beams": 2}, "num_beams=2"),
+        ({"repetition_penalty": 1.3}, "repetition_penalty=1.3"),
+        ({"min_new_tokens": 3}, "min_new_tokens=3"),
+        ({"streamer": object()}, "option 'streamer'"),
+        ({"logits_processor": []}, "option 'logits_processor'"),
+        ({"attention_mask": torch.tensor([[0, 1, 1], [1, 1, 1]])}, "attention_mask with padding"),
+        ({"cache_implementation": None}, "not static"),
+        ({"past_key_values": object()}, "not static (object)"),
+        ({"past_key_values": "kv"}, "not static (str)"),
+        ({"max_new_tokens": 0}, "settings could not be read (ValueError)"),  # as generate
+    ],
+)
+def test_what_the_loop_does_not_implement_goes_to_transformers(
+    model: Any, kwargs: dict[str, Any], reason: str
+) -> None:
+    ids = torch.randint(0, VOCAB, (2, 3))
+    why = loop_request(model, (ids,), {**STATIC, "max_new_tokens": 4, **kwargs})
+    assert isinstance(why, str) and reason in why, why
+
+
+def test_a_mask_of_ones_and_a_float_prompt(model: Any) -> None:
+    ids = torch.randint(0, VOCAB, (2, 3))
+    mask = torch.ones(2, 3, dtype=torch.long)
+    ones = loop_request(model, (ids,), {**STATIC, "max_new_tokens": 2, "attention_mask": mask})
+    assert isinstance(ones, LoopRequest)
+    why = loop_request(model, (ids.float(),), {**STATIC, "max_new_tokens": 2})
+    assert isinstance(why, str) and "token ids" in why
+
+
+def test_a_static_cache_passed_with_cache_implementation_is_left_to_transformers(
+    model: Any,
+) -> None:
+    """transformers refuses the two together; the loop must not answer what it refuses."""
+    import transformers
+
+    ids = torch.randint(0, VOCAB, (1, 3))
+    cache = transformers.StaticCache(config=model.config, max_cache_len=32)
+    why = loop_request(model, (ids,), {**STATIC, "past_key_values": cache, "max_new_tokens": 2})
+    assert isinstance(why, str) and "transformers refuses them together" in why
+    used = loop_request(model, (ids,), {"past_key_values": cache, "max_new_tokens": 2})
+    assert isinstance(used, LoopRequest) and used.kv_cache is cache and used.capacity == 32
