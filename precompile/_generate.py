@@ -473,7 +473,7 @@ def serve_generate(
     (greedy or sampling with temperature/top-k/top-p, EOS and padding, one prompt length
     per batch, a static KV cache) runs on it, ``CompiledModel.generate``, with no
     transformers Python per step; any other runs as above, its reason counted in
-    ``served.stats`` (see ``_generate_loop``).
+    ``served.stats`` (docs/decode.md).
     """
     if not isinstance(model, torch.nn.Module):
         raise InvalidOptionError(
