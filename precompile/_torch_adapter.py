@@ -14,6 +14,7 @@ import contextlib
 import copy
 import functools
 import inspect
+import logging
 import os
 import pickle
 import re
@@ -593,6 +594,24 @@ def precompiling_templates_in_threads() -> Iterator[None]:
         finally:
             select_algorithm.AlgorithmSelectorCache.make_precompile_fn = original_make  # type: ignore[method-assign]
             AsyncCompile.use_process_pool = original_use  # type: ignore[method-assign]
+
+
+@contextmanager
+def filtered_inductor_log(module: str, keep: Callable[[logging.LogRecord], bool]) -> Iterator[None]:
+    """For the duration, the records of inductor's logger for ``module`` (as
+    ``select_algorithm``) are emitted only where ``keep(record)`` says so."""
+    logger = logging.getLogger(f"torch._inductor.{module}")
+
+    class _Keep(logging.Filter):
+        def filter(self, record: logging.LogRecord) -> bool:
+            return keep(record)
+
+    kept = _Keep()
+    logger.addFilter(kept)
+    try:
+        yield
+    finally:
+        logger.removeFilter(kept)
 
 
 def compile_fx(gm: torch.fx.GraphModule, inputs: Sequence[Any], options: Mapping[str, Any]) -> Any:

@@ -130,3 +130,36 @@ def test_a_torch_without_the_hooks_compiles_as_it_would(monkeypatch: pytest.Monk
     with compile_adapter.precompiling_templates_in_threads():
         assert AsyncCompile.__dict__["use_process_pool"] is before
     assert AsyncCompile.__dict__["use_process_pool"] is before
+
+
+def test_a_gemm_choice_the_gpu_cannot_run_is_not_reported_as_an_error() -> None:
+    """Inductor reports, at ERROR with a traceback, each GEMM template choice autotuning
+    drops because it needs more shared memory than the GPU has: a successful build looked
+    failed. Inside a compile those two reports go to our DEBUG log; any other failure
+    and anything outside a compile is reported as inductor reports it."""
+    import logging
+
+    logger = logging.getLogger("torch._inductor.select_algorithm")
+    seen: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            seen.append(record.getMessage())
+
+    handler = Keep()
+    logger.addHandler(handler)
+    shared = RuntimeError("No valid triton configs. OutOfMemoryError: out of resource: "
+                          "triton_mm Required: 262144 Hardware limit:232448")  # fmt: skip
+    try:
+        with compile_adapter.filtered_inductor_log(
+            "select_algorithm", _variant_compile._loud_enough
+        ):
+            logger.error("Exception %s for benchmark choice %s", shared, "triton_mm_1")
+            logger.error("Runtime error during autotuning: \n%s. \nIgnoring this choice.", shared)
+            logger.error("Runtime error during autotuning: \n%s. \nIgnoring this choice.",
+                         "an illegal memory access was encountered")  # fmt: skip
+        logger.error("Exception %s for benchmark choice %s", shared, "triton_mm_2")
+    finally:
+        logger.removeHandler(handler)
+    assert len(seen) == 2, seen
+    assert "illegal memory access" in seen[0] and "triton_mm_2" in seen[1]
