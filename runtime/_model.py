@@ -374,9 +374,9 @@ class CompiledModel:
         if piece is None:
             said = ", ".join(self._length_name(i) for i in ones)
             raise NoVariantError(
-                f"no trace of the model serves {said} at 1: the model could not be traced "
-                "there when it was compiled (see the warning it logged then), so calls with "
-                "those lengths are refused",
+                f"no trace of the model serves {said} at 1: when it was compiled, the "
+                "model's own forward refused such a call or could not be traced there "
+                "(compile_model logged which), so calls with those lengths are refused",
                 sizes={self._length_name(i): 1 for i in ones},
                 candidates=(),
             )
