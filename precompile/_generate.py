@@ -61,7 +61,7 @@ _SIGNATURES_KEPT = 256
 
 def _structure(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> tuple[Any, ...]:
     """What makes two forward calls the same compiled call: argument names, which are
-    tensors (and their rank), KV caches, and the plain values."""
+    tensors (their rank, dtype and device), KV caches, and the plain values."""
     if args:
         raise UnsupportedGraphError(
             f"serve_generate serves keyword calls (generate's); got {len(args)} positional"
@@ -72,7 +72,7 @@ def _structure(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> tuple[Any, .
         kinds: list[Any] = []
         for leaf in leaves:
             if isinstance(leaf, torch.Tensor):
-                kinds.append(("tensor", leaf.dim()))
+                kinds.append(("tensor", leaf.dim(), leaf.dtype, leaf.device))
             elif is_kv_cache(leaf):
                 kinds.append(("cache", type(leaf).__qualname__))
             elif isinstance(leaf, _PLAIN):
@@ -160,19 +160,21 @@ def _static_sizes(kwargs: Mapping[str, Any], dynamic_batch: bool) -> tuple[Any, 
 def _call_signature(kwargs: Mapping[str, Any]) -> tuple[Any, ...] | None:
     """What ``_structure`` and ``_static_sizes`` read, in a form cheap enough for every
     decode step: each argument's name, a tensor's whole shape, a KV cache's type and its
-    layers' lengths, a plain value with its type. Equal signatures have equal keys, so a
+    layers' lengths, a plain value with its type (a tensor's dtype and device too). Equal
+    signatures have equal keys, so a
     signature seen before names its compiled model without the full key (which flattens
     every argument). None where an argument is anything else: the full key decides."""
     parts: list[Any] = []
     for name, value in kwargs.items():
         if isinstance(value, torch.Tensor):
-            parts.append((name, value.shape))
+            parts.append((name, value.shape, value.dtype, value.device))
         elif (
             type(value) is dict
             and value
             and all(isinstance(v, torch.Tensor) for v in value.values())
         ):  # generate's masks by layer type
-            parts.append((name, dict, tuple((k, v.shape) for k, v in value.items())))
+            parts.append((name, dict, tuple((k, v.shape, v.dtype, v.device)
+                                            for k, v in value.items())))  # fmt: skip
         elif is_kv_cache(value):
             layers = getattr(value, "layers", None) or ()
             lengths = tuple(getattr(layer, "max_cache_len", None) for layer in layers)

@@ -100,8 +100,8 @@ def loop_request(
     if len(args) > 1:
         return "positional arguments past input_ids"
     ids = args[0] if args else kwargs.get("input_ids", kwargs.get("inputs"))
-    if not (isinstance(ids, torch.Tensor) and ids.dim() == 2 and not ids.is_floating_point()):
-        return "input_ids that are not a [batch, length] tensor of token ids"
+    if not (isinstance(ids, torch.Tensor) and ids.dim() == 2 and ids.dtype == torch.long):
+        return "input_ids that are not a [batch, length] int64 tensor of token ids"
     if ids.shape[0] < 1 or ids.shape[1] < 1:
         return "an empty prompt"
     mask = kwargs.get("attention_mask")
@@ -139,6 +139,11 @@ def loop_request(
     pad = config.pad_token_id
     if pad is None and eos is not None:  # as transformers does (it warns)
         pad = eos[0] if isinstance(eos, list) else eos
+    eos_ids = eos if isinstance(eos, list) else [] if eos is None else [eos]
+    if mask is None and pad is not None and pad not in eos_ids and bool((ids == pad).any()):
+        # transformers masks a prompt's pad tokens where no mask is passed (its
+        # _prepare_attention_mask_for_generation): a padded batch
+        return f"input_ids holding the pad token {pad} (transformers masks it)"
     top_k = config.top_k if config.top_k else None
     top_p = config.top_p if config.top_p is not None and config.top_p < 1.0 else None
     temperature = 1.0 if config.temperature is None else float(config.temperature)

@@ -333,6 +333,9 @@ def test_serve_generate_call_signatures_tell_apart_what_its_keys_do() -> None:
         {**base, "use_cache": 1},  # a plain value of another type
         {**base, "logits_to_keep": 0},
         {**base, "attention_mask": torch.ones(1, 1, 1, MAX_CACHE)},  # one argument more
+        # ids of another dtype: a model compiled for int32 ids refused int64 ones
+        # (InputMismatchError) where eager answers both (a docs-only client trial)
+        {**base, "input_ids": torch.zeros(1, 1, dtype=torch.int32)},
     ]
     assert _call_signature(base) == _call_signature({**base, "past_key_values": new_cache(model)})
     for other in variants:

@@ -68,7 +68,7 @@ def test_a_mask_of_ones_and_a_float_prompt(model: Any) -> None:
     ones = loop_request(model, (ids,), {**STATIC, "max_new_tokens": 2, "attention_mask": mask})
     assert isinstance(ones, LoopRequest)
     why = loop_request(model, (ids.float(),), {**STATIC, "max_new_tokens": 2})
-    assert isinstance(why, str) and "token ids" in why
+    assert isinstance(why, str) and "int64 tensor of token ids" in why
 
 
 def test_a_static_cache_passed_with_cache_implementation_is_left_to_transformers(
@@ -83,3 +83,17 @@ def test_a_static_cache_passed_with_cache_implementation_is_left_to_transformers
     assert isinstance(why, str) and "transformers refuses them together" in why
     used = loop_request(model, (ids,), {"past_key_values": cache, "max_new_tokens": 2})
     assert isinstance(used, LoopRequest) and used.kv_cache is cache and used.capacity == 32
+
+
+def test_a_prompt_holding_the_pad_token_is_left_to_transformers(model: Any) -> None:
+    """transformers masks a prompt's pad tokens where no mask is passed (a padded batch
+    to it), unless the pad token is an EOS token: the loop, with no mask, would attend
+    to them (tokens differed from transformers' in a docs-only client trial)."""
+    ids = torch.tensor([[5, 3, 7], [9, 8, 4]])
+    why = loop_request(model, (ids,), {**STATIC, "max_new_tokens": 2, "pad_token_id": 3})
+    assert isinstance(why, str) and "pad token 3" in why, why
+    as_eos = loop_request(model, (ids,), {**STATIC, "max_new_tokens": 2, "pad_token_id": 3,
+                                          "eos_token_id": [2, 3]})  # fmt: skip
+    assert isinstance(as_eos, LoopRequest)  # transformers infers no mask from an EOS pad
+    int32 = loop_request(model, (ids.int(),), {**STATIC, "max_new_tokens": 2})
+    assert isinstance(int32, str) and "int64" in int32
