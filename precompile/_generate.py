@@ -270,6 +270,11 @@ class GenerateServer:
         if self._installed:
             raise InvalidOptionError("serve_generate is already installed on this model")
         model = self.model
+        if isinstance(vars(model).get("forward"), _OnThisInstance):
+            raise InvalidOptionError(
+                "another serve_generate block already serves this model: blocks on one "
+                "model do not nest (leave the first before entering another)"
+            )
         original = type(model).forward.__get__(model)
         for name in _INSTALLED:
             if name in vars(model):
@@ -376,26 +381,29 @@ class GenerateServer:
                     with self._own_forward():
                         compiled = self.loops.compile(key, request)
                 except UnsupportedGraphError as exc:
-                    why = f"the decode loop could not be compiled ({str(exc)[:300]})"
-                    log.info("serve_generate: %s; transformers' loop runs these calls", why)
+                    why = "the decode loop could not be compiled"
+                    log.info("serve_generate: %s (%s); transformers' loop runs these calls",
+                             why, str(exc)[:300])  # fmt: skip
                     self._loop_refused[key] = why
                     return self._transformers_loop(why, args, kwargs)
             kept = request.kv_cache is None
-            kv_cache = self.loops.take_cache(key, request.capacity) if kept else request.kv_cache
+            held = self.loops.cache_key(request)
+            kv_cache = self.loops.take_cache(held, request.capacity) if kept else request.kv_cache
         try:
             tokens = compiled.generate(
                 request.input_ids, kv_cache, max_new_tokens=request.max_new_tokens,
                 **request.sampling(),
             )  # fmt: skip
         except (InvalidOptionError, InputMismatchError) as exc:
-            # refused before its first write (a cache holding tokens, or too short; a
-            # cache of another dtype): transformers' loop answers it as it would
-            why = f"the compiled loop refused it ({str(exc)[:200]})"
+            # refused before its first write (a cache holding tokens; a cache of another
+            # dtype or batch): transformers' loop answers it as it would
+            log.debug("serve_generate: the compiled loop refused a generate: %s", exc)
+            why = f"the compiled loop refused it ({type(exc).__name__})"
             return self._transformers_loop(why, args, kwargs)
         finally:
             if kept:
                 with self._lock:
-                    self.loops.give_back(key, kv_cache)
+                    self.loops.give_back(held, kv_cache)
         with self._lock:
             self._loop_generates += 1
         return tokens

@@ -111,7 +111,7 @@ def loop_request(
         return "an attention_mask with padding (or shaped unlike input_ids)"
     kv_cache = kwargs.get("past_key_values", kwargs.get("cache"))
     if kv_cache is not None and not (is_kv_cache(kv_cache) and kv_cache_capacity(kv_cache)):
-        return f"a KV cache that is not static ({type(kv_cache).__name__})"
+        return "a KV cache that is not a StaticCache"
     settings = {k: v for k, v in kwargs.items() if k not in _ARGUMENTS}
     try:
         config, rest = model._prepare_generation_config(  # type: ignore[operator]
@@ -132,7 +132,9 @@ def loop_request(
     if new is None and config.max_length is not None:
         new = int(config.max_length) - int(ids.shape[1])
     if not isinstance(new, int) or new < 1:
-        return f"max_new_tokens of {new!r}"
+        return "max_new_tokens below 1"
+    if kv_cache is not None and int(kv_cache_capacity(kv_cache)) < int(ids.shape[1]) + new:  # type: ignore[arg-type]
+        return "a KV cache shorter than the prompt and the new tokens"
     eos = config.eos_token_id
     if isinstance(eos, torch.Tensor):
         eos = eos.tolist()
@@ -143,7 +145,7 @@ def loop_request(
     if mask is None and pad is not None and pad not in eos_ids and bool((ids == pad).any()):
         # transformers masks a prompt's pad tokens where no mask is passed (its
         # _prepare_attention_mask_for_generation): a padded batch
-        return f"input_ids holding the pad token {pad} (transformers masks it)"
+        return "input_ids holding the pad token (transformers masks it)"
     top_k = config.top_k if config.top_k else None
     top_p = config.top_p if config.top_p is not None and config.top_p < 1.0 else None
     temperature = 1.0 if config.temperature is None else float(config.temperature)
@@ -154,8 +156,9 @@ def loop_request(
 
 
 def _unsupported_settings(model: torch.nn.Module, config: Any) -> list[str]:
-    """The settings of the effective ``config`` the loop does not implement that differ
-    from transformers' defaults (each ``name=value``)."""
+    """The names of the effective ``config``'s settings the loop does not implement that
+    differ from transformers' defaults (names only: ``served.stats`` counts reasons, and
+    a reason holding values would make a server's count grow without bound)."""
     defaults = dict(type(config)().to_dict())
     defaults.update(model.generation_config._get_default_generation_params())  # type: ignore[union-attr,operator]
     found = []
@@ -163,7 +166,7 @@ def _unsupported_settings(model: torch.nn.Module, config: Any) -> list[str]:
         if name in _SETTINGS or name in _IGNORED or name.startswith("_"):
             continue
         if value != defaults.get(name) and not (value in (None, False) and name not in defaults):
-            found.append(f"{name}={value!r}")
+            found.append(name)
     return found
 
 
@@ -178,9 +181,17 @@ class DecodeLoops:
         self._free: dict[tuple[Any, ...], list[Any]] = {}
 
     def key(self, request: LoopRequest) -> tuple[Any, ...]:
+        """The compiled loop model's key: the batch only without ``dynamic_batch``."""
         ids = request.input_ids
         batch = None if self.dynamic_batch else int(ids.shape[0])
         return (batch, request.capacity, ids.dtype, str(ids.device))
+
+    @staticmethod
+    def cache_key(request: LoopRequest) -> tuple[Any, ...]:
+        """A kept KV cache's key: a cache holds one sequence per row, whatever the
+        compiled model serves."""
+        ids = request.input_ids
+        return (int(ids.shape[0]), request.capacity, ids.dtype, str(ids.device))
 
     def compile(self, key: tuple[Any, ...], request: LoopRequest) -> Any:
         """The loop model for ``key``: ``compile_model`` of a keyword call of

@@ -10,7 +10,7 @@ import pytest
 import torch
 from decode_helpers import VOCAB, build
 
-from precompile._generate_loop import LoopRequest, loop_request
+from precompile._generate_loop import DecodeLoops, LoopRequest, loop_request
 
 pytest.importorskip("transformers")
 
@@ -42,15 +42,15 @@ def test_transformers_defaults_apply_as_in_generate(model: Any) -> None:
 @pytest.mark.parametrize(
     ("kwargs", "reason"),
     [
-        ({"num_beams": 2}, "num_beams=2"),
-        ({"repetition_penalty": 1.3}, "repetition_penalty=1.3"),
-        ({"min_new_tokens": 3}, "min_new_tokens=3"),
+        ({"num_beams": 2}, "num_beams"),
+        ({"repetition_penalty": 1.3}, "repetition_penalty"),
+        ({"min_new_tokens": 3}, "min_new_tokens"),
         ({"streamer": object()}, "option 'streamer'"),
         ({"logits_processor": []}, "option 'logits_processor'"),
         ({"attention_mask": torch.tensor([[0, 1, 1], [1, 1, 1]])}, "attention_mask with padding"),
         ({"cache_implementation": None}, "not static"),
-        ({"past_key_values": object()}, "not static (object)"),
-        ({"past_key_values": "kv"}, "not static (str)"),
+        ({"past_key_values": object()}, "not a StaticCache"),
+        ({"past_key_values": "kv"}, "not a StaticCache"),
         ({"max_new_tokens": 0}, "settings could not be read (ValueError)"),  # as generate
     ],
 )
@@ -91,9 +91,46 @@ def test_a_prompt_holding_the_pad_token_is_left_to_transformers(model: Any) -> N
     to them (tokens differed from transformers' in a docs-only client trial)."""
     ids = torch.tensor([[5, 3, 7], [9, 8, 4]])
     why = loop_request(model, (ids,), {**STATIC, "max_new_tokens": 2, "pad_token_id": 3})
-    assert isinstance(why, str) and "pad token 3" in why, why
+    assert isinstance(why, str) and "pad token" in why, why
     as_eos = loop_request(model, (ids,), {**STATIC, "max_new_tokens": 2, "pad_token_id": 3,
                                           "eos_token_id": [2, 3]})  # fmt: skip
     assert isinstance(as_eos, LoopRequest)  # transformers infers no mask from an EOS pad
     int32 = loop_request(model, (ids.int(),), {**STATIC, "max_new_tokens": 2})
     assert isinstance(int32, str) and "int64" in int32
+
+
+def test_kept_caches_follow_the_batch_a_dynamic_batch_model_serves(model: Any) -> None:
+    """With ``dynamic_batch`` one compiled loop serves every batch size, but a KV cache
+    holds one sequence per row: a block's kept cache of batch 1 was handed to a batch of
+    2, which the loop refused, so every batch size after the first fell back."""
+    loops = DecodeLoops(model, True, {})
+    one, two = (loop_request(model, (torch.randint(3, VOCAB, (b, 4)),),
+                             {**STATIC, "max_new_tokens": 2}) for b in (1, 2))  # fmt: skip
+    assert isinstance(one, LoopRequest) and isinstance(two, LoopRequest)
+    assert loops.key(one) == loops.key(two)
+    assert loops.cache_key(one) != loops.cache_key(two)
+    fixed = DecodeLoops(model, False, {})
+    assert fixed.key(one) != fixed.key(two)
+
+
+def test_a_passed_cache_too_short_is_left_to_transformers(model: Any) -> None:
+    import transformers
+
+    cache = transformers.StaticCache(config=model.config, max_cache_len=8)
+    ids = torch.randint(3, VOCAB, (1, 6))
+    why = loop_request(model, (ids,), {"past_key_values": cache, "max_new_tokens": 4})
+    assert isinstance(why, str) and "shorter than the prompt" in why
+
+
+def test_blocks_on_one_model_do_not_nest(model: Any) -> None:
+    """An inner block was silently ignored where the outer one had loop=True (a
+    docs-only client trial): a second block on the same model is refused, naming why."""
+    import precompile
+
+    with precompile.serve_generate(model, loop=True):
+        with pytest.raises(precompile.InvalidOptionError, match="do not nest"):
+            precompile.serve_generate(model).__enter__()
+        assert "generate" in vars(model)
+    assert "generate" not in vars(model) and "forward" not in vars(model)
+    with precompile.serve_generate(model):  # after the first: a block of its own
+        pass
