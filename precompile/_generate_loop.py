@@ -29,7 +29,9 @@ another thread gets a new one.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
+import types
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -117,7 +119,7 @@ def loop_request(
         config, rest = model._prepare_generation_config(  # type: ignore[operator]
             kwargs.get("generation_config"), **settings
         )
-        set_otherwise = _unsupported_settings(model, config)
+        set_otherwise = _unsupported_settings(config)
     except (AttributeError, TypeError, ValueError) as exc:
         return f"transformers' generation settings could not be read ({type(exc).__name__})"
     if rest:  # not a generation setting: a logits processor, a streamer, a model input...
@@ -155,12 +157,11 @@ def loop_request(
     )  # fmt: skip
 
 
-def _unsupported_settings(model: torch.nn.Module, config: Any) -> list[str]:
+def _unsupported_settings(config: Any) -> list[str]:
     """The names of the effective ``config``'s settings the loop does not implement that
     differ from transformers' defaults (names only: ``served.stats`` counts reasons, and
     a reason holding values would make a server's count grow without bound)."""
-    defaults = dict(type(config)().to_dict())
-    defaults.update(model.generation_config._get_default_generation_params())  # type: ignore[union-attr,operator]
+    defaults = _defaults(type(config))  # type: ignore[arg-type]
     found = []
     for name, value in config.to_dict().items():
         if name in _SETTINGS or name in _IGNORED or name.startswith("_"):
@@ -168,6 +169,15 @@ def _unsupported_settings(model: torch.nn.Module, config: Any) -> list[str]:
         if value != defaults.get(name) and not (value in (None, False) and name not in defaults):
             found.append(name)
     return found
+
+
+@functools.cache
+def _defaults(config_type: type) -> Mapping[str, Any]:
+    """transformers' defaults of every setting: a fresh config's, then its global ones
+    (made once per config class, not per generate call)."""
+    defaults = dict(config_type().to_dict())
+    defaults.update(config_type._get_default_generation_params())  # type: ignore[attr-defined]
+    return types.MappingProxyType(defaults)
 
 
 class DecodeLoops:
