@@ -12,10 +12,13 @@ from typing import Any
 from . import _torch_adapter as adapter
 
 # torch.ops namespaces of torch's own operators: a call into any other namespace is a
-# user's custom op, which AOTAutograd checks for aliasing on a graph's first call.
+# user's custom op, which AOTAutograd checks for aliasing on a graph's first call. The
+# collectives' namespaces are torch's own, and AOTAutograd's check leaves them out too
+# (``_AnalyzeCustomOpInputOutputMode``, torch 2.10+): a graph running collectives is lean.
 BUILTIN_OP_NAMESPACES = frozenset(
-    {"aten", "prim", "prims", "inductor", "quantized", "_quantized", "mkldnn", "onednn"}
-)
+    {"aten", "prim", "prims", "inductor", "quantized", "_quantized", "mkldnn", "onednn",
+     "_c10d_functional", "c10d"}
+)  # fmt: skip
 
 # What inductor's GPU wrapper modules import besides the CPU ones: the bandwidth
 # profiler's markers (never called on the lean path: checked below) and Triton itself,

@@ -33,6 +33,8 @@ DEVICE = os.environ.get("PRECOMPILE_TP_DEVICE", "cpu")
 DTYPE = torch.bfloat16 if DEVICE == "cuda" else torch.float32
 HINTS = [8]  # one hint variant (sizes >= 2), no exact sizes: one compile
 SEQS = [6, 2, 3, 8, 13]
+# what a serving rank must not import (torch.distributed imports some of Dynamo itself)
+COMPILER_MODULES = ("torch._inductor", "torch._dynamo.convert_frame", "triton.compiler")
 
 
 # The tensor-parallel subgroup (``dist.new_group``), set in main: group "1" where it is the
@@ -271,10 +273,12 @@ def main() -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     _make_groups(scenario, world)
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from warm_start_helpers import COUNTED
+    before = set(sys.modules)
+    counters: dict[str, Any] = {"compiles": [], "frames": []}
+    if scenario != "serve":  # a serving rank imports none of the compiler (counted here)
+        from warm_start_helpers import COUNTED
 
-    counters: dict[str, Any] = {}
-    exec(COUNTED, counters)
+        exec(COUNTED, counters)
     compiles, frames = counters["compiles"], counters["frames"]
     import precompile
 
@@ -337,6 +341,15 @@ def main() -> None:
         report["head_error"] = _max_error(gathered, world, head_reference)
         report["head"] = {"compiles": len(compiles), "frames": len(frames),
                           "groups": _groups_of(gathered.artifact)}  # fmt: skip
+    elif scenario == "serve":  # a warm serving rank: the block and the head, lean
+        torch.set_grad_enabled(False)
+        compiled = precompile.compile_model(block, (inputs(6),), **compile_block)
+        report["block_error"] = _max_error(compiled, world)
+        gathered = precompile.compile_model(head, (inputs(6),), **compile_block)
+        report["head_error"] = _max_error(gathered, world, head_reference)
+        report["compiler_modules"] = sorted(
+            m for m in set(sys.modules) - before if m.startswith(COMPILER_MODULES)
+        )
     elif scenario == "mismatch":  # a world of another size, with shards of the same shapes
         torch.set_grad_enabled(False)
         from precompile import CompiledArtifact, load_model

@@ -192,6 +192,17 @@ def test_fresh_pair_warm_starts_with_no_trace_and_no_compile(cold: dict[str, Any
         assert report["head_error"] < TOLERANCE, report
 
 
+def test_a_serving_pair_runs_its_collective_graphs_with_no_compiler_imported(
+    cold: dict[str, Any],
+) -> None:
+    """The graphs hold all-reduces and an all-gather (torch's ``_c10d_functional`` ops):
+    on the lean path, as any graph of torch's own operators (before, each such graph
+    loaded through upstream's path, importing inductor and Dynamo: a slower warm start)."""
+    for report in run_ranks("serve", 2, cold["directory"], cold["cache"]):
+        assert report["block_error"] < TOLERANCE and report["head_error"] < TOLERANCE, report
+        assert report["compiler_modules"] == [], report
+
+
 def test_another_world_size_is_a_miss_or_a_refusal_before_any_collective(
     cold: dict[str, Any],
 ) -> None:
