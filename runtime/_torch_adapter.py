@@ -583,10 +583,16 @@ def static_launcher() -> Any:
 def load_cuda_kernel(binary_path: str, function: str, shared: int, device: int) -> int:
     """Load a kernel from a cubin file onto ``device``: its CUfunction handle. (torch
     2.10-2.12 return (function, registers, spills); 2.13 puts the module first.)"""
+    import torch
+
     launcher = static_launcher()
     if launcher is None:
         raise RuntimeError("this torch has no static CUDA launcher")
-    loaded = launcher._load_kernel(binary_path, function, shared, device)
+    # The module is loaded into the current device's context whatever ``device`` says (a
+    # kernel of cuda:1 loaded while cuda:0 was current failed at its launch: "invalid
+    # resource handle"); inductor loads it under its device guard too.
+    with torch.cuda.device(device):
+        loaded = launcher._load_kernel(binary_path, function, shared, device)
     handle: int = loaded[1] if len(loaded) == 4 else loaded[0]
     return handle
 
