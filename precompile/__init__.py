@@ -57,6 +57,7 @@ if TYPE_CHECKING:
         UntrustedArtifactError,
         Variant,
         __version__,
+        release_cuda_graphs,
     )
 
     from ._backend import backend
@@ -74,7 +75,7 @@ _RUNTIME = ("ArtifactAccessError", "ArtifactNotFoundError", "CacheRootError", "C
             "IndexOutOfRangeError", "InputMismatchError", "InvalidOptionError", "Manifest",
             "NoVariantError", "PayloadLimitError", "PrecompileError", "Symbol", "SymbolSource",
             "UnsafeCacheError", "UnsupportedGraphError", "UntrustedArtifactError", "Variant",
-            "__version__")  # fmt: skip
+            "__version__", "release_cuda_graphs")  # fmt: skip
 # name -> the module it is imported from on first use
 _LAZY = {
     **dict.fromkeys(_CACHE, "precompile.cache"),
@@ -147,6 +148,7 @@ __all__ = [
     "compile_model",
     "default_cache",
     "load_model",
+    "release_cuda_graphs",
     "serve_generate",
     "standalone_compile",
 ]

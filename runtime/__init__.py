@@ -53,6 +53,7 @@ if TYPE_CHECKING:
     from ._artifact import ArtifactFormat, CompiledArtifact
     from ._cudagraphs import CudaGraphs
     from ._dispatch import Candidate, Explanation, log2_distance
+    from ._graph_release import release_cuda_graphs
     from ._model import CompiledModel, load_model
 
 _LAZY = {
@@ -64,6 +65,7 @@ _LAZY = {
     "Candidate": "._dispatch",
     "Explanation": "._dispatch",
     "log2_distance": "._dispatch",
+    "release_cuda_graphs": "._graph_release",
 }
 
 
@@ -103,4 +105,5 @@ __all__ = [
     "__version__",
     "load_model",
     "log2_distance",
+    "release_cuda_graphs",
 ]

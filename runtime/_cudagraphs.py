@@ -44,6 +44,7 @@ import torch
 
 from . import _torch_adapter as adapter
 from ._errors import InvalidOptionError
+from ._graph_release import register
 from ._manifest import IntInput, Manifest, TensorInput
 
 log = logging.getLogger("precompile.runtime")
@@ -144,12 +145,16 @@ class _Graph:
     lock: threading.Lock = field(default_factory=threading.Lock)
     # outputs of the run before capture, where that run was the call itself
     first_outputs: list[Any] | None = None
+    released: bool = False
 
     def replay(self, args: Sequence[Any], copy_outputs: bool) -> list[Any] | None:
-        """The outputs, or None where a parameter moved (the graph is stale)."""
+        """The outputs, or None where a parameter moved or the graph was released (the
+        graph is stale)."""
         if self.stable and not adapter.data_ptrs_equal(list(args), self.stable_ptrs, self.stable):
             return None
         with self.lock:
+            if self.released:
+                return None
             if self.copied:
                 torch._foreach_copy_(
                     [self.static_args[i] for i in self.copied], [args[i] for i in self.copied]
@@ -308,6 +313,7 @@ class CudaGraphExecutor:
             isinstance(spec, TensorInput) and spec.mutation != "none" for spec in manifest.inputs
         )
         self._calls: dict[Sizes, int] = {}
+        register(self)
         self._pad_axes = [self.symbols.index(p) for p in self._pad]
         self._output_slicers = _output_slicers(manifest, options.pad)
         # Called with the first call's inputs (capture_sizes need a call's weights).
@@ -406,6 +412,20 @@ class CudaGraphExecutor:
                 "captured a CUDA graph at sizes %s", dict(zip(self.symbols, sizes, strict=True))
             )
             return graph, first
+
+    def release_graphs(self) -> int:
+        """Destroy every graph captured here (see ``release_cuda_graphs``); each size is
+        captured again as at its first call."""
+        with self._lock:
+            graphs = list(self._graphs.values())
+            self._graphs.clear()
+            self._calls.clear()
+            self._pool = None
+        for graph in graphs:
+            with graph.lock:  # a replay in another thread finishes first
+                graph.released = True
+                graph.graph.reset()
+        return len(graphs)
 
     def drop(self, sizes: Sizes, why: str) -> None:
         with self._lock:
@@ -583,7 +603,9 @@ class _Runner:
         if outputs is None:
             executor.drop(
                 self.sizes,
-                "an input used in place moved (another cache object, or a parameter replaced)",
+                "released (release_cuda_graphs)"
+                if graph.released
+                else "an input used in place moved (another cache object, or a parameter replaced)",
             )
             return self.function(*args)
         return outputs

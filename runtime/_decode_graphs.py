@@ -29,6 +29,7 @@ import torch
 
 from . import _torch_adapter as adapter
 from ._cudagraphs import CAPTURE_LOCK, plain_calls
+from ._graph_release import register
 
 log = logging.getLogger("precompile.runtime")
 
@@ -69,6 +70,19 @@ class DecodeGraphs:
         self._graphs: OrderedDict[Hashable, StepGraph] = OrderedDict()
         self._refused: set[Hashable] = set()
         self._lock = threading.Lock()
+        register(self)
+
+    def release_graphs(self) -> int:
+        """Destroy the step graphs no generate holds now (see ``release_cuda_graphs``);
+        one a generate holds is dropped from here and freed when that generate ends."""
+        with self._lock:
+            graphs = list(self._graphs.values())
+            self._graphs.clear()
+        for graph in graphs:
+            if graph.busy.acquire(blocking=False):
+                graph.graph.reset()
+                graph.busy.release()
+        return len(graphs)
 
     def __len__(self) -> int:
         return len(self._graphs)
