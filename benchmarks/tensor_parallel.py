@@ -236,9 +236,9 @@ def worker(phase: str, out: str, smoke: bool) -> None:
     with open(out, "w", encoding="utf-8") as handle:
         json.dump(report, handle)
     if distributed:
-        # destroy_process_group hung (3+ minutes, both ranks) in processes whose CUDA
-        # graphs (ours) had captured NCCL collectives; the report is
-        # written, so leave at once
+        # NCCL's destroy waits for every CUDA graph holding one of its collectives to be
+        # destroyed (precompile.release_cuda_graphs() releases ours; reduce-overhead's
+        # graph trees hold theirs): the report is written, so leave at once
         os._exit(0)
 
 

@@ -18,6 +18,7 @@ import dataclasses
 import datetime
 import faulthandler
 import json
+import logging
 import os
 import sys
 import time
@@ -259,8 +260,28 @@ def _time_remote_leases(waits: list[dict[str, Any]]) -> None:
     RemoteTier.take_lease = timed  # type: ignore[method-assign]
 
 
+def _trace_compiler_imports() -> None:
+    """Print the stack that first imports each compiler package (a debugging aid)."""
+    import traceback
+
+    seen: list[str] = []
+
+    class Finder:
+        def find_spec(self, name: str, path: Any, target: Any = None) -> None:
+            if name.startswith(COMPILER_MODULES) and not seen:
+                seen.append(name)
+                print(f"first compiler import {name}:", file=sys.stderr)
+                traceback.print_stack(file=sys.stderr, limit=25)
+
+    sys.meta_path.insert(0, Finder())  # type: ignore[arg-type]
+
+
 def main() -> None:
     scenario, directory = sys.argv[1], sys.argv[2]
+    if os.environ.get("PRECOMPILE_TP_LOG"):  # precompile's INFO lines on stderr
+        logging.basicConfig(level=logging.WARNING)
+        logging.getLogger("precompile").setLevel(logging.INFO)
+        _trace_compiler_imports()
     # a hang fails the test, with stacks (and the steps done so far, from the report)
     faulthandler.dump_traceback_later(float(os.environ.get("PRECOMPILE_TP_HANG_S", 240)), exit=True)
     per_rank = os.environ.get("PRECOMPILE_TP_CACHE_PER_RANK")
@@ -350,6 +371,11 @@ def main() -> None:
         report["compiler_modules"] = sorted(
             m for m in set(sys.modules) - before if m.startswith(COMPILER_MODULES)
         )
+        report["lean"] = [
+            v.lean is not None
+            for model in (compiled, gathered)
+            for v in model.artifact.manifest.variants
+        ]
     elif scenario == "mismatch":  # a world of another size, with shards of the same shapes
         torch.set_grad_enabled(False)
         from precompile import CompiledArtifact, load_model
@@ -395,15 +421,21 @@ def main() -> None:
                           "groups": _groups_of(gathered.artifact)}  # fmt: skip
         report["lease_waits"] = waits
         report["stats"] = dataclasses.asdict(precompile.ArtifactCache().stats())
+    if DEVICE == "cuda" and dist.is_initialized():
+        # NCCL's destroy waits for every CUDA graph that captured one of its collectives
+        # to be destroyed: without the release it hung (3+ minutes on two H200s).
+        faulthandler.dump_traceback_later(60, exit=True)
+        started = time.perf_counter()
+        if os.environ.get("PRECOMPILE_TP_KEEP_GRAPHS") != "1":
+            report["released_graphs"] = precompile.release_cuda_graphs()
+        dist.destroy_process_group()
+        report["teardown_s"] = time.perf_counter() - started
+        faulthandler.cancel_dump_traceback_later()
     print(json.dumps(report), flush=True)
     reports = os.environ.get("PRECOMPILE_TP_REPORTS")
     if reports:  # torchrun interleaves its ranks' stdout
         with open(os.path.join(reports, f"{scenario}-rank{rank}.json"), "w") as handle:
             json.dump(report, handle)
-    if DEVICE == "cuda":
-        # On the H200s, destroy_process_group hung (3+ minutes) in processes whose CUDA
-        # graphs had captured NCCL collectives; the report is out, so leave at once.
-        os._exit(0)
     if dist.is_initialized():
         dist.destroy_process_group()
 

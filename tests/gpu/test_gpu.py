@@ -243,3 +243,45 @@ def test_cuda_load_starts_no_process_with_empty_caches(tmp_path: object) -> None
     assert "variants [0, 1]" in out, out
     spawned = json.loads(out.split("spawned ", 1)[1].splitlines()[0])
     assert spawned == [], spawned
+
+
+def test_released_cuda_graphs_are_captured_again_and_agree(
+    cuda_mlp: tuple[object, precompile.CompiledArtifact],
+) -> None:
+    """``release_cuda_graphs`` destroys what was captured (NCCL's destroy waits for it);
+    the next calls capture again, with the same outputs."""
+    captured, art = cuda_mlp
+    x = torch.randn(16, 256, device="cuda")
+    with torch.no_grad():
+        art.set_cudagraphs(True)
+        try:
+            first = [art(*captured.flat(x))[0] for _ in range(2)]  # type: ignore[attr-defined]
+            assert art.captured_sizes == ((16,),)
+            assert precompile.release_cuda_graphs() >= 1
+            assert art.captured_sizes == ()
+            again = [art(*captured.flat(x))[0] for _ in range(2)]  # type: ignore[attr-defined]
+            assert art.captured_sizes == ((16,),)
+        finally:
+            art.set_cudagraphs(False)
+    for out in first + again:
+        torch.testing.assert_close(out, captured.model(x), rtol=2e-3, atol=2e-3)  # type: ignore[attr-defined]
+
+
+def test_a_graph_on_the_second_gpu_runs_lean_while_the_first_is_current() -> None:
+    """A model on cuda:1 in a process whose current device is cuda:0 (no set_device): its
+    kernels load into cuda:1's context. Before, they loaded into the current device's, and
+    the build's lean check failed ("invalid resource handle"): no variant was lean."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    torch.manual_seed(0)
+    model = MLP(width=64, hidden=128).to("cuda:1").eval()
+    assert torch.cuda.current_device() == 0
+    captured = capture(model, torch.randn(5, 64, device="cuda:1"))
+    with torch.no_grad():
+        art = precompile.standalone_compile(captured.gm, captured.example_inputs, hints=[4, 16])
+        assert all(v.lean is not None for v in art.manifest.variants), art.manifest.variants
+        for n in (1, 5, 16, 40):
+            x = torch.randn(n, 64, device="cuda:1")
+            out = art(*captured.flat(x))[0]  # type: ignore[attr-defined]
+            assert out.device == x.device
+            torch.testing.assert_close(out, model(x), rtol=2e-3, atol=2e-3)
