@@ -10,6 +10,7 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import json
+import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -52,16 +53,50 @@ def _tensor_digest(tensor: torch.Tensor) -> str:
     return hashlib.sha256(meta + raw).hexdigest()
 
 
-def graph_digest(gm: torch.fx.GraphModule) -> str:
-    """sha256 over the graph's code, its submodules and the bytes of embedded constants."""
-    digest = hashlib.sha256(gm.code.encode())
+_DEVICE_INDEX = re.compile(r"index=(\d+)|cuda:(\d+)")
+
+
+def one_device_index(gm: torch.fx.GraphModule, graph: GraphDescription) -> int | None:
+    """The CUDA device index of a graph whose every tensor input is on that one device and
+    whose code names no other (its key then leaves the index out: one compile serves every
+    device of its GPU model, moved with ``CompiledArtifact.to``), else None."""
+    devices = {i.device for i in graph.inputs if i.kind != "int" and i.device is not None}
+    if len(devices) != 1:
+        return None
+    (device,) = devices
+    if device.type != "cuda" or device.index is None:
+        return None
+    named = {int(a or b) for a, b in _DEVICE_INDEX.findall(_all_code(gm))}
+    return device.index if named <= {device.index} else None
+
+
+def _all_code(gm: torch.fx.GraphModule) -> str:
+    parts = [gm.code]
+    for module in gm.modules():
+        if isinstance(module, torch.fx.GraphModule) and module is not gm:
+            parts.append(module.code)
+    return "\n".join(parts)
+
+
+def _index_free(code: str, index: int | None) -> str:
+    if index is None:
+        return code
+    return code.replace(f"device(type='cuda', index={index})", "device(type='cuda')").replace(
+        f"cuda:{index}", "cuda"
+    )
+
+
+def graph_digest(gm: torch.fx.GraphModule, index: int | None = None) -> str:
+    """sha256 over the graph's code, its submodules and the bytes of embedded constants
+    (``index``: the one CUDA device index the code names, left out)."""
+    digest = hashlib.sha256(_index_free(gm.code, index).encode())
     for node in gm.graph.nodes:
         if node.op == "get_attr":
             value = gm
             for part in str(node.target).split("."):
                 value = getattr(value, part)
             if isinstance(value, torch.fx.GraphModule):  # a subgraph: its own code counts
-                text = graph_digest(value)
+                text = graph_digest(value, index)
             elif isinstance(value, torch.Tensor):
                 text = _tensor_digest(value)
             else:
@@ -72,7 +107,7 @@ def graph_digest(gm: torch.fx.GraphModule) -> str:
     return digest.hexdigest()
 
 
-def _inputs_text(graph: GraphDescription) -> str:
+def _inputs_text(graph: GraphDescription, index: int | None) -> str:
     rows: list[list[Any]] = []
     for item in graph.inputs:
         if item.kind == "int":
@@ -82,7 +117,7 @@ def _inputs_text(graph: GraphDescription) -> str:
                 [
                     "tensor",
                     str(item.dtype),
-                    str(item.device),
+                    _index_free(str(item.device), index),
                     bool(item.requires_grad),
                     [str(s) for s in item.shape],
                     [str(s) for s in item.stride],
@@ -102,11 +137,14 @@ def cache_factors(
     options: Mapping[str, Any],
     dynamic_shapes: str,
     device: str,
+    index: int | None = None,
 ) -> dict[str, str]:
+    """``index``: the graph's one CUDA device index (``one_device_index``), left out of
+    every factor so that the key is the same on every device of this GPU model."""
     environment = current_environment(device)
     return {
-        "graph": graph_digest(gm),
-        "inputs": hashlib.sha256(_inputs_text(graph).encode()).hexdigest(),
+        "graph": graph_digest(gm, index),
+        "inputs": hashlib.sha256(_inputs_text(graph, index).encode()).hexdigest(),
         "variants": _canonical([[r.kind, list(r.point)] for r in requests]),
         "options": _canonical(dict(options)),
         "codegen_config": codegen_config_digest(),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import pickle
@@ -15,6 +16,7 @@ import torch
 from precompile.cache import ArtifactCache, CacheOption, get_or_build, resolve_cache, sha256_hex
 from precompile.runtime import (
     CompiledArtifact,
+    IncompatibleArtifactError,
     InvalidOptionError,
     LeanCall,
     Manifest,
@@ -37,6 +39,7 @@ from precompile.runtime.compiler_interface import (
     cudagraph_options,
     current_environment,
     dtype_name,
+    move_refusal,
     store_artifact,
 )
 from precompile.runtime.compiler_interface import describe_process_groups as describe_groups
@@ -46,8 +49,8 @@ from . import _gpu_lean as gpu_lean
 from . import _repeated_blocks as repeated_blocks
 from . import _torch_adapter as adapter
 from . import _variant_compile as variant_compile
-from ._cache_key import cache_factors, cache_key
-from ._collectives import graph_collectives
+from ._cache_key import cache_factors, cache_key, one_device_index
+from ._collectives import LocalCollectives, graph_collectives
 from ._compiled_payload import InputUse, variant_code_digest
 from ._compiler_config import inductor_config_changes
 from ._gemm_policy import gemm_options
@@ -528,9 +531,13 @@ def _complete_gpu_leans(
         assert plan.lean is not None
         variant = next(v for v in manifest.variants if v.code == code)
         try:
-            result = gpu_lean.complete(
-                manifest, variant, plan.lean, plan.source, plan.triton_kernels
-            )
+            # A graph's collectives run here as local copies: this rank runs the variant
+            # alone (a real all-reduce waited for a rank that was waiting on this compile's
+            # lock), and both runs compared get the same stand-ins.
+            with LocalCollectives() if manifest.process_groups else contextlib.nullcontext():
+                result = gpu_lean.complete(
+                    manifest, variant, plan.lean, plan.source, plan.triton_kernels
+                )
         except Exception as exc:  # inductor's or the driver's own failure, whatever its type
             result = f"running it at build time failed ({type(exc).__name__}: {str(exc)[:200]})"
         if isinstance(result, str):
@@ -735,7 +742,12 @@ def standalone_compile(
             artifact.calibrate(**{"inputs": templates, **calibration})
         return artifact, common
 
-    factors = cache_factors(gm, graph, requests, options or {}, dynamic_shapes, _device_of(graph))
+    # A graph on one CUDA device: keyed without its index, so that ranks (or processes) on
+    # other devices of this GPU model find it and move it there (see _cached_or_built)
+    index = one_device_index(gm, graph)
+    factors = cache_factors(
+        gm, graph, requests, options or {}, dynamic_shapes, _device_of(graph), index
+    )
     if groups:
         # The graph names each group only by its name: what the name stood for is part of
         # what was compiled. No rank: a graph that depends on it has it in its code.
@@ -762,7 +774,7 @@ def standalone_compile(
             about[ABOUT_BLOCKS] = blocks
         return built
 
-    artifact, common = _cached_or_built(store, key, factors, described, offline, about)
+    artifact, common = _cached_or_built(store, key, factors, described, offline, about, index)
     if graphs is not None:
         artifact.set_cudagraphs(graphs, save=True)  # the compile's choice is the default
     _propagate_common_guards(graph, common)
@@ -776,18 +788,47 @@ def _cached_or_built(
     build: Callable[[], tuple[CompiledArtifact, list[sympy.Expr]]],
     offline: bool = False,
     about: Mapping[str, str] | None = None,
+    index: int | None = None,
 ) -> tuple[CompiledArtifact, list[sympy.Expr]]:
     """The artifact under ``key`` and its caller guards, through the cache's get-or-build
-    protocol (stored with ``about``, what it is for ``cache ls``)."""
+    protocol (stored with ``about``, what it is for ``cache ls``).
+
+    ``index``: the graph's one CUDA device index, which ``key`` leaves out. What is built
+    is stored under ``key`` where it can move to any other index (``to()``), else under
+    a key of this index alone; a load looks for this index's own entry first, then moves
+    the shared one here. So of processes on several devices tracing the same graph, one
+    compiles (the others wait on ``key``'s lock) and all run its artifact."""
+    own = factors if index is None else {**factors, "device_index": str(index)}
+    own_key = key if index is None else cache_key(own)
 
     def save(store: ArtifactCache, built: tuple[CompiledArtifact, list[sympy.Expr]]) -> None:
         artifact, common = built
-        store_artifact(store, key, artifact, factors, {"caller_guards": pickle.dumps(common)},
-                       about)  # fmt: skip
+        shared = index is None
+        if not shared:
+            manifest = artifact.manifest
+            why = move_refusal(manifest, artifact.payload_bytes)
+            shared = why is None
+            if why is not None:
+                log.info("graph %s is stored for cuda:%s alone: %s", key[:12], index, why)
+        store_artifact(store, key if shared else own_key, artifact, factors if shared else own,
+                       {"caller_guards": pickle.dumps(common)}, about)  # fmt: skip
+
+    def load(store: ArtifactCache) -> tuple[CompiledArtifact, list[sympy.Expr]] | None:
+        if index is None:
+            return _cached(store, key)
+        found = _cached(store, own_key) or _cached(store, key)
+        if found is None:
+            return None
+        artifact, common = found
+        try:
+            return artifact.to(f"cuda:{index}"), common
+        except IncompatibleArtifactError as exc:
+            log.warning("graph %s cannot move to cuda:%d (%s); compiling", key[:12], index, exc)
+            return None
 
     return get_or_build(
         store, key, factors,
-        load=lambda store: _cached(store, key),
+        load=load,
         build=lambda _: _remembering_failure(key, build),
         save=save,
         refuse=(lambda: refuse(store, key, factors)) if offline else None,

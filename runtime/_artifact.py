@@ -12,7 +12,13 @@ from typing import Any, Literal
 
 import torch
 
-from precompile.cache import StoredEntry, TrustedKeysOption, cache_to_read, resolve_trusted_keys
+from precompile.cache import (
+    StoredEntry,
+    TrustedKeysOption,
+    cache_to_read,
+    resolve_trusted_keys,
+    sha256_hex,
+)
 
 from . import _native_kernels as native_kernels
 from . import _torch_adapter as adapter
@@ -47,14 +53,16 @@ from ._environment import check_compatible, current_environment
 from ._errors import (
     ArtifactNotFoundError,
     CorruptArtifactError,
+    IncompatibleArtifactError,
     IndexOutOfRangeError,
     InvalidOptionError,
 )
 from ._execution import DirectExecutor, Executor
 from ._lean import lean_enabled, load_lean
 from ._manifest import Calibration, Manifest, Symbol, Variant
-from ._payloads import LazyPayloads, PayloadStore
+from ._payloads import LazyPayloads, OverlayPayloads, PayloadStore
 from ._process_groups import check_groups
+from ._relocate import RelocationRefused, artifact_device_index, relocate
 from ._unpacked_format import read_unpacked, write_unpacked
 from ._warmup import WarmUpSchedule
 from ._warmup import exiting as _exiting
@@ -156,6 +164,11 @@ class CompiledArtifact:
         memo_size: int = DEFAULT_MEMO_SIZE,
         cudagraphs: CudaGraphsOption = None,
     ) -> None:
+        if manifest.moved_from is not None and not lean_enabled():
+            raise IncompatibleArtifactError(
+                f"this artifact was moved from cuda:{manifest.moved_from} (to()) and runs its "
+                "lean variants only: PRECOMPILE_LEAN=0 turns them off"
+            )
         upstream = [v.index for v in manifest.variants if v.lean is None or not lean_enabled()]
         if upstream:
             # The torch compiler modules that loading and running such a variant import
@@ -280,6 +293,13 @@ class CompiledArtifact:
             if function is None:
                 native_kernels.register(variant.kernels, self._payloads.read)
                 function = self._lean_callable(variant)
+                moved_from = self._manifest.moved_from
+                if function is None and moved_from is not None:
+                    raise IncompatibleArtifactError(
+                        f"variant {variant.index} cannot run here: this artifact was moved "
+                        f"from cuda:{moved_from} (to()), where its inductor code is compiled, "
+                        "and runs its lean variants only"
+                    )
                 if function is None:
                     payload = self._payloads.read(variant.payload)
                     function = adapter.load_variant(
@@ -618,6 +638,62 @@ class CompiledArtifact:
             f"kernels={len(self._manifest.kernel_digests)} "
             f"device={self._manifest.environment.device_type}>"
         )
+
+    # -- another device ----------------------------------------------------------------
+    def to(self, device: str | torch.device | int) -> CompiledArtifact:
+        """This artifact on another CUDA device of the same GPU model: one compile, one
+        file, every tensor-parallel rank on its own device (``art.to(f"cuda:{rank}")``).
+
+        Its lean variants' code and Triton launches are moved to ``device``'s index (see
+        ``_relocate``); an artifact whose code names its device in a way not read there,
+        or with a variant that has no lean call, is refused with
+        ``IncompatibleArtifactError`` naming why (compile on that device instead). A moved
+        artifact saves as one (format 6): it runs its lean variants only, never the
+        inductor code compiled for the first device."""
+        target = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
+        if target.type != "cuda" or target.index is None:
+            raise InvalidOptionError(
+                f"to() takes a CUDA device with an index ('cuda:1'), got {device!r}"
+            )
+        try:
+            old = artifact_device_index(self._manifest)
+        except RelocationRefused as exc:
+            raise IncompatibleArtifactError(f"cannot move to {target}: {exc}") from None
+        if target.index == old:
+            return self
+        if target.index >= torch.cuda.device_count():
+            raise InvalidOptionError(
+                f"to({str(target)!r}): this process sees {torch.cuda.device_count()} CUDA devices"
+            )
+        environment = self._manifest.environment
+        name = torch.cuda.get_device_name(target.index)
+        capability = "{}.{}".format(*torch.cuda.get_device_capability(target.index))
+        if (name, capability) != (environment.device_name, environment.capability):
+            raise IncompatibleArtifactError(
+                f"this artifact is compiled for {environment.device_name} (capability "
+                f"{environment.capability}); {target} is {name} ({capability})"
+            )
+        if not lean_enabled():
+            raise IncompatibleArtifactError(
+                "to() moves lean variants, and PRECOMPILE_LEAN=0 turns the lean path off"
+            )
+        try:
+            manifest, sources = relocate(
+                self._manifest, self._payloads.read, target.index, lambda t: sha256_hex(t.encode())
+            )
+        except RelocationRefused as exc:
+            raise IncompatibleArtifactError(f"cannot move to {target}: {exc}") from None
+        first = self._manifest.moved_from
+        moved = CompiledArtifact(
+            dataclasses.replace(manifest, moved_from=old if first is None else first),
+            OverlayPayloads(sources, self._payloads),
+            memo_size=self._memo_size,
+            cudagraphs=self.cudagraphs or False,
+        )
+        moved._unflatten = self._unflatten
+        moved.cache_key = self.cache_key
+        log.info("artifact moved from cuda:%d to %s", old, target)
+        return moved
 
     # -- persistence -----------------------------------------------------------------
     @property

@@ -27,8 +27,13 @@ FORMAT_NAME = "precompile-artifact"
 #    upstream's deserializer).
 # 5: a lean variant may launch Triton kernels from their shipped binaries (``TritonLaunch``)
 #    and realign misaligned inputs as upstream does (``LeanCall.align``).
+# 6: a manifest moved to another CUDA device (``moved_from``: its lean variants' code and
+#    launches moved, its inductor payloads still compiled for that first device, so they
+#    never run). Written only for such manifests; others stay version 5, and a reader of
+#    version 5 refuses a moved one.
 FORMAT_VERSION = 5
-READABLE_VERSIONS = (3, 4, 5)
+MOVED_FORMAT_VERSION = 6
+READABLE_VERSIONS = (3, 4, 5, 6)
 VariantKind = Literal["hint", "static"]
 Mutation = Literal["none", "data", "metadata"]
 _MAX_INT = 2**63 - 1
@@ -299,6 +304,9 @@ class Manifest:
     cudagraphs: Mapping[str, Any] | None = None
     # the process groups the graph's collectives (``_c10d_functional``) run over
     process_groups: tuple[ProcessGroupSpec, ...] = ()
+    # the CUDA device index its inductor payloads are compiled for, where ``to()`` moved
+    # it to another (only its lean variants run: see ``_relocate``)
+    moved_from: int | None = None
 
     @property
     def symbol_names(self) -> tuple[str, ...]:
@@ -357,6 +365,9 @@ class Manifest:
                 {"name": g.name, "size": g.size, "backend": g.backend, "ranks": list(g.ranks)}
                 for g in self.process_groups
             ]
+        if self.moved_from is not None:
+            document["format_version"] = MOVED_FORMAT_VERSION
+            document["moved_from"] = self.moved_from
         return document
 
     def _to_json(self) -> dict[str, Any]:
@@ -598,7 +609,19 @@ class _Reader:
             output_shapes=self.output_shapes(data.get("output_shapes"), names),
             cudagraphs=self.cudagraphs(data.get("cudagraphs"), names),
             process_groups=self.process_groups(data.get("process_groups")),
+            moved_from=self.moved_from(data.get("moved_from"), variants),
         )
+
+    def moved_from(self, value: Any, variants: tuple[Variant, ...]) -> int | None:
+        if (value is None) != (self.version < MOVED_FORMAT_VERSION):
+            raise CorruptArtifactError(
+                f"manifest format version {self.version} with moved_from={value!r:.40}"
+            )
+        if value is None:
+            return None
+        if any(v.lean is None for v in variants):
+            raise CorruptArtifactError("a moved manifest has a variant with no lean call")
+        return self.integer(value, "moved_from", high=1023)
 
     def process_groups(self, value: Any) -> tuple[ProcessGroupSpec, ...]:
         if value is None:

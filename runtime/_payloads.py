@@ -70,3 +70,22 @@ class LazyPayloads:
 
     def has(self, digest: str) -> bool:
         return self._holds(digest) if self._holds else True
+
+
+class OverlayPayloads:
+    """``extra`` payloads (an artifact's sources rewritten in memory) over ``base``."""
+
+    def __init__(self, extra: Mapping[str, bytes], base: PayloadStore) -> None:
+        self._extra = MemoryPayloads(extra)
+        self._base = base
+
+    def read(self, digest: str) -> bytes:
+        if self._extra.has(digest):
+            return self._extra.read(digest)
+        return self._base.read(digest)
+
+    def edited_source(self, digest: str) -> str | None:
+        return self._base.edited_source(digest)
+
+    def has(self, digest: str) -> bool:
+        return self._extra.has(digest) or self._base.has(digest)

@@ -61,6 +61,7 @@ if TYPE_CHECKING:
     from ._process_groups import describe_groups as describe_process_groups
     from ._process_groups import registered_groups as registered_process_groups
     from ._process_groups import this_rank
+    from ._relocate import move_refusal
     from ._torch_adapter import tree_flatten, tree_unflatten, treespec_to_json
     from ._unpacked_format import read_unpacked, sign_unpacked
 
@@ -118,6 +119,7 @@ _LAZY = {
     "registered_process_groups": "._process_groups:registered_groups",
     "sign_binary": "._binary_format",
     "sign_unpacked": "._unpacked_format",
+    "move_refusal": "._relocate",
     "store_artifact": "._cached",
     "store_model": "._cached",
     "summarize_entry": "._entry_summary",
@@ -177,6 +179,7 @@ __all__ = [
     "load_cached_model",
     "load_lean",
     "model_identity",
+    "move_refusal",
     "native_kernel_key",
     "plan_stale_reason",
     "qualified_name",

@@ -306,11 +306,9 @@ def main() -> None:
     block, head = shard(rank), head_shard(rank)
     weight = head.weight.detach()
     compile_block = {"dynamic": {0: [1]}, "hints": HINTS, "sizes": []}
-    # On GPUs an artifact runs on the device it was compiled for (inductor's code names
-    # the index; the input contract refuses another): each rank keeps its own file there.
-    # On CPU, one rank's file serves both.
-    standalone_name = f"head-standalone-rank{rank}" if DEVICE == "cuda" else "head-standalone"
-    standalone_path = os.path.join(directory, standalone_name + ".pt2c")
+    # One file for both ranks: rank 0's. On GPUs each rank moves it to its own device
+    # (to(): inductor's code names the device index it was compiled for).
+    standalone_path = os.path.join(directory, "head-standalone.pt2c")
     launcher = "torchrun" if "TORCHELASTIC_RUN_ID" in os.environ else "popen"
     report: dict[str, Any] = _Report(rank=rank, world=world, launcher=launcher)
     if scenario in ("cold", "warm"):
@@ -346,7 +344,7 @@ def main() -> None:
             caller = _standalone_caller(artifact, flat, weight)
             report["standalone_error"] = _max_error(caller, world, head_reference)
             report["standalone"] = {"compiles": len(compiles), "groups": _groups_of(artifact)}
-            if rank == 0 or DEVICE == "cuda":
+            if rank == 0:
                 artifact.save(path=standalone_path)
                 with open(standalone_path + ".json", "w") as handle:
                     json.dump(flat, handle)
@@ -354,6 +352,8 @@ def main() -> None:
             with open(standalone_path + ".json") as handle:
                 flat = json.load(handle)
             loaded = precompile.CompiledArtifact.load(path=standalone_path)
+            if DEVICE == "cuda":
+                loaded = loaded.to(f"cuda:{rank}")
             caller = _standalone_caller(loaded, flat, weight)
             report["standalone_error"] = _max_error(caller, world, head_reference)
             report["standalone"] = {"compiles": len(compiles), "frames": len(frames)}

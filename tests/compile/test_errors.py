@@ -136,3 +136,17 @@ def test_a_missing_file_is_one_of_ours_and_still_a_file_not_found(tmp_path: Any)
         with pytest.raises(errors.ArtifactNotFoundError, match=r"absent\.pt2c") as info:
             load()
         assert isinstance(info.value, FileNotFoundError)
+
+
+def test_to_another_device_refuses_what_it_cannot_move(mlp: Any) -> None:
+    """``to()`` moves a CUDA artifact's lean variants to another device index; anything
+    else is refused by name, before any variant loads."""
+    art = mlp.artifact
+    with pytest.raises(errors.InvalidOptionError, match="CUDA device with an index"):
+        art.to("cpu")
+    with pytest.raises(errors.InvalidOptionError, match="CUDA device with an index"):
+        art.to("cuda")
+    with pytest.raises(errors.IncompatibleArtifactError, match=r"not compiled for one CUDA"):
+        art.to("cuda:1")  # a CPU artifact
+    with pytest.raises(errors.IncompatibleArtifactError, match=r"not compiled for one CUDA"):
+        art.to(0)

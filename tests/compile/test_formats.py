@@ -257,3 +257,31 @@ def test_failed_save_keeps_previous_artifact(
     assert sorted(os.listdir(str(tmp_path))) == ["target"]  # no temp files left behind
     reloaded = precompile.CompiledArtifact.load(path=target, format=fmt)  # type: ignore[arg-type]
     assert reloaded.variants == mlp.artifact.variants
+
+
+def test_a_moved_manifest_is_format_6_and_runs_its_lean_variants_only(
+    mlp: Compiled, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What ``to()`` writes: ``moved_from`` in a version-6 document (a version-5 reader
+    refuses it); a version-5 document naming it, or a version-6 one without it, is
+    corrupt; with the lean path off a moved artifact is refused, never run through the
+    inductor code compiled for its first device."""
+    manifest = mlp.artifact.manifest
+    assert all(v.lean is not None for v in manifest.variants)
+    moved = dataclasses.replace(manifest, moved_from=0)
+    document = moved.to_json()
+    assert document["format_version"] == 6 and document["moved_from"] == 0
+    assert precompile.Manifest.from_json(document) == moved
+    assert "moved_from" not in manifest.to_json() and manifest.to_json()["format_version"] == 5
+    with pytest.raises(precompile.CorruptArtifactError, match="moved_from"):
+        precompile.Manifest.from_json({**document, "format_version": 5})
+    with pytest.raises(precompile.CorruptArtifactError, match="moved_from"):
+        precompile.Manifest.from_json({**document, "moved_from": None})
+    payloads = MemoryPayloads({d: mlp.artifact.payload_bytes(d) for d in manifest.payload_digests})
+    x = torch.randn(4, 32)
+    with torch.no_grad():
+        served = precompile.CompiledArtifact(moved, payloads)
+        assert_close(served(*mlp.captured.flat(x))[0], mlp.captured.model(x))
+        monkeypatch.setenv("PRECOMPILE_LEAN", "0")
+        with pytest.raises(precompile.IncompatibleArtifactError, match="lean variants only"):
+            precompile.CompiledArtifact(moved, payloads)

@@ -285,3 +285,42 @@ def test_a_graph_on_the_second_gpu_runs_lean_while_the_first_is_current() -> Non
             out = art(*captured.flat(x))[0]  # type: ignore[attr-defined]
             assert out.device == x.device
             torch.testing.assert_close(out, model(x), rtol=2e-3, atol=2e-3)
+
+
+def test_an_artifact_moved_to_the_second_gpu_matches_its_original(tmp_path: object) -> None:
+    """One compile for every rank: an artifact compiled on cuda:0, saved, loaded and moved
+    to cuda:1 with ``to()`` gives the original's outputs bit for bit (the same kernels,
+    launched on the other device), equal to eager there; saved moved, it loads moved."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    torch.manual_seed(0)
+    model = MLP(width=64, hidden=128).to("cuda:0").eval()
+    captured = capture(model, torch.randn(5, 64, device="cuda:0"))
+    path = os.path.join(str(tmp_path), "mlp.pt2c")
+    with torch.no_grad():
+        art = precompile.standalone_compile(captured.gm, captured.example_inputs, hints=[4, 16])
+        art.save(path=path)
+        moved = precompile.CompiledArtifact.load(path=path).to("cuda:1")
+        assert moved.to("cuda:1") is moved
+        on_1 = MLP(width=64, hidden=128).to("cuda:1").eval()
+        on_1.load_state_dict(model.state_dict())
+        for n in (1, 5, 16, 40):
+            x = torch.randn(n, 64, device="cuda:0")
+            original = art(*captured.flat(x))[0]  # type: ignore[attr-defined]
+            flat_1 = [
+                v.to("cuda:1") if isinstance(v, torch.Tensor) else v
+                for v in captured.flat(x)  # type: ignore[attr-defined]
+            ]
+            out = moved(*flat_1)[0]
+            assert out.device == torch.device("cuda:1")
+            assert torch.equal(out.cpu(), original.cpu())
+            torch.testing.assert_close(out, on_1(x.to("cuda:1")), rtol=2e-3, atol=2e-3)
+        # an input on cuda:0 is refused by the moved artifact's contract
+        with pytest.raises(precompile.InputMismatchError):
+            moved(*captured.flat(torch.randn(5, 64, device="cuda:0")))  # type: ignore[attr-defined]
+        moved.save(path=os.path.join(str(tmp_path), "moved.pt2c"))
+        again = precompile.CompiledArtifact.load(path=os.path.join(str(tmp_path), "moved.pt2c"))
+        assert again.manifest.moved_from == 0
+        x = torch.randn(7, 64, device="cuda:1")
+        flat = [v.to("cuda:1") if isinstance(v, torch.Tensor) else v for v in captured.flat(x)]  # type: ignore[attr-defined]
+        assert torch.equal(again(*flat)[0], moved(*flat)[0])

@@ -310,6 +310,7 @@ INTERNAL_SUBJECTS = {
     },
     "tests/unit/test_settings.py": {"precompile._offline", "precompile.runtime._lean"},
     "tests/unit/test_loop_request.py": {"precompile._generate_loop"},  # which calls it takes
+    "tests/unit/test_relocate.py": {"precompile.runtime._relocate"},  # a wrapper's device moved
     "tests/compile/test_signing.py": {
         "precompile.runtime._binary_format", "precompile.runtime._manifest",
     },
@@ -381,6 +382,7 @@ INTERNAL_SIGNALS = {
     "precompile.runtime._cudagraphs.CaptureFailed",  # a failed capture: the call's outputs kept
     "precompile.runtime._torch_adapter.LeanImportRefused",  # a lean load: upstream's path runs
     "precompile.runtime._model_guards.Unencodable",  # a value a model guard cannot record
+    "precompile.runtime._relocate.RelocationRefused",  # why to() refuses: said in its error
     "precompile._kernel_checks._Unparsed",  # kernel source the index checks cannot read
     "precompile._torch_adapter._TunedConfigNotBuilt",  # an autotuned config not in the kernel
     "precompile._trace_read._Untranslatable",  # a guard the trace reader cannot translate
