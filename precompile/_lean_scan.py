@@ -9,6 +9,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from precompile.runtime.compiler_interface import dotted_name
+
 from . import _torch_adapter as adapter
 
 # torch.ops namespaces of torch's own operators: a call into any other namespace is a
@@ -30,18 +32,6 @@ _GPU_LEAN_MODULES = frozenset({"triton", "triton.language"})
 _UNCALLED_ON_GPU = frozenset({"start_graph", "end_graph", "triton", "tl"})
 
 
-def _dotted(node: Any) -> str | None:
-    """``a.b.c`` for an attribute chain rooted at a name, else None."""
-    parts = []
-    while isinstance(node, ast.Attribute):
-        parts.append(node.attr)
-        node = node.value
-    if not isinstance(node, ast.Name):
-        return None
-    parts.append(node.id)
-    return ".".join(reversed(parts))
-
-
 def _executed_nodes(tree: Any) -> Iterator[Any]:
     """Every AST node of a wrapper module that loading or calling it can run: all but
     inductor's benchmark helpers and the ``if __name__ == "__main__"`` block."""
@@ -51,7 +41,7 @@ def _executed_nodes(tree: Any) -> Iterator[Any]:
         if (
             isinstance(statement, ast.If)
             and isinstance(statement.test, ast.Compare)
-            and _dotted(statement.test.left) == "__name__"
+            and dotted_name(statement.test.left) == "__name__"
         ):
             continue
         yield from ast.walk(statement)
@@ -116,7 +106,7 @@ def scan_lean_source(source: str, *, gpu: bool = False) -> SourceScan:
         ):
             blockers.append(f"uses {node.id} outside its imports")
         elif isinstance(node, ast.Attribute):
-            path = _dotted(node) or ""
+            path = dotted_name(node) or ""
             if path.startswith(adapter.COMPILER_PACKAGES):
                 blockers.append(f"uses {path}")
             elif path.startswith("torch.ops.") and path.count(".") >= 2:

@@ -31,7 +31,9 @@ class RelocationRefused(ValueError):
     """Why an artifact cannot move to another device index (said in the caller's error)."""
 
 
-def _dotted(node: ast.AST) -> str | None:
+def dotted_name(node: ast.AST) -> str | None:
+    """``a.b.c`` for an attribute chain rooted at a name, else None (the lean scan of the
+    compile side reads wrapper sources with it too)."""
     parts = []
     while isinstance(node, ast.Attribute):
         parts.append(node.attr)
@@ -71,11 +73,11 @@ def relocate_source(source: str, old: int, new: int) -> str:
 
     kernel_sources: set[int] = set()
     for node in ast.walk(tree):
-        if isinstance(node, ast.Call) and _dotted(node.func) == "async_compile.triton":
+        if isinstance(node, ast.Call) and dotted_name(node.func) == "async_compile.triton":
             kernel_sources.update(id(a) for a in node.args[1:2])
     for node in ast.walk(tree):
         if isinstance(node, ast.Call):
-            path = _dotted(node.func) or ""
+            path = dotted_name(node.func) or ""
             last = path.rpartition(".")[2]
             if last in _INDEX_CALLS:
                 if len(node.args) != 1 or node.keywords:

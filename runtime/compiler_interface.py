@@ -61,7 +61,7 @@ if TYPE_CHECKING:
     from ._process_groups import describe_groups as describe_process_groups
     from ._process_groups import registered_groups as registered_process_groups
     from ._process_groups import this_rank
-    from ._relocate import move_refusal
+    from ._relocate import dotted_name, move_refusal
     from ._torch_adapter import tree_flatten, tree_unflatten, treespec_to_json
     from ._unpacked_format import read_unpacked, sign_unpacked
 
@@ -119,6 +119,7 @@ _LAZY = {
     "registered_process_groups": "._process_groups:registered_groups",
     "sign_binary": "._binary_format",
     "sign_unpacked": "._unpacked_format",
+    "dotted_name": "._relocate",
     "move_refusal": "._relocate",
     "store_artifact": "._cached",
     "store_model": "._cached",
@@ -163,6 +164,7 @@ __all__ = [
     "describe_global_state",
     "describe_kv_cache",
     "describe_process_groups",
+    "dotted_name",
     "dtype_name",
     "encode_guard_value",
     "file_digest",
