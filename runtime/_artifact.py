@@ -650,7 +650,13 @@ class CompiledArtifact:
         ``IncompatibleArtifactError`` naming why (compile on that device instead). A moved
         artifact saves as one (format 6): it runs its lean variants only, never the
         inductor code compiled for the first device."""
-        target = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
+        try:
+            if isinstance(device, bool) or not isinstance(device, (str, int, torch.device)):
+                raise TypeError(type(device).__name__)
+            as_int = isinstance(device, int)
+            target = torch.device("cuda", device) if as_int else torch.device(device)
+        except (TypeError, RuntimeError, ValueError):
+            target = torch.device("cpu")  # refused below, naming what was passed
         if target.type != "cuda" or target.index is None:
             raise InvalidOptionError(
                 f"to() takes a CUDA device with an index ('cuda:1'), got {device!r}"

@@ -150,3 +150,6 @@ def test_to_another_device_refuses_what_it_cannot_move(mlp: Any) -> None:
         art.to("cuda:1")  # a CPU artifact
     with pytest.raises(errors.IncompatibleArtifactError, match=r"not compiled for one CUDA"):
         art.to(0)
+    for odd in (-1, True, "cuda:x", None, 1.5, torch.device("meta")):
+        with pytest.raises(errors.InvalidOptionError, match="CUDA device with an index"):
+            art.to(odd)
