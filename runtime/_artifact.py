@@ -59,7 +59,7 @@ from ._errors import (
 )
 from ._execution import DirectExecutor, Executor
 from ._lean import lean_enabled, load_lean
-from ._manifest import Calibration, Manifest, Symbol, Variant
+from ._manifest import Calibration, Manifest, Symbol, TensorInput, Variant
 from ._payloads import LazyPayloads, OverlayPayloads, PayloadStore
 from ._process_groups import check_groups
 from ._relocate import RelocationRefused, artifact_device_index, relocate
@@ -137,6 +137,7 @@ class SaveInfo:
     aot_autograd_artifacts: tuple[str, ...]
 
 
+_UNCHECKED = object()
 ArtifactFormat = Literal["binary", "unpacked"]
 _FORMATS = ("binary", "unpacked")
 DEFAULT_MEMO_SIZE = 4096
@@ -199,7 +200,9 @@ class CompiledArtifact:
         self.cache_key: str | None = None
         self._warm_up = WarmUpSchedule()  # when a background warm-up runs
         # the process groups of its collectives, checked before its first run here
-        self._groups_checked = not manifest.process_groups
+        # the default group the process groups were checked under (another object, or
+        # None, after destroy_process_group or a new init: checked again)
+        self._groups_world: Any = _UNCHECKED
         self._index_checks = index_checks(manifest)
         _live.add(self)
         self.set_cudagraphs(manifest.cudagraphs if cudagraphs is None else cudagraphs)
@@ -266,11 +269,26 @@ class CompiledArtifact:
         return call_trusted
 
     def _check_process_groups(self) -> None:
-        """Before this process first runs the graph's collectives: the groups they name
-        exist here as they were compiled for (a local check, no collective)."""
-        if not self._groups_checked:
+        """Before this process runs the graph's collectives: the groups they name exist
+        here as they were compiled for (a local check, no collective). Checked again once
+        the default group is another (destroyed, or made anew): a call after
+        ``destroy_process_group()`` had reached the collective itself."""
+        if not self._manifest.process_groups:
+            return
+        world = adapter.default_process_group()
+        if world is None or world is not self._groups_world:
             check_groups(self._manifest.process_groups, "this artifact")
-            self._groups_checked = True
+            self._groups_world = world
+
+    def _checking_groups(self, function: Callable[..., Any]) -> Callable[..., Any]:
+        """``function`` behind an identity check of the default group, per call."""
+
+        def checked(*args: Any) -> Any:
+            if adapter.default_process_group() is not self._groups_world:
+                self._check_process_groups()
+            return function(*args)
+
+        return checked
 
     def _resolve(self, key: tuple[int, ...]) -> Callable[..., Any]:
         with self._lock:
@@ -281,6 +299,8 @@ class CompiledArtifact:
             index = self._dispatcher.choose(key)
             variant = self._variant_callable(self._manifest.variants[index])
             function = self._executor.runner(key, index, variant)
+            if self._manifest.process_groups:
+                function = self._checking_groups(function)
             if len(self._memo) >= self._memo_size:
                 del self._memo[next(iter(self._memo))]
             self._memo[key] = function
@@ -649,15 +669,19 @@ class CompiledArtifact:
         or with a variant that has no lean call, is refused with
         ``IncompatibleArtifactError`` naming why (compile on that device instead). A moved
         artifact saves as one (format 6): it runs its lean variants only, never the
-        inductor code compiled for the first device."""
+        inductor code compiled for the first device. A CPU artifact asked for ``"cpu"``
+        is returned as it is."""
+        target: torch.device | None = None
         try:
-            if isinstance(device, bool) or not isinstance(device, (str, int, torch.device)):
-                raise TypeError(type(device).__name__)
-            as_int = isinstance(device, int)
-            target = torch.device("cuda", device) if as_int else torch.device(device)
+            if not isinstance(device, bool) and isinstance(device, (str, int, torch.device)):
+                as_int = isinstance(device, int)
+                target = torch.device("cuda", device) if as_int else torch.device(device)
         except (TypeError, RuntimeError, ValueError):
-            target = torch.device("cpu")  # refused below, naming what was passed
-        if target.type != "cuda" or target.index is None:
+            target = None  # refused below, naming what was passed
+        cpu = all(s.device == "cpu" for s in self._manifest.inputs if isinstance(s, TensorInput))
+        if target is not None and target.type == "cpu" and target.index in (None, 0) and cpu:
+            return self  # a CPU artifact is where it is asked to be
+        if target is None or target.type != "cuda" or target.index is None:
             raise InvalidOptionError(
                 f"to() takes a CUDA device with an index ('cuda:1'), got {device!r}"
             )

@@ -733,6 +733,16 @@ def serialize_variant(compiled: Any) -> bytes:
     return payload
 
 
+def default_process_group() -> Any | None:
+    """This process's default group object (None outside torch.distributed): another
+    object after ``destroy_process_group()`` and a new ``init_process_group()``."""
+    import torch.distributed as dist
+
+    if not dist.is_available():
+        return None
+    return dist.group.WORLD
+
+
 def resolve_process_group(name: str) -> Any | None:
     """The process group registered under ``name`` in this process (what a graph's
     ``_c10d_functional`` op resolves its group-name argument to), or None: torch.distributed

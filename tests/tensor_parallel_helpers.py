@@ -376,6 +376,9 @@ def main() -> None:
             for model in (compiled, gathered)
             for v in model.artifact.manifest.variants
         ]
+        if DEVICE == "cpu":  # a call after teardown: refused before its collective
+            dist.destroy_process_group()
+            report["after_teardown"] = error_text(lambda: compiled(inputs(6)))
     elif scenario == "mismatch":  # a world of another size, with shards of the same shapes
         torch.set_grad_enabled(False)
         from precompile import CompiledArtifact, load_model

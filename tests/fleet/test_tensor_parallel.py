@@ -202,6 +202,9 @@ def test_a_serving_pair_runs_its_collective_graphs_with_no_compiler_imported(
         assert report["block_error"] < TOLERANCE and report["head_error"] < TOLERANCE, report
         assert report["lean"] and all(report["lean"]), report
         assert report["compiler_modules"] == [], report
+        # (it reached the all-reduce: "Could not resolve the process group ... 0")
+        assert report["after_teardown"].startswith("IncompatibleArtifactError"), report
+        assert "no group is registered under that name" in report["after_teardown"], report
 
 
 def test_another_world_size_is_a_miss_or_a_refusal_before_any_collective(
