@@ -115,11 +115,25 @@ def loop_request(
     if kv_cache is not None and not (is_kv_cache(kv_cache) and kv_cache_capacity(kv_cache)):
         return "a KV cache that is not a StaticCache"
     settings = {k: v for k, v in kwargs.items() if k not in _ARGUMENTS}
+    given = kwargs.get("generation_config")
+    # what transformers' generate asks before it fills in its defaults: a max_length set
+    # nowhere means 20 new tokens (5.x), not 20 in all (found by a client trial)
+    default_length = (
+        kwargs.get("max_length") is None
+        and (given is None or getattr(given, "max_length", None) is None)
+        and getattr(getattr(model, "generation_config", None), "max_length", None) is None
+    )
+    default_min = (
+        kwargs.get("min_length") is None
+        and (given is None or getattr(given, "min_length", None) is None)
+        and getattr(getattr(model, "generation_config", None), "min_length", None) is None
+    )
     try:
-        config, rest = model._prepare_generation_config(  # type: ignore[operator]
-            kwargs.get("generation_config"), **settings
-        )
+        config, rest = model._prepare_generation_config(given, **settings)  # type: ignore[operator]
         set_otherwise = _unsupported_settings(config)
+        config = model._prepare_generated_length(  # type: ignore[operator]
+            config, default_length, default_min, "input_ids", int(ids.shape[1]), ids
+        )
     except (AttributeError, TypeError, ValueError) as exc:
         return f"transformers' generation settings could not be read ({type(exc).__name__})"
     if rest:  # not a generation setting: a logits processor, a streamer, a model input...
@@ -130,9 +144,7 @@ def loop_request(
         return "both cache_implementation and a KV cache (transformers refuses them together)"
     if kv_cache is None and config.cache_implementation != "static":
         return "a KV cache that is not static (cache_implementation='static' runs on the loop)"
-    new = config.max_new_tokens
-    if new is None and config.max_length is not None:
-        new = int(config.max_length) - int(ids.shape[1])
+    new = None if config.max_length is None else int(config.max_length) - int(ids.shape[1])
     if not isinstance(new, int) or new < 1:
         return "max_new_tokens below 1"
     if kv_cache is not None and int(kv_cache_capacity(kv_cache)) < int(ids.shape[1]) + new:  # type: ignore[arg-type]

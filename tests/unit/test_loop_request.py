@@ -134,3 +134,20 @@ def test_blocks_on_one_model_do_not_nest(model: Any) -> None:
     assert "generate" not in vars(model) and "forward" not in vars(model)
     with precompile.serve_generate(model):  # after the first: a block of its own
         pass
+
+
+def test_no_length_given_means_transformers_default_of_new_tokens(model: Any) -> None:
+    """With max_length and max_new_tokens set nowhere, transformers 5 generates its
+    default 20 *new* tokens (clipped to the model's positions); the loop took 20 as the
+    total and stopped 8 tokens early, with no fallback (found by a client trial)."""
+    import copy
+
+    ids = torch.randint(3, VOCAB, (1, 8))
+    plain = copy.deepcopy(model)
+    plain.generation_config.max_length = None
+    request = loop_request(plain, (ids,), dict(STATIC))
+    assert isinstance(request, LoopRequest)
+    reference = plain.generate(ids, **STATIC, do_sample=False)
+    assert request.max_new_tokens == reference.shape[1] - ids.shape[1] == 20
+    set_total = loop_request(plain, (ids,), {**STATIC, "max_length": 20})
+    assert isinstance(set_total, LoopRequest) and set_total.max_new_tokens == 12
