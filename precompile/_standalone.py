@@ -748,6 +748,8 @@ def standalone_compile(
     factors = cache_factors(
         gm, graph, requests, options or {}, dynamic_shapes, _device_of(graph), index
     )
+    if index is not None:  # named, so that a miss against an indexed entry says so
+        factors["device_index"] = "any (moved to the caller's device at load)"
     if groups:
         # The graph names each group only by its name: what the name stood for is part of
         # what was compiled. No rank: a graph that depends on it has it in its code.

@@ -733,14 +733,18 @@ def serialize_variant(compiled: Any) -> bytes:
     return payload
 
 
+_DISTRIBUTED: list[Any] = []  # torch.distributed where available (read once: asked per call)
+
+
 def default_process_group() -> Any | None:
     """This process's default group object (None outside torch.distributed): another
     object after ``destroy_process_group()`` and a new ``init_process_group()``."""
-    import torch.distributed as dist
+    if not _DISTRIBUTED:
+        import torch.distributed as dist
 
-    if not dist.is_available():
-        return None
-    return dist.group.WORLD
+        _DISTRIBUTED.append(dist if dist.is_available() else None)
+    dist = _DISTRIBUTED[0]
+    return None if dist is None else dist.group.WORLD
 
 
 def resolve_process_group(name: str) -> Any | None:
