@@ -44,5 +44,6 @@ def release_cuda_graphs() -> int:
     if released:
         import torch
 
-        torch.cuda.synchronize()  # the graphs' destruction reaches the driver
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()  # the graphs' destruction reaches the driver
     return released
