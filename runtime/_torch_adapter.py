@@ -733,17 +733,18 @@ def serialize_variant(compiled: Any) -> bytes:
     return payload
 
 
-_DISTRIBUTED: list[Any] = []  # torch.distributed where available (read once: asked per call)
+@functools.cache
+def _distributed() -> Any | None:
+    """torch.distributed where this torch has it (imported once: asked per call)."""
+    import torch.distributed as dist
+
+    return dist if dist.is_available() else None
 
 
 def default_process_group() -> Any | None:
     """This process's default group object (None outside torch.distributed): another
     object after ``destroy_process_group()`` and a new ``init_process_group()``."""
-    if not _DISTRIBUTED:
-        import torch.distributed as dist
-
-        _DISTRIBUTED.append(dist if dist.is_available() else None)
-    dist = _DISTRIBUTED[0]
+    dist = _distributed()
     return None if dist is None else dist.group.WORLD
 
 
