@@ -22,6 +22,13 @@ layers compiled once);
 ``compile_model, cuBLAS GEMMs``: with ``options={"config_patches": {"max_autotune_gemm":
 False}}`` (inductor's default GEMMs, no autotuning). ``--logs DIR`` keeps each row's log.
 
+``--steady``: after its first output each row's process also times what a build trades
+against: the first call at sizes it has not run (``new_size_ms``: 100, 300 and 1000 tokens,
+after the steady calls, so each is a size new to a warmed-up model; a ``torch.compile``
+row may recompile there) and the median of 20 calls at 8, 64, 512 and 2048 tokens
+(``steady_ms``), each size warmed by one call first. So a change to the compile path
+shows its build time, new-size cost and steady state from one run.
+
 Results merge into ``benchmarks/results/build-<device>.json`` (``rows`` -> row -> layers),
 so runs of other depths or rows add to one table; the plot is build time against depth.
 """
@@ -60,6 +67,9 @@ HINTS = [16, 256, 2048]  # the docs' hints (docs/whole-models.md)
 FIRST = 128
 CPU_LAYERS = [2, 4, 8]
 GPU_LAYERS = [4, 2, 8, 16]
+STEADY_SIZES = [8, 64, 512, 2048]
+NEW_SIZES = [100, 300, 1000]
+STEADY_CALLS = 20
 
 
 def _cpu_seconds() -> float:
@@ -68,7 +78,29 @@ def _cpu_seconds() -> float:
     return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
 
 
-def child(row: str, layers: int, device: str) -> dict[str, Any]:
+def _after_build(call: Any, vocab: int, device: str, sync: Any) -> dict[str, Any]:
+    """The steady state and new-size cost of a built ``call`` (token ids -> logits)."""
+    import statistics
+
+    import torch
+
+    def once(size: int) -> float:
+        ids = torch.randint(0, vocab, (1, size), device=device)
+        sync()
+        started = time.perf_counter()
+        call(ids)
+        sync()
+        return (time.perf_counter() - started) * 1e3
+
+    steady: dict[str, float] = {}
+    for size in STEADY_SIZES:
+        once(size)
+        steady[str(size)] = statistics.median(once(size) for _ in range(STEADY_CALLS))
+    new = {str(size): once(size) for size in NEW_SIZES}
+    return {"steady_ms": steady, "new_size_ms": new}
+
+
+def child(row: str, layers: int, device: str, steady: bool = False) -> dict[str, Any]:
     from _common import count_tracing_and_compiles, is_compiler, llama, watch_processes
 
     spawned = watch_processes()
@@ -100,7 +132,11 @@ def child(row: str, layers: int, device: str) -> dict[str, Any]:
                 cudagraphs=True if row == "compile_model + cudagraphs" else None,
                 options=options,
             )  # fmt: skip
-            out = compiled(ids, use_cache=False).logits
+
+            def run(x: Any) -> Any:
+                return compiled(x, use_cache=False).logits
+
+            out = run(ids)
         elif row == "aot_compile":
             torch._dynamo.mark_dynamic(ids, 1)
             torch._dynamo.config.enable_aot_compile = True
@@ -112,13 +148,22 @@ def child(row: str, layers: int, device: str) -> dict[str, Any]:
                 call, fullgraph=True,
                 options={"guard_filter_fn": torch.compiler.skip_all_guards_unsafe},
             ).aot_compile(((ids,), {}))  # fmt: skip
-            out = aot(ids)
+
+            def run(x: Any) -> Any:
+                return aot(x)
+
+            out = run(ids)
         else:
             fn = torch.compile(model, dynamic=True if row == "torch.compile dynamic" else None)
-            out = fn(ids, use_cache=False).logits
+
+            def run(x: Any) -> Any:
+                return fn(x, use_cache=False).logits
+
+            out = run(ids)
         sync()
         first_output = time.perf_counter() - started
         expected = model(ids, use_cache=False).logits
+        after = _after_build(run, model.config.vocab_size, device, sync) if steady else {}
     from torch._inductor.async_compile import shutdown_compile_workers
 
     shutdown_compile_workers()  # its workers' CPU time counts once they are reaped
@@ -130,6 +175,7 @@ def child(row: str, layers: int, device: str) -> dict[str, Any]:
         "dynamo_frames": len(frames),
         "compiler_processes": sum(1 for p in spawned if is_compiler(p)),
         "max_abs_diff": float((out.float() - expected.float()).abs().max()),
+        **after,
     }
 
 
@@ -140,6 +186,7 @@ def run_row(
     before: str | None,
     logs: str | None = None,
     extra_env: dict[str, str] | None = None,
+    steady: bool = False,
 ) -> dict[str, Any]:
     scratch = tempfile.mkdtemp(prefix="build-bench-")
     env = {
@@ -154,7 +201,8 @@ def run_row(
         env["PRECOMPILE_REPEATED_BLOCKS"] = "1"
     env.update(extra_env or {})
     command = [sys.executable, os.path.abspath(__file__), "--child", row,
-               "--layers", str(layers), "--device", device]  # fmt: skip
+               "--layers", str(layers), "--device", device,
+               *(["--steady"] if steady else [])]  # fmt: skip
     try:
         out = subprocess.run(command, capture_output=True, text=True, env=env, cwd=scratch,
                              timeout=1800)  # fmt: skip
@@ -190,6 +238,16 @@ def report(document: dict[str, Any]) -> str:
                              f"{r['inductor_compiles']}, {r['compiler_processes']})")  # fmt: skip
         rows.append(cells)
     text = table(headers, rows)
+    timed = [(row, n, by[str(n)]) for row, by in document["rows"].items() for n in layers
+             if "steady_ms" in by.get(str(n), {})]  # fmt: skip
+    if timed:
+        steady = list(timed[0][2]["steady_ms"])
+        new = list(timed[0][2]["new_size_ms"])
+        text += "\n\n" + table(
+            ["row", "layers", *(f"S={s} ms" for s in steady), *(f"new {s} ms" for s in new)],
+            [[row, n, *(f"{r['steady_ms'][s]:.3f}" for s in steady),
+              *(f"{r['new_size_ms'][s]:.1f}" for s in new)] for row, n, r in timed],
+        )  # fmt: skip
     base = document["rows"].get("torch.compile", {})
     ours = document["rows"].get("compile_model", {})
     ratios = [
@@ -248,10 +306,14 @@ def main() -> None:
         "--env", action="append", default=[], metavar="NAME=VALUE",
         help="set in every row's process; the rows are recorded as 'row [NAME=VALUE]'",
     )  # fmt: skip
+    parser.add_argument(
+        "--steady", action="store_true",
+        help="also time each row's steady state and new-size cost after its first output",
+    )  # fmt: skip
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        print(json.dumps(child(args.child, int(args.layers), args.device)))
+        print(json.dumps(child(args.child, int(args.layers), args.device, args.steady)))
         return
     from _common import RESULTS, device_slug, environment
 
@@ -279,7 +341,7 @@ def main() -> None:
     suffix = f" [{', '.join(args.env)}]" if args.env else ""
     for n in layers:  # by depth, rows side by side
         for row in rows:
-            result = run_row(row, n, args.device, args.before, args.logs, extra)
+            result = run_row(row, n, args.device, args.before, args.logs, extra, args.steady)
             document["rows"].setdefault(row + suffix, {})[str(n)] = result
             print(f"[build] {row} at {n} layers: {result}", flush=True)
             _write(path, document)

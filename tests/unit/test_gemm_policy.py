@@ -1,17 +1,49 @@
 """The GEMM policy (``precompile._gemm_policy``, an internal module: its subject): CUDA
-hint variants use Triton GEMM templates, everything else (and a decode variant on cuDNN
-attention) compiles as inductor would, and a caller's own choice of GEMM autotuning stays
-theirs. The GPU side (which kernels the
-variants hold, and that they run lean) is in ``test_gpu_lean.py``."""
+hint variants use Triton GEMM templates (their epilogue fusions untimed), everything
+else (and a decode variant on cuDNN attention) compiles as inductor would, and a
+caller's own choice of GEMM autotuning or epilogue timing stays theirs. The GPU side
+(which kernels the variants hold, and that they run lean) is in ``test_gpu_lean.py``."""
 
 from __future__ import annotations
 
 import pytest
 
-from precompile._gemm_policy import CALLER_CHOICES, POLICY, TRITON_GEMMS, gemm_options
+from precompile._gemm_policy import (
+    CALLER_CHOICES,
+    EPILOGUE_VARIABLE,
+    EPILOGUES_UNTIMED,
+    POLICY,
+    TRITON_GEMMS,
+    gemm_options,
+)
+
+# What the policy patches into a CUDA hint variant's config where the caller chose nothing.
+TEMPLATES = {**TRITON_GEMMS, **EPILOGUES_UNTIMED}
 
 
-def test_cuda_hint_variants_take_triton_templates() -> None:
+@pytest.fixture(autouse=True)
+def _no_epilogue_variable(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(EPILOGUE_VARIABLE, raising=False)
+
+
+def test_cuda_hint_variants_take_triton_templates_with_untimed_epilogues() -> None:
+    chosen = gemm_options({}, device="cuda", dynamic=True, caller_config=frozenset())
+    assert chosen == {"config_patches": TEMPLATES}
+    assert TEMPLATES["benchmark_epilogue_fusion"] is False
+
+
+def test_a_callers_choice_of_epilogue_timing_stays_theirs(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Set in the options, in the process's inductor config or through inductor's
+    environment variable: the templates stay, the epilogue timing is the caller's."""
+    patched = {"config_patches": {"benchmark_epilogue_fusion": True}}
+    chosen = gemm_options(patched, device="cuda", dynamic=True, caller_config=frozenset())
+    assert chosen == {"config_patches": {"benchmark_epilogue_fusion": True, **TRITON_GEMMS}}
+    changed = frozenset({"benchmark_epilogue_fusion"})
+    chosen = gemm_options({}, device="cuda", dynamic=True, caller_config=changed)
+    assert chosen == {"config_patches": dict(TRITON_GEMMS)}
+    monkeypatch.setenv(EPILOGUE_VARIABLE, "1")
     chosen = gemm_options({}, device="cuda", dynamic=True, caller_config=frozenset())
     assert chosen == {"config_patches": dict(TRITON_GEMMS)}
 
@@ -32,7 +64,7 @@ def test_the_callers_other_options_and_patches_are_kept() -> None:
     options = {"config_patches": {"triton.cudagraphs": False}, "cpp_wrapper": False}
     chosen = gemm_options(options, device="cuda", dynamic=True, caller_config=frozenset())
     assert chosen == {"cpp_wrapper": False,
-                      "config_patches": {"triton.cudagraphs": False, **TRITON_GEMMS}}  # fmt: skip
+                      "config_patches": {"triton.cudagraphs": False, **TEMPLATES}}  # fmt: skip
     assert options == {"config_patches": {"triton.cudagraphs": False}, "cpp_wrapper": False}
 
 
@@ -96,7 +128,7 @@ def test_a_variant_templates_cannot_serve_compiles_with_the_callers_options(
         got = _standalone._compile_variant(None, None, {sympy.Symbol("s0"): 16}, request,  # type: ignore[arg-type]
                                            {"config_patches": {"a": 1}}, 0)  # fmt: skip
     assert got == "compiled"
-    assert calls == [{"config_patches": {"a": 1, **TRITON_GEMMS}}, {"config_patches": {"a": 1}}]
+    assert calls == [{"config_patches": {"a": 1, **TEMPLATES}}, {"config_patches": {"a": 1}}]
     assert "Triton GEMM templates failed (RuntimeError: NoValidChoicesError" in caplog.text
     calls.clear()
     static = VariantRequest("static", (16,))
@@ -131,7 +163,7 @@ def test_a_hint_variant_that_serves_one_size_keeps_inductors_gemms(
     _standalone._compile_variant(None, None, {batch: 1, length: 1}, request, {}, 0)  # type: ignore[arg-type]
     assert calls == [{}]
     _standalone._compile_variant(None, None, {batch: 8, length: 1}, request, {}, 1)  # type: ignore[arg-type]
-    assert calls[1] == {"config_patches": dict(TRITON_GEMMS)}
+    assert calls[1] == {"config_patches": TEMPLATES}
     cudnn[0] = True  # the same point, its attention on cuDNN (a decode step): cuBLAS
     _standalone._compile_variant(None, None, {batch: 8, length: 1}, request, {}, 2)  # type: ignore[arg-type]
     assert calls[2] == {}
