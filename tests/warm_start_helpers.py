@@ -13,10 +13,22 @@ sys.addaudithook(_audit)
 
 # Counts inductor compiles and Dynamo frames (a warm start must have none of either).
 COUNTED = """
+import threading
 import torch._inductor.compile_fx as compile_fx
 from torch._dynamo import convert_frame
 compiles, frames = [], []
 original_compile, original_frame = compile_fx.compile_fx, convert_frame._compile
-compile_fx.compile_fx = lambda *a, **k: (compiles.append(1), original_compile(*a, **k))[1]
+inside = threading.local()
+def counted_compile(*a, **k):
+    # compile_fx calls itself (under config_patches, for instance): one compile counts once
+    depth = getattr(inside, "depth", 0)
+    if depth == 0:
+        compiles.append(1)
+    inside.depth = depth + 1
+    try:
+        return original_compile(*a, **k)
+    finally:
+        inside.depth = depth
+compile_fx.compile_fx = counted_compile
 convert_frame._compile = lambda *a, **k: (frames.append(1), original_frame(*a, **k))[1]
 """

@@ -298,7 +298,11 @@ def test_an_artifact_moved_to_the_second_gpu_matches_its_original(tmp_path: obje
     captured = capture(model, torch.randn(5, 64, device="cuda:0"))
     path = os.path.join(str(tmp_path), "mlp.pt2c")
     with torch.no_grad():
-        art = precompile.standalone_compile(captured.gm, captured.example_inputs, hints=[4, 16])
+        # compiled here, on cuda:0 (the session's store may hold this graph from another
+        # test's compile on cuda:1, which a load would move here instead)
+        art = precompile.standalone_compile(captured.gm, captured.example_inputs,
+                                            hints=[4, 16], cache=False)  # fmt: skip
+        assert art.manifest.moved_from is None
         art.save(path=path)
         moved = precompile.CompiledArtifact.load(path=path).to("cuda:1")
         assert moved.to("cuda:1") is moved
