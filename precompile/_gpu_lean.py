@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -62,6 +63,23 @@ def same_bits(expected: Sequence[Any], actual: Sequence[Any]) -> bool:
     return True
 
 
+@contextmanager
+def _same_draws(devices: Sequence[int]) -> Iterator[Callable[[], None]]:
+    """Generators forked from the caller's (left where they were after), and a function
+    that sets them back to where they stood at the start: runs after each call of it
+    draw alike."""
+    with torch.random.fork_rng(devices=devices):
+        cpu = torch.get_rng_state()
+        cuda = [torch.cuda.get_rng_state(index) for index in devices]
+
+        def replay() -> None:
+            torch.set_rng_state(cpu)
+            for index, state in zip(devices, cuda, strict=True):
+                torch.cuda.set_rng_state(state, index)
+
+        yield replay
+
+
 @dataclasses.dataclass(frozen=True)
 class CompletedLean:
     lean: LeanCall
@@ -78,10 +96,13 @@ def complete(
     """``lean`` with the launches of ``kernels`` recorded by running ``variant``, or why
     it stays off the lean path."""
     point = tuple(variant.point[name] for name in manifest.symbol_names)
-    with torch.no_grad():  # (synthesized inputs come from generators of their own)
+    # (synthesized inputs come from generators of their own); random ops in the graph
+    # draw from generators forked from the caller's, the same draws in both runs compared
+    with torch.no_grad(), _same_draws(manifest.cuda_indices) as replay:
         inputs = synthesize_inputs(manifest, point, None)
         module = adapter.load_generated_module(source)
         module.call(_fresh(inputs))  # autotunes each kernel down to one launcher
+        replay()
         expected = list(module.call(_fresh(inputs)))
         records = [adapter.recorded_launch(module, name) for name in kernels]
         reasons = [r for r in records if isinstance(r, str)]
@@ -92,6 +113,7 @@ def complete(
         completed = dataclasses.replace(lean, triton=launches)
         payloads = {**binaries, lean.source: source.encode()}
         run = load_lean(completed, source, f"check_{variant.index}", payloads.__getitem__)
+        replay()
         actual = run(*_fresh(inputs))
         torch.cuda.synchronize()
     if not same_bits(expected, actual):

@@ -139,6 +139,18 @@ def _kv_cache_batch_follows_call(call: ExampleCall, dims: dict[int, set[int]]) -
                 dims[index] = {0}
 
 
+def _cuda_indices(values: Sequence[Any]) -> list[int]:
+    """The CUDA devices of the tensors among ``values`` (and of the KV caches among them,
+    their layers not yet allocated left out): whose generators a run that draws random
+    numbers is forked on."""
+    tensors = [v for v in values if isinstance(v, torch.Tensor)]
+    for value in values:
+        if is_kv_cache(value):
+            tensors.extend(tensor for _, _, tensor in kv_cache_tensors(value))
+    return sorted({t.device.index or 0 for t in tensors
+                   if isinstance(t, torch.Tensor) and t.device.type == "cuda"})  # fmt: skip
+
+
 def _prepare_kv_caches(
     model: torch.nn.Module, call: ExampleCall, state: CallerState
 ) -> dict[int, KVCacheLayout]:
@@ -157,8 +169,8 @@ def _prepare_kv_caches(
     if not all(layer.is_initialized for c in kv_caches.values() for layer in c.layers):
         log.info("initializing the example call's KV cache with one eager run")
         state.keep_all()
-        try:
-            with torch.no_grad():
+        try:  # its random draws (dropout in training) from forked generators
+            with torch.no_grad(), torch.random.fork_rng(devices=_cuda_indices(call.leaves)):
                 model(*call.args, **call.kwargs)
         finally:
             state.restore()
@@ -432,10 +444,8 @@ def _graph_ops_accept(gm: Any, flat: Sequence[Any], written: set[int]) -> None:
     beside input_ids' at 2): the trace is refused, its calls then NoVariantError."""
     inputs = [x.clone() if i in written and isinstance(x, torch.Tensor) else x
               for i, x in enumerate(flat)]  # fmt: skip
-    devices = sorted({x.device.index or 0 for x in flat
-                      if isinstance(x, torch.Tensor) and x.device.type == "cuda"})  # fmt: skip
     try:  # random ops here draw from forked generators: the caller's state is untouched
-        with torch.no_grad(), torch.random.fork_rng(devices=devices):
+        with torch.no_grad(), torch.random.fork_rng(devices=_cuda_indices(flat)):
             # node by node: a GraphModule's own call prints the failing code's traceback
             # to stderr before raising, and a refusal here is an answer, not a failure
             torch.fx.Interpreter(gm).run(*inputs)
@@ -614,12 +624,11 @@ def _run_eagerly(
             tensors.append(leaf)
         elif is_kv_cache(leaf):
             tensors.extend(tensor for _, _, tensor in kv_cache_tensors(leaf))
-    devices = sorted({t.device.index or 0 for t in tensors if t.device.type == "cuda"})
     python_state = state.python_state(model)
     state.keep_all()
     state.keep(tensors)
     try:
-        with torch.random.fork_rng(devices=devices):
+        with torch.random.fork_rng(devices=_cuda_indices(tensors)):
             return around(lambda: model(*call.args, **call.kwargs))
     finally:
         state.put_back(python_state)

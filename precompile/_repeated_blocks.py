@@ -46,6 +46,7 @@ import torch
 from precompile.cache import env_flag
 
 from . import _torch_adapter as adapter
+from ._random_policy import draws_random
 
 log = logging.getLogger("precompile.compile")
 
@@ -157,25 +158,12 @@ def _inplace_arg(node: torch.fx.Node) -> bool:
     return bound.arguments.get("inplace") is True
 
 
-_RANDOM = frozenset({"rand", "randn", "randint", "rand_like", "randn_like", "randint_like",
-                     "randperm", "bernoulli", "multinomial", "normal", "poisson", "uniform",
-                     "exponential", "geometric", "cauchy", "log_normal", "rrelu"})  # fmt: skip
-
-
-def _draws_random(node: torch.fx.Node) -> bool:
-    """Whether a node may draw from a random generator (dropout in training, ``rand``):
-    it stays in the outer graph, so the draws happen once each, in the traced order."""
-    name = str(node.target if node.op == "call_method" else getattr(node.target, "__name__", ""))
-    name = name.rstrip("_")
-    return name in _RANDOM or "dropout" in name
-
-
 def _pieces(nodes: Sequence[torch.fx.Node]) -> list[list[torch.fx.Node]]:
     """An instance's nodes in runs between in-place writes and random draws (which stay
     outside)."""
     runs: list[list[torch.fx.Node]] = [[]]
     for node in nodes:
-        if _writes(node) or _draws_random(node):
+        if _writes(node) or draws_random(node):
             runs.append([])
         else:
             runs[-1].append(node)

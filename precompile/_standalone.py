@@ -59,6 +59,7 @@ from ._graph_description import DYNAMIC_SHAPES, describe_graph
 from ._graph_name import graph_name
 from ._lean_plan import LeanPlan, lean_plan
 from ._offline import is_offline, refuse
+from ._random_policy import graph_draws_random
 from ._variant_plan import DEFAULT_MAX_VARIANTS, Hints, Sizes, VariantRequest, plan_variants
 
 log = logging.getLogger("precompile.compile")
@@ -508,6 +509,7 @@ def _compile_all(
         output=graph.output_spec,
         output_shapes=_output_shapes(graph),
         process_groups=groups,
+        draws_random=graph_draws_random(gm),
     )
     if pending:
         started = time.perf_counter()

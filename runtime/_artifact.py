@@ -399,18 +399,21 @@ class CompiledArtifact:
         chosen_timer, method = (
             default_timer(target, warmup, reps) if timer is None else (timer, "custom timer")
         )
-        table = measure(
-            self._manifest,
-            points,
-            lambda index: self._variant_callable(self._manifest.variants[index]),
-            self._dispatcher.admits,
-            timer=chosen_timer,
-            device_name=device_name,
-            method=method,
-            templates=inputs,
-            rounds=rounds,
-            min_gain=min_gain,
-        )
+        # the timed runs draw from generators forked from the caller's, which they leave
+        # where they were (a graph with dropout in training draws on each run)
+        with torch.random.fork_rng(devices=self._manifest.cuda_indices):
+            table = measure(
+                self._manifest,
+                points,
+                lambda index: self._variant_callable(self._manifest.variants[index]),
+                self._dispatcher.admits,
+                timer=chosen_timer,
+                device_name=device_name,
+                method=method,
+                templates=inputs,
+                rounds=rounds,
+                min_gain=min_gain,
+            )
         with self._lock:
             self._manifest = dataclasses.replace(self._manifest, calibration=table)
             self._dispatcher = Dispatcher(self._manifest, table)
@@ -460,16 +463,19 @@ class CompiledArtifact:
         safe. A graph with collectives is never run by warm-up: its runs would be
         collectives that the other ranks do not make at that moment (and a background
         thread's would interleave with the calling thread's). A foreground warm-up still
-        captures, since every rank captures the same sizes in the same order."""
+        captures, since every rank captures the same sizes in the same order. Nor is a
+        graph that draws random numbers: its runs would move the caller's generator."""
         collectives = bool(self._manifest.process_groups)
+        draws = self._manifest.draws_random
         for variant in self._manifest.variants:
             self._warm_up.give_way()
             if _exiting():
                 return
             with CAPTURE_LOCK:  # never while another thread captures a CUDA graph
                 self._variant_callable(variant)
-        if collectives:
-            log.info("warm-up loaded the variants and ran none: the graph has collectives")
+        if collectives or draws:
+            why = "has collectives" if collectives else "draws from the caller's generator"
+            log.info("warm-up loaded the variants and ran none: the graph %s", why)
         elif self._templates is not None:
             self._run_each_variant()
         executor = self._executor

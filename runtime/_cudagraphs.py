@@ -129,6 +129,10 @@ def why_not_capturable(manifest: Manifest) -> str | None:
             return f"the graph resizes input {index} in place (a replay cannot follow that)"
     if manifest.training:
         return "the artifact carries a backward graph (only inference is captured)"
+    if manifest.draws_random:
+        # a capture runs the graph, drawing from the caller's generator: the call's own
+        # draws would no longer be eager's
+        return "the graph draws from the caller's random generator (dropout in training)"
     return None
 
 

@@ -307,10 +307,20 @@ class Manifest:
     # the CUDA device index its inductor payloads are compiled for, where ``to()`` moved
     # it to another (only its lean variants run: see ``_relocate``)
     moved_from: int | None = None
+    # the graph draws from the caller's random generator (dropout in training, torch.rand):
+    # no run but the caller's may happen (no warm-up run, no CUDA-graph capture)
+    draws_random: bool = False
 
     @property
     def symbol_names(self) -> tuple[str, ...]:
         return tuple(symbol.name for symbol in self.symbols)
+
+    @property
+    def cuda_indices(self) -> tuple[int, ...]:
+        """The CUDA devices its tensor inputs are on (what a run draws random numbers on)."""
+        devices = {s.device for s in self.inputs if isinstance(s, TensorInput)}
+        cuda = [d.partition(":") for d in devices if d.startswith("cuda")]
+        return tuple(sorted({int(index or 0) for _, _, index in cuda}))
 
     @property
     def graph_digests(self) -> tuple[str, ...]:
@@ -368,6 +378,8 @@ class Manifest:
         if self.moved_from is not None:
             document["format_version"] = MOVED_FORMAT_VERSION
             document["moved_from"] = self.moved_from
+        if self.draws_random:  # absent otherwise: earlier manifests keep their digests
+            document["draws_random"] = True
         return document
 
     def _to_json(self) -> dict[str, Any]:
@@ -610,6 +622,7 @@ class _Reader:
             cudagraphs=self.cudagraphs(data.get("cudagraphs"), names),
             process_groups=self.process_groups(data.get("process_groups")),
             moved_from=self.moved_from(data.get("moved_from"), variants),
+            draws_random=self.boolean(data.get("draws_random", False), "draws_random"),
         )
 
     def moved_from(self, value: Any, variants: tuple[Variant, ...]) -> int | None:

@@ -14,6 +14,7 @@ import torch
 import precompile
 from precompile import _repeated_blocks as repeated_blocks
 from precompile._cache_key import graph_digest
+from precompile._random_policy import draws_random
 from precompile.runtime import InvalidOptionError
 
 
@@ -288,8 +289,8 @@ def test_random_draws_stay_in_the_outer_graph() -> None:
     outlined = repeated_blocks.outline(gm)
     for group in outlined.groups:
         body = getattr(outlined.gm, group.name)
-        assert not any(repeated_blocks._draws_random(n) for n in body.graph.nodes)
-    draws = [n for n in outlined.gm.graph.nodes if repeated_blocks._draws_random(n)]
+        assert not any(draws_random(n) for n in body.graph.nodes)
+    draws = [n for n in outlined.gm.graph.nodes if draws_random(n)]
     assert len(draws) == 3
     x = torch.randn(5, 16)
     torch.manual_seed(1)

@@ -305,8 +305,9 @@ INTERNAL_SUBJECTS = {
     "tests/models/test_model.py": {"precompile._model", "precompile.runtime._binary_format"},
     "tests/fleet/test_remote.py": {"precompile.cache._deadline", "precompile.cache._signing"},
     # the outlining pass and the graph digest it must change
+    "tests/compile/test_random_ops.py": {"precompile._random_policy"},  # which nodes draw
     "tests/compile/test_repeated_blocks.py": {
-        "precompile._cache_key", "precompile._repeated_blocks",
+        "precompile._cache_key", "precompile._random_policy", "precompile._repeated_blocks",
     },
     "tests/unit/test_settings.py": {"precompile._offline", "precompile.runtime._lean"},
     "tests/unit/test_loop_request.py": {"precompile._generate_loop"},  # which calls it takes
