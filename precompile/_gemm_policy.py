@@ -31,9 +31,10 @@ kinds keep inductor's default (cuBLAS):
 Those template variants do not time each GEMM with its fused epilogue against the GEMM
 alone (inductor's ``benchmark_epilogue_fusion``): each such timing compiled the fused
 kernel in the building thread, one at a time (18 in a 4-layer Llama build, about 10 s).
-Measured in one call on an H200 (``benchmarks/build.py --steady``, the docs' Llama at 4
-layers, two builds each): 75.3 / 69.9 s with the timings, 58.2 / 59.8 s without, steady
-state within 5% at 8 to 2048 tokens and no side faster throughout (``docs/benchmarks.md``).
+Measured on H200s (``benchmarks/build.py --steady``, the docs' Llama at 4 layers, five
+pairs, each in one call): build median 75.3 s with the timings, 63.6 s without, every
+pair faster; steady state at 8 to 2048 tokens within 6% cell by cell where the host was
+quiet, neither side ahead throughout (``results/build-epilogue-h200.json``).
 
 A caller who sets any of the GEMM autotuning options (in ``options["config_patches"]``
 or in inductor's config) keeps their choice; so does one who sets the epilogue timing
