@@ -60,6 +60,7 @@ from ._environment_reads import reads_environment
 from ._example_call import DynamicSpec, ExampleCall, argument_name, with_distinct_tensors
 from ._model_plan import build_plan
 from ._offline import is_offline, refuse
+from ._random_policy import inductors_random_numbers
 from ._variant_plan import Hints, Sizes, check_kinds
 
 log = logging.getLogger("precompile.compile")
@@ -458,6 +459,47 @@ def _graph_ops_accept(gm: Any, flat: Sequence[Any], written: set[int]) -> None:
         ) from None
 
 
+# A compiled model's floating outputs differ from eager's by rounding: a relative error
+# (norm of the difference over the norm of eager's) of 2e-7 on the tiny Llama's float32
+# logits; bfloat16 keeps 8 bits (4e-3 per value), some layers of it add up to about 1e-2.
+# Another dropout mask changes a share of the values by their own size: 0.64 on that
+# Llama (attention dropout 0.3, a StaticCache), where compiled and eager drew apart.
+DRAWN_APART = 3e-2
+
+
+def _drawn_apart(expected: Any, actual: Any) -> bool:
+    """Whether two outputs differ by more than rounding (floating tensors only)."""
+    if not (isinstance(expected, torch.Tensor) and isinstance(actual, torch.Tensor)):
+        return False
+    if not expected.is_floating_point() or expected.shape != actual.shape:
+        return False
+    want, got = expected.double(), actual.double()
+    scale = float(want.norm())
+    return scale > 0 and float((got - want).norm()) / scale > DRAWN_APART
+
+
+def _draws_as_eager(
+    model: torch.nn.Module, compiled: CompiledModel, call: ExampleCall, state: CallerState
+) -> None:
+    """A graph that draws random numbers is compiled to draw them as eager does (see
+    ``_random_policy``), yet the model may still draw otherwise once compiled: its Python
+    can choose other kernels while traced (a tiny Llama with attention dropout over a
+    StaticCache: the traced attention took a dropout mask other than eager's). So the
+    example call runs eagerly and compiled, from the same generator states (forked: the
+    caller's stay where they were), what either writes put back: outputs that differ by
+    more than rounding (``_drawn_apart``) refuse the model, naming why."""
+    expected = _run_eagerly(model, call, state)
+    actual = _run_eagerly(model, call, state, lambda run: compiled(*call.args, **call.kwargs))
+    leaves = torch.utils._pytree.tree_leaves
+    if any(_drawn_apart(a, b) for a, b in zip(leaves(expected), leaves(actual), strict=False)):
+        raise UnsupportedGraphError(
+            "the model draws random numbers (dropout in training, torch.rand) and, "
+            "compiled, gives other outputs than eager from the same seed (its trace drew "
+            "them otherwise): serve it in eval() mode, or pass options={'config_patches': "
+            "{'fallback_random': False}} to take inductor's own random numbers"
+        )
+
+
 def _variant_points_accepted(
     gm: Any, manifest: Any, flat: Sequence[Any], written: set[int], capacity: int | None
 ) -> None:
@@ -565,7 +607,9 @@ def _trace_and_compile(
               for i, c in kv_caches.items()}  # fmt: skip
     python_state = state.python_state(model)
     try:
-        trace = trace_model(model, call.args, call.kwargs, compile_graph, keep_written)
+        # the traced run draws (dropout in training) from forked generators
+        with torch.random.fork_rng(devices=_cuda_indices(call.leaves)):
+            trace = trace_model(model, call.args, call.kwargs, compile_graph, keep_written)
         written = state.written(python_state)
         if written:
             raise UnsupportedGraphError(
@@ -592,7 +636,10 @@ def _trace_and_compile(
         )
     _check_dynamic(plan, trace.artifact.manifest, dims, call)
     log.info("traced and compiled %s in %.1f s", class_path(model), time.perf_counter() - started)
-    return CompiledModel(model, trace.artifact, plan, {})
+    compiled = CompiledModel(model, trace.artifact, plan, {})
+    if trace.artifact.manifest.draws_random and not inductors_random_numbers(options):
+        _draws_as_eager(model, compiled, call, state)
+    return compiled
 
 
 def _with_environment(

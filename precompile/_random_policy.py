@@ -32,6 +32,13 @@ POLICY = (
 )
 
 
+def inductors_random_numbers(options: Mapping[str, Any] | None) -> bool:
+    """Whether the caller's compile options keep inductor's own random numbers (their
+    ``config_patches`` set ``fallback_random`` false): not eager's, by their choice."""
+    patches = (options or {}).get("config_patches") or {}
+    return isinstance(patches, Mapping) and patches.get("fallback_random") is False
+
+
 # Names of the torch functions and Tensor methods that draw (in-place forms end in "_").
 _DRAWING = frozenset({
     "rand", "randn", "randint", "rand_like", "randn_like", "randint_like", "randperm",

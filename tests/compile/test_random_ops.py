@@ -177,3 +177,38 @@ def test_a_transformers_model_in_eval_mode_does_not_draw() -> None:
     for train, draws in ((False, False), (True, True)):
         gm, _ = precompile.capture_graph(model.train(train), ids)
         assert graph_draws_random(gm) is draws, train
+
+
+def test_a_model_whose_trace_draws_otherwise_is_refused() -> None:
+    """A tiny Llama in ``train()`` mode with attention dropout: called without a KV cache
+    it draws as eager (served, eager's logits); over a StaticCache its trace took another
+    attention kernel than eager, whose dropout mask differs (0.64 relative error): refused
+    at build, naming why, where its outputs (and ``generate``'s tokens) differed before."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=512, max_position_embeddings=256,
+        attention_dropout=0.3,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config).train()
+    ids = torch.randint(1, 512, (1, 7))
+    with torch.no_grad():
+        compiled = precompile.compile_model(
+            model, (ids,), {"use_cache": False}, dynamic={0: [1]}, hints=[8], cache=False
+        )
+        for n in (7, 12):
+            x = torch.randint(1, 512, (1, n))
+            torch.manual_seed(4)
+            expected = model(x, use_cache=False).logits
+            torch.manual_seed(4)
+            got = compiled(x, use_cache=False).logits
+            torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+        kv_cache = transformers.StaticCache(config=config, max_cache_len=32)
+        torch.manual_seed(9)
+        before = torch.rand(4)
+        torch.manual_seed(9)
+        with pytest.raises(precompile.UnsupportedGraphError, match="draws random numbers"):
+            precompile.compile_model(model, (ids,), {"past_key_values": kv_cache},
+                                     dynamic={0: [1]}, hints=[8], cache=False)  # fmt: skip
+        assert torch.equal(torch.rand(4), before)  # the build drew from forked generators
