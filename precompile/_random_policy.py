@@ -6,7 +6,9 @@ and a random op whose result goes unused is dropped, so the draws after it diffe
 With inductor's ``fallback_random`` they are calls of aten's random ops in program order:
 equal to eager bit for bit (measured on CPU: dropout, ``rand_like`` and ``randn`` in one
 forward, compiled against eager under one seed), and the generator is left where eager
-leaves it. Graphs without random ops compile to the same code either way.
+leaves it. Graphs without random ops compile to the same code either way. The cost, on a
+graph that draws: 4-15% per call on a tiny Llama in ``train()`` mode with attention
+dropout (CPU, 16 and 256 tokens, against inductor's own random numbers).
 
 Options that set ``fallback_random`` (``options["config_patches"]``) are applied inside
 the compile and so stay the caller's choice.
