@@ -484,20 +484,34 @@ def _draws_as_eager(
     """A graph that draws random numbers is compiled to draw them as eager does (see
     ``_random_policy``), yet the model may still draw otherwise once compiled: its Python
     can choose other kernels while traced (a tiny Llama with attention dropout over a
-    StaticCache: the traced attention took a dropout mask other than eager's). So the
-    example call runs eagerly and compiled, from the same generator states (forked: the
-    caller's stay where they were), what either writes put back: outputs that differ by
-    more than rounding (``_drawn_apart``) refuse the model, naming why."""
-    expected = _run_eagerly(model, call, state)
-    actual = _run_eagerly(model, call, state, lambda run: compiled(*call.args, **call.kwargs))
+    StaticCache: the traced attention took a dropout mask other than eager's), and a
+    lowering can draw where eager does not (dropout at p=1). So the example call runs
+    eagerly and compiled, from the same generator states (forked: the caller's stay where
+    they were), what either writes put back: outputs that differ by more than rounding
+    (``_drawn_apart``), or generators left in other states, refuse the model, naming why."""
+    devices = _cuda_indices(call.leaves)
+
+    def states() -> list[torch.Tensor]:
+        return [torch.get_rng_state(), *(torch.cuda.get_rng_state(i) for i in devices)]
+
+    expected, eager_left = _run_eagerly(model, call, state, lambda run: (run(), states()))
+    actual, compiled_left = _run_eagerly(
+        model, call, state, lambda run: (compiled(*call.args, **call.kwargs), states())
+    )
     leaves = torch.utils._pytree.tree_leaves
-    if any(_drawn_apart(a, b) for a, b in zip(leaves(expected), leaves(actual), strict=False)):
-        raise UnsupportedGraphError(
-            "the model draws random numbers (dropout in training, torch.rand) and, "
-            "compiled, gives other outputs than eager from the same seed (its trace drew "
-            "them otherwise): serve it in eval() mode, or pass options={'config_patches': "
-            "{'fallback_random': False}} to take inductor's own random numbers"
-        )
+    pairs = zip(leaves(expected), leaves(actual), strict=False)
+    if any(_drawn_apart(a, b) for a, b in pairs):
+        why = "gives other outputs than eager from the same seed"
+    elif not all(torch.equal(a, b) for a, b in zip(eager_left, compiled_left, strict=True)):
+        why = "leaves the random generator elsewhere than eager does from the same seed"
+    else:
+        return
+    raise UnsupportedGraphError(
+        f"the model draws random numbers (dropout in training, torch.rand) and, compiled, "
+        f"{why} (its compiled code draws them otherwise): serve it in eval() mode, or pass "
+        "options={'config_patches': {'fallback_random': False}} to take inductor's own "
+        "random numbers"
+    )
 
 
 def _variant_points_accepted(
@@ -555,6 +569,8 @@ def _trace_and_compile(
     from . import _torch_adapter as adapter
     from ._model_trace import trace_model
     from ._standalone import standalone_compile
+
+    inductors_random_numbers(options)  # a bad fallback_random is refused before the trace
 
     leaves = call.leaves
     started = time.perf_counter()

@@ -26,6 +26,8 @@ from typing import Any
 
 import torch
 
+from precompile.runtime import InvalidOptionError
+
 # What every variant's compile sets.
 PATCHES: Mapping[str, Any] = {"fallback_random": True}
 # In every cache key: a build under another policy compiled other code.
@@ -36,9 +38,18 @@ POLICY = (
 
 def inductors_random_numbers(options: Mapping[str, Any] | None) -> bool:
     """Whether the caller's compile options keep inductor's own random numbers (their
-    ``config_patches`` set ``fallback_random`` false): not eager's, by their choice."""
-    patches = (options or {}).get("config_patches") or {}
-    return isinstance(patches, Mapping) and patches.get("fallback_random") is False
+    ``config_patches`` set ``fallback_random`` to False): not eager's, by their choice.
+    Any value but True or False there is refused, naming it (inductor would read 0 as
+    False and "False" as True)."""
+    patches = (options or {}).get("config_patches") if isinstance(options, Mapping) else None
+    if not isinstance(patches, Mapping) or "fallback_random" not in patches:
+        return False
+    value = patches["fallback_random"]
+    if not isinstance(value, bool):
+        raise InvalidOptionError(
+            f"options['config_patches']['fallback_random'] must be True or False, got {value!r:.60}"
+        )
+    return value is False
 
 
 # Names of the torch functions and Tensor methods that draw (in-place forms end in "_").

@@ -59,7 +59,7 @@ from ._graph_description import DYNAMIC_SHAPES, describe_graph
 from ._graph_name import graph_name
 from ._lean_plan import LeanPlan, lean_plan
 from ._offline import is_offline, refuse
-from ._random_policy import graph_draws_random
+from ._random_policy import graph_draws_random, inductors_random_numbers
 from ._variant_plan import DEFAULT_MAX_VARIANTS, Hints, Sizes, VariantRequest, plan_variants
 
 log = logging.getLogger("precompile.compile")
@@ -693,6 +693,7 @@ def standalone_compile(
             "options must be a dict of compile_fx keyword arguments, e.g. "
             f"{{'config_patches': {{...}}}}, got {type(options).__name__}"
         )
+    inductors_random_numbers(options)  # fallback_random, which the build reads, checked first
     _check_fake_mode(None if fake_mode is _ABSENT else fake_mode, dynamic_shapes)
     graph = describe_graph(gm, list(example_inputs), dynamic_shapes)
     symbols = _symbols(graph)

@@ -212,3 +212,29 @@ def test_a_model_whose_trace_draws_otherwise_is_refused() -> None:
             precompile.compile_model(model, (ids,), {"past_key_values": kv_cache},
                                      dynamic={0: [1]}, hints=[8], cache=False)  # fmt: skip
         assert torch.equal(torch.rand(4), before)  # the build drew from forked generators
+
+
+def test_a_compiled_call_that_moves_the_generator_otherwise_is_refused() -> None:
+    """Dropout at p=1 draws nothing in eager and draws once compiled (upstream's lowering
+    with fallback_random does too): equal outputs, but the generator left elsewhere. The
+    build compares the generators too (a client trial found it: the caller's next mask
+    differed by 2.0)."""
+    model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Dropout(1.0)).train()
+    with torch.no_grad(), pytest.raises(precompile.UnsupportedGraphError,
+                                        match="leaves the random generator elsewhere"):  # fmt: skip
+        precompile.compile_model(model, (torch.randn(6, 16),), dynamic={0: [0]}, hints=[4],
+                                 cache=False)  # fmt: skip
+
+
+@pytest.mark.parametrize("value", [0, "False", None, 1])
+def test_the_opt_out_takes_true_or_false_only(value: object) -> None:
+    """Inductor reads 0 as False and "False" as True: refused before any compile."""
+    model = Noisy().train()
+    captured = capture(model, torch.randn(6, 16))
+    options = {"config_patches": {"fallback_random": value}}
+    with torch.no_grad():
+        with pytest.raises(precompile.InvalidOptionError, match=r"fallback_random.*True or False"):
+            precompile.compile_model(model, (torch.randn(6, 16),), options=options, cache=False)
+        with pytest.raises(precompile.InvalidOptionError, match=r"fallback_random.*True or False"):
+            precompile.standalone_compile(captured.gm, captured.example_inputs,
+                                          options=options, cache=False)  # fmt: skip
