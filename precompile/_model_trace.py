@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from precompile.runtime import UnsupportedGraphError
+from precompile.runtime import PrecompileError, UnsupportedGraphError
 
 from . import _torch_adapter as adapter
 from ._collectives import LocalCollectives
@@ -91,6 +91,13 @@ def trace_model(
         raise UnsupportedGraphError(
             f"the model does not trace as one graph (a graph break): {str(exc).strip()[:2000]}"
         ) from None
+    except Exception as exc:
+        # Dynamo wraps what the backend raised: one of ours (a refusal naming the input)
+        # is raised as itself, so callers catch it by its class
+        inner = adapter.backend_failure(exc)
+        if isinstance(inner, PrecompileError):
+            raise inner from None
+        raise
     finally:
         torch.compiler.reset()
     if len(seen) != 1:

@@ -599,6 +599,34 @@ def _check_upstream_arguments(arguments: Mapping[str, Any]) -> None:
             )
 
 
+def _check_options(options: Mapping[str, Any] | None) -> None:
+    """compile_fx's keywords and inductor's config entries, checked before any compile
+    (inductor would fail on a misspelt one in the middle of the first variant's)."""
+    if not options:
+        return
+    unknown = sorted(set(options) - adapter.compile_fx_keywords())
+    if unknown:
+        raise InvalidOptionError(
+            f"options has {unknown}, which are no keyword of inductor's compile_fx "
+            f"(it takes {sorted(adapter.compile_fx_keywords())}; inductor's settings go in "
+            "options['config_patches'])"
+        )
+    patches = options.get("config_patches")
+    if patches is None:
+        return
+    if not isinstance(patches, Mapping) or not all(isinstance(k, str) for k in patches):
+        raise InvalidOptionError(
+            "options['config_patches'] must be a dict of inductor config names to values, "
+            f"got {type(patches).__name__}"
+        )
+    missing = adapter.unknown_inductor_config(patches)
+    if missing:
+        raise InvalidOptionError(
+            f"options['config_patches'] names {missing[:5]}, which are no entries of "
+            "torch._inductor.config (nested ones are dotted: 'triton.cudagraphs')"
+        )
+
+
 def _check_fake_mode(fake_mode: Any, dynamic_shapes: str) -> None:
     """Refuse a ``fake_mode`` where upstream refuses it, with upstream's reasons."""
     if fake_mode is None:
@@ -693,6 +721,7 @@ def standalone_compile(
             "options must be a dict of compile_fx keyword arguments, e.g. "
             f"{{'config_patches': {{...}}}}, got {type(options).__name__}"
         )
+    _check_options(options)
     inductors_random_numbers(options)  # fallback_random, which the build reads, checked first
     _check_fake_mode(None if fake_mode is _ABSENT else fake_mode, dynamic_shapes)
     graph = describe_graph(gm, list(example_inputs), dynamic_shapes)

@@ -20,7 +20,7 @@ import pickle
 import re
 import shutil
 import threading
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -148,6 +148,13 @@ def torch_code_dirs() -> tuple[str, str]:
 def graph_break_error() -> type[Exception]:
     """What a ``fullgraph`` trace raises at a graph break."""
     return torch._dynamo.exc.Unsupported  # type: ignore[no-any-return]
+
+
+def backend_failure(exc: BaseException) -> BaseException | None:
+    """What a ``torch.compile`` backend raised, where ``exc`` is Dynamo's wrapper of it."""
+    if isinstance(exc, torch._dynamo.exc.BackendCompilerFailed):
+        return exc.inner_exception  # type: ignore[no-any-return]
+    return None
 
 
 @dataclass(frozen=True)
@@ -612,6 +619,25 @@ def filtered_inductor_log(module: str, keep: Callable[[logging.LogRecord], bool]
         yield
     finally:
         logger.removeFilter(kept)
+
+
+def compile_fx_keywords() -> frozenset[str]:
+    """The keyword arguments inductor's compile_fx takes besides the graph and inputs."""
+    import inspect
+
+    from torch._inductor.compile_fx import compile_fx as upstream
+
+    names = inspect.signature(upstream).parameters
+    return frozenset(names) - {"model_", "example_inputs_"}
+
+
+def unknown_inductor_config(names: Iterable[str]) -> list[str]:
+    """Those of ``names`` that are no entry of inductor's config (dotted for nested
+    ones, ``"triton.cudagraphs"``), as its ``config.patch`` would refuse them."""
+    from torch._inductor import config
+
+    known = config._config  # type: ignore[attr-defined]
+    return [name for name in names if name not in known]
 
 
 def compile_fx(gm: torch.fx.GraphModule, inputs: Sequence[Any], options: Mapping[str, Any]) -> Any:

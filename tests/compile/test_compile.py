@@ -161,6 +161,15 @@ def test_too_many_variants_fail_before_compiling(
         precompile.standalone_compile(gm, inputs, dynamic_shapes="from_nowhere")
     with pytest.raises(precompile.InvalidOptionError, match="options"):
         precompile.standalone_compile(gm, inputs, options=["max_autotune"])  # type: ignore[arg-type]
+    # a misspelt inductor setting, or one outside config_patches: named before any compile
+    # (inductor failed on it inside the first variant's compile)
+    misspelt = {"config_patches": {"max_autotune_gem": 1}}
+    with pytest.raises(precompile.InvalidOptionError, match=r"\['max_autotune_gem'\]"):
+        precompile.standalone_compile(gm, inputs, options=misspelt)
+    with pytest.raises(precompile.InvalidOptionError, match="no keyword of inductor's compile_fx"):
+        precompile.standalone_compile(gm, inputs, options={"max_autotune": True})
+    with pytest.raises(precompile.InvalidOptionError, match="must be a dict of inductor config"):
+        precompile.standalone_compile(gm, inputs, options={"config_patches": "max_autotune"})
     with pytest.raises(precompile.InvalidOptionError, match="hints entry"):
         precompile.standalone_compile(gm, inputs, hints=[-4])
     with pytest.raises(precompile.InvalidOptionError, match="placeholders"):

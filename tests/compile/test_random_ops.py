@@ -238,3 +238,13 @@ def test_the_opt_out_takes_true_or_false_only(value: object) -> None:
         with pytest.raises(precompile.InvalidOptionError, match=r"fallback_random.*True or False"):
             precompile.standalone_compile(captured.gm, captured.example_inputs,
                                           options=options, cache=False)  # fmt: skip
+
+
+def test_compile_model_raises_its_own_errors_not_dynamos_wrapper() -> None:
+    """A refusal made inside the trace's backend (here a misspelt inductor setting) is
+    raised as itself, not as Dynamo's BackendCompilerFailed around it (a client trial
+    found that type, which ``except precompile.InvalidOptionError`` missed)."""
+    model = torch.nn.Linear(8, 8).eval()
+    with torch.no_grad(), pytest.raises(precompile.InvalidOptionError, match="fallback_randm"):
+        precompile.compile_model(model, (torch.randn(4, 8),), cache=False,
+                                 options={"config_patches": {"fallback_randm": False}})  # fmt: skip
