@@ -604,11 +604,12 @@ def _check_options(options: Mapping[str, Any] | None) -> None:
     (inductor would fail on a misspelt one in the middle of the first variant's)."""
     if not options:
         return
-    unknown = sorted(set(options) - adapter.compile_fx_keywords())
+    keywords = adapter.compile_fx_keywords()
+    unknown = sorted(set(options) - keywords) if keywords is not None else []
     if unknown:
         raise InvalidOptionError(
             f"options has {unknown}, which are no keyword of inductor's compile_fx "
-            f"(it takes {sorted(adapter.compile_fx_keywords())}; inductor's settings go in "
+            f"(it takes {sorted(keywords or ())}; inductor's settings go in "
             "options['config_patches'])"
         )
     patches = options.get("config_patches")

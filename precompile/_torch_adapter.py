@@ -621,14 +621,17 @@ def filtered_inductor_log(module: str, keep: Callable[[logging.LogRecord], bool]
         logger.removeFilter(kept)
 
 
-def compile_fx_keywords() -> frozenset[str]:
-    """The keyword arguments inductor's compile_fx takes besides the graph and inputs."""
+def compile_fx_keywords() -> frozenset[str] | None:
+    """The keyword arguments inductor's compile_fx takes besides the graph and inputs;
+    None where it takes any (a wrapper someone put in its place: ``**kwargs``)."""
     import inspect
 
     from torch._inductor.compile_fx import compile_fx as upstream
 
-    names = inspect.signature(upstream).parameters
-    return frozenset(names) - {"model_", "example_inputs_"}
+    parameters = inspect.signature(upstream).parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
+        return None
+    return frozenset(parameters) - {"model_", "example_inputs_"}
 
 
 def unknown_inductor_config(names: Iterable[str]) -> list[str]:

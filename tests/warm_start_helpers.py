@@ -13,12 +13,13 @@ sys.addaudithook(_audit)
 
 # Counts inductor compiles and Dynamo frames (a warm start must have none of either).
 COUNTED = """
-import threading
+import functools, threading
 import torch._inductor.compile_fx as compile_fx
 from torch._dynamo import convert_frame
 compiles, frames = [], []
 original_compile, original_frame = compile_fx.compile_fx, convert_frame._compile
 inside = threading.local()
+@functools.wraps(original_compile)  # its signature stays readable (options are checked by it)
 def counted_compile(*a, **k):
     # compile_fx calls itself (under config_patches, for instance): one compile counts once
     depth = getattr(inside, "depth", 0)
