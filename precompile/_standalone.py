@@ -722,7 +722,6 @@ def standalone_compile(
             "options must be a dict of compile_fx keyword arguments, e.g. "
             f"{{'config_patches': {{...}}}}, got {type(options).__name__}"
         )
-    _check_options(options)
     inductors_random_numbers(options)  # fallback_random, which the build reads, checked first
     _check_fake_mode(None if fake_mode is _ABSENT else fake_mode, dynamic_shapes)
     graph = describe_graph(gm, list(example_inputs), dynamic_shapes)
@@ -762,6 +761,9 @@ def standalone_compile(
     store = resolve_cache(cache)
 
     def build() -> tuple[CompiledArtifact, list[sympy.Expr]]:
+        # on a miss only: reading compile_fx and inductor's config imports them, which a
+        # cache hit never does
+        _check_options(options)
         # Inside a torch.compile backend (from_tracing_context), Dynamo's lower bound of 2
         # keeps calls at 1 away from this graph (it traces 1 apart): no variant at 1 for
         # it. A graph handed over whole (vLLM's range, from_graph) is called at 1.
