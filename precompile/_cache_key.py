@@ -38,6 +38,7 @@ from ._compiler_config import codegen_config_digest
 from ._gemm_policy import POLICY as GEMM_POLICY
 from ._graph import GraphDescription
 from ._kernel_checks import MARK as KERNELS
+from ._precision_policy import POLICY as PRECISION_POLICY
 from ._random_policy import POLICY as RANDOM_POLICY
 from ._repeated_blocks import policy as blocks_policy
 from ._variant_plan import Hints, Sizes, VariantRequest
@@ -152,6 +153,7 @@ def cache_factors(
         "gemm_policy": GEMM_POLICY,
         "repeated_blocks": blocks_policy(),
         "random_ops": RANDOM_POLICY,
+        "precision_casts": PRECISION_POLICY,
         "dynamic_shapes": dynamic_shapes,
         # what Dynamo's global-state guard holds: grad mode (a backward graph or not),
         # autocast per device and dtype, default dtype, deterministic algorithms, matmul
@@ -236,6 +238,7 @@ def model_factors(
         "gemm_policy": GEMM_POLICY,
         "repeated_blocks": blocks_policy(),
         "random_ops": RANDOM_POLICY,
+        "precision_casts": PRECISION_POLICY,
         # grad mode, autocast, default dtype, ...: what Dynamo's global-state guard holds
         # (as JSON, so a miss can name the field that differs)
         "global_state": _canonical(describe_state(trace_state())),

@@ -11,7 +11,10 @@ import json
 import logging
 import os
 import sys
+from collections.abc import Mapping
 from typing import Any
+
+from precompile.runtime import InvalidOptionError
 
 from . import _torch_adapter as adapter
 from ._attention_policy import key_factor as attention_key_factor
@@ -49,6 +52,21 @@ def codegen_config_digest() -> str:
     }
     text = json.dumps(snapshot, sort_keys=True, default=repr)
     return hashlib.sha256(text.encode()).hexdigest()
+
+
+def caller_switch(options: Mapping[str, Any] | None, name: str) -> bool | None:
+    """The caller's True or False for inductor's ``name`` in ``options['config_patches']``,
+    None where they did not set it. Any other value is refused, naming it: inductor would
+    read 0 as False and "False" as True."""
+    patches = options.get("config_patches") if isinstance(options, Mapping) else None
+    if not isinstance(patches, Mapping) or name not in patches:
+        return None
+    value = patches[name]
+    if not isinstance(value, bool):
+        raise InvalidOptionError(
+            f"options['config_patches'][{name!r}] must be True or False, got {value!r:.60}"
+        )
+    return value
 
 
 def inductor_config_changes() -> frozenset[str]:

@@ -60,6 +60,7 @@ from ._environment_reads import reads_environment
 from ._example_call import DynamicSpec, ExampleCall, argument_name, with_distinct_tensors
 from ._model_plan import build_plan
 from ._offline import is_offline, refuse
+from ._precision_policy import check_switch as check_casts_switch
 from ._random_policy import inductors_random_numbers
 from ._variant_plan import Hints, Sizes, check_kinds
 
@@ -571,6 +572,7 @@ def _trace_and_compile(
     from ._standalone import standalone_compile
 
     inductors_random_numbers(options)  # a bad fallback_random is refused before the trace
+    check_casts_switch(options)  # and a bad emulate_precision_casts
 
     leaves = call.leaves
     started = time.perf_counter()

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from precompile.runtime import InvalidOptionError
+from ._compiler_config import caller_switch
 
 # What every variant's compile sets.
 PATCHES: Mapping[str, Any] = {"fallback_random": True}
@@ -39,17 +39,8 @@ POLICY = (
 def inductors_random_numbers(options: Mapping[str, Any] | None) -> bool:
     """Whether the caller's compile options keep inductor's own random numbers (their
     ``config_patches`` set ``fallback_random`` to False): not eager's, by their choice.
-    Any value but True or False there is refused, naming it (inductor would read 0 as
-    False and "False" as True)."""
-    patches = (options or {}).get("config_patches") if isinstance(options, Mapping) else None
-    if not isinstance(patches, Mapping) or "fallback_random" not in patches:
-        return False
-    value = patches["fallback_random"]
-    if not isinstance(value, bool):
-        raise InvalidOptionError(
-            f"options['config_patches']['fallback_random'] must be True or False, got {value!r:.60}"
-        )
-    return value is False
+    Any value but True or False there is refused, naming it."""
+    return caller_switch(options, "fallback_random") is False
 
 
 # Names of the torch functions and Tensor methods that draw (in-place forms end in "_").

@@ -59,6 +59,7 @@ from ._graph_description import DYNAMIC_SHAPES, describe_graph
 from ._graph_name import graph_name
 from ._lean_plan import LeanPlan, lean_plan
 from ._offline import is_offline, refuse
+from ._precision_policy import check_switch as check_casts_switch
 from ._random_policy import graph_draws_random, inductors_random_numbers
 from ._variant_plan import DEFAULT_MAX_VARIANTS, Hints, Sizes, VariantRequest, plan_variants
 
@@ -723,6 +724,7 @@ def standalone_compile(
             f"{{'config_patches': {{...}}}}, got {type(options).__name__}"
         )
     inductors_random_numbers(options)  # fallback_random, which the build reads, checked first
+    check_casts_switch(options)
     _check_fake_mode(None if fake_mode is _ABSENT else fake_mode, dynamic_shapes)
     graph = describe_graph(gm, list(example_inputs), dynamic_shapes)
     symbols = _symbols(graph)

@@ -28,6 +28,7 @@ from ._compiled_payload import InputUse, built_cpp_kernels, input_uses, settle_t
 from ._graph import GraphDescription
 from ._graph_description import symbol_hint
 from ._kernel_checks import raise_index_checks
+from ._precision_policy import PATCHES as PRECISION_PATCHES
 from ._random_policy import PATCHES as RANDOM_PATCHES
 
 log = logging.getLogger("precompile.compile")
@@ -141,7 +142,7 @@ def _compile_context(fake_mode: Any, size_oblivious: bool) -> Iterator[None]:
         # variant is compiled for its own hints instead of reusing an earlier one's code.
         adapter.clear_aot_autograd_cache(build_dir())
         stack.enter_context(adapter.tracing(fake_mode))
-        inductor = {"triton.autotune_at_compile_time": True, **RANDOM_PATCHES}
+        inductor = {"triton.autotune_at_compile_time": True, **RANDOM_PATCHES, **PRECISION_PATCHES}
         stack.enter_context(adapter.patch_inductor_config(inductor))
         stack.enter_context(adapter.patch_functorch_config(patches))
         stack.enter_context(adapter.rewriting_cpp_kernels(_index_checks_raise))

@@ -1,18 +1,21 @@
-"""What compiling repeated blocks once costs at steady state: the docs' Llama with its
-layers outlined (``PRECOMPILE_REPEATED_BLOCKS=1``) against compiled as traced (the
-default), each built in a fresh process, then timed per call in that process (GPU).
+"""What a compile setting costs, on and off: the docs' Llama built under each, in a fresh
+process with empty caches, then timed per call in that process (GPU).
 
-    python benchmarks/blocks.py [--layers 4] [--gemms cublas|templates]
+    python benchmarks/settings.py --setting blocks [--layers 4] [--gemms cublas|templates]
+    python benchmarks/settings.py --setting casts --gemms templates
 
-A piece's edge is a boundary inductor cannot fuse across (pieces run from one layer's
-first matrix product to the next layer's, so the residual add and the next norm stay
-together). Per setting:
+``blocks``: its layers outlined (``PRECOMPILE_REPEATED_BLOCKS=1``) against compiled as
+traced (the default). A piece's edge is a boundary inductor cannot fuse across (pieces
+run from one layer's first matrix product to the next layer's, so the residual add and
+the next norm stay together). ``casts``: fused kernels rounding where eager rounds (the
+default, inductor's ``emulate_precision_casts``) against inductor's fused rounding
+(``options={"config_patches": {"emulate_precision_casts": False}}``). Per setting:
 the build's wall time, then the median ms per call (CUDA events, 3 interleaved rounds of
 20 calls) at sequence lengths 1 (the decode trace), 8, 64 and 512, plain and with CUDA
 graphs (``cudagraphs=True``). ``--gemms cublas`` builds with inductor's default GEMMs
 (no autotuning, minutes less); ``templates`` with precompile's default policy. Then a decode loop
-on a ``StaticCache`` (its own build, then ms per one-token step with CUDA graphs). Writes
-``results/blocks-<device>.json``.
+on a ``StaticCache`` (its own build, then ms per one-token step with CUDA graphs), and
+the largest difference from eager's logits. Writes ``results/<setting>-<device>.json``.
 """
 
 from __future__ import annotations
@@ -30,12 +33,22 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
 
-SETTINGS = {"blocks on": "1", "blocks off": "0"}
+# setting -> row -> (environment, config_patches) of its child process
+SETTINGS: dict[str, dict[str, tuple[dict[str, str], dict[str, Any]]]] = {
+    "blocks": {
+        "blocks on": ({"PRECOMPILE_REPEATED_BLOCKS": "1"}, {}),
+        "blocks off": ({"PRECOMPILE_REPEATED_BLOCKS": "0"}, {}),
+    },
+    "casts": {
+        "casts emulated (default)": ({}, {}),
+        "casts not emulated": ({}, {"emulate_precision_casts": False}),
+    },
+}
 LENGTHS = [1, 8, 64, 512]
 HINTS = [16, 256, 2048]
 
 
-def child(layers: int, gemms: str) -> dict[str, Any]:
+def child(layers: int, gemms: str, patches: dict[str, Any]) -> dict[str, Any]:
     import torch
 
     import precompile
@@ -44,7 +57,9 @@ def child(layers: int, gemms: str) -> dict[str, Any]:
 
     model = llama("issue", "cuda", torch.bfloat16, 4096, layers)
     vocab = model.config.vocab_size
-    options = {"config_patches": {"max_autotune_gemm": False}} if gemms == "cublas" else None
+    if gemms == "cublas":
+        patches = {**patches, "max_autotune_gemm": False}
+    options = {"config_patches": patches} if patches else None
     example = torch.randint(0, vocab, (1, 128), device="cuda")
     started = time.perf_counter()
     with torch.no_grad():
@@ -142,44 +157,47 @@ def _decode_ms(model: Any, options: Any) -> dict[str, Any]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--setting", choices=sorted(SETTINGS), default="blocks")
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--gemms", choices=["cublas", "templates"], default="cublas")
     parser.add_argument("--out", help="the result file (default: benchmarks/results/)")
-    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--child", help=argparse.SUPPRESS)  # the row's config_patches
     args = parser.parse_args()
-    if args.child:
-        print(json.dumps(child(args.layers, args.gemms)))
+    if args.child is not None:
+        print(json.dumps(child(args.layers, args.gemms, json.loads(args.child))))
         return
     from _common import RESULTS, device_slug, environment, table
 
     env = environment("cuda")
-    path = args.out or os.path.join(RESULTS, f"blocks-{device_slug('cuda', env)}.json")
+    slug = device_slug("cuda", env)
+    path = args.out or os.path.join(RESULTS, f"{args.setting}-{slug}.json")
     rows: dict[str, Any] = {}
-    for setting, flag in SETTINGS.items():
-        scratch = tempfile.mkdtemp(prefix="blocks-bench-")
+    for setting, (variables, patches) in SETTINGS[args.setting].items():
+        scratch = tempfile.mkdtemp(prefix="settings-bench-")
         child_env = {
             **os.environ,
-            "PRECOMPILE_REPEATED_BLOCKS": flag,
+            **variables,
             "TORCHINDUCTOR_CACHE_DIR": os.path.join(scratch, "inductor"),
             "TRITON_CACHE_DIR": os.path.join(scratch, "triton"),
             "PRECOMPILE_CACHE_DIR": os.path.join(scratch, "precompile"),
             "PYTHONPATH": os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p),
         }
-        command = [sys.executable, os.path.abspath(__file__), "--child",
+        command = [sys.executable, os.path.abspath(__file__), "--child", json.dumps(patches),
                    "--layers", str(args.layers), "--gemms", args.gemms]  # fmt: skip
         out = subprocess.run(command, capture_output=True, text=True, env=child_env)
         if out.returncode != 0:
             rows[setting] = {"error": (out.stderr.strip().splitlines() or ["?"])[-1][:300]}
         else:
             rows[setting] = json.loads(out.stdout.strip().splitlines()[-1])
-        print(f"[blocks] {setting}: {rows[setting]}", flush=True)
-    document = {"environment": env, "layers": args.layers, "gemms": args.gemms, "rows": rows}
+        print(f"[{args.setting}] {setting}: {rows[setting]}", flush=True)
+    document = {"environment": env, "setting": args.setting, "layers": args.layers,
+                "gemms": args.gemms, "rows": rows}  # fmt: skip
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path, "w", encoding="utf-8") as handle:
         json.dump(document, handle, indent=2)
         handle.write("\n")
     headers = ["setting", "build s", *(f"{m} S={n}" for m in ("plain", "graphs") for n in LENGTHS),
-               "decode build s", "decode step ms"]  # fmt: skip
+               "decode build s", "decode step ms", "max diff vs eager"]  # fmt: skip
     body = []
     for setting, r in rows.items():
         if "error" in r:
@@ -187,7 +205,8 @@ def main() -> None:
             continue
         cells = [r["ms"][m][str(n)] for m in ("plain", "cudagraphs") for n in LENGTHS]
         decode = r["decode"]
-        body.append([setting, r["build_s"], *cells, decode["build_s"], decode["step_ms"]])
+        body.append([setting, r["build_s"], *cells, decode["build_s"], decode["step_ms"],
+                     r["max_abs_diff_vs_eager"]])  # fmt: skip
     print(table(headers, body))
 
 
