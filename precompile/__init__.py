@@ -62,7 +62,7 @@ if TYPE_CHECKING:
 
     from ._backend import backend
     from ._capture import capture_graph
-    from ._generate import GenerateServer, serve_generate
+    from ._generate import GenerateServer, PreparedShapes, serve_generate
     from ._model import compile_model, load_model
     from ._standalone import standalone_compile
     from ._variant_plan import DEFAULT_MAX_VARIANTS
@@ -85,6 +85,7 @@ _LAZY = {
     "backend": "precompile._backend",
     "capture_graph": "precompile._capture",
     "GenerateServer": "precompile._generate",
+    "PreparedShapes": "precompile._generate",
     "serve_generate": "precompile._generate",
     "standalone_compile": "precompile._standalone",
     "DEFAULT_MAX_VARIANTS": "precompile._variant_plan",
@@ -133,6 +134,7 @@ __all__ = [
     "MissExplanation",
     "NoVariantError",
     "PrecompileError",
+    "PreparedShapes",
     "PrunePlan",
     "RemoteStore",
     "Symbol",

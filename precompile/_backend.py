@@ -18,7 +18,7 @@ from precompile.runtime import ArtifactNotFoundError, CompiledArtifact
 from precompile.runtime.compiler_interface import CudaGraphsOption
 
 from ._offline import is_offline
-from ._standalone import CalibrateOption, standalone_compile
+from ._standalone import CalibrateOption, check_policy_switches, standalone_compile
 from ._variant_plan import DEFAULT_MAX_VARIANTS, Hints, Sizes
 
 log = logging.getLogger("precompile.compile")
@@ -47,6 +47,7 @@ def backend(
     ``compile=False`` (or ``PRECOMPILE_OFFLINE=1``): a graph not in the cache raises
     ``ArtifactNotFoundError`` instead of compiling (a server that must never compile).
     """
+    check_policy_switches(options)  # a bad options is named here, not at the first call
 
     def compile_graph(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
         def compiled(store: CacheOption) -> CompiledArtifact:

@@ -29,13 +29,16 @@ import functools
 import inspect
 import logging
 import threading
-from collections.abc import Iterator, Mapping
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
 
 import torch
 
 from precompile.runtime import (
+    ArtifactNotFoundError,
     CompiledModel,
     IndexOutOfRangeError,
     InputMismatchError,
@@ -242,7 +245,7 @@ class GenerateServer:
         self.model = model
         self.dynamic_batch = dynamic_batch
         self.options = dict(options)
-        self.loops = DecodeLoops(model, dynamic_batch, options) if loop else None
+        self.loops = DecodeLoops(model, dynamic_batch) if loop else None
         self._loop_generates = 0
         self._fallbacks: collections.Counter[str] = collections.Counter()
         self._loop_refused: dict[tuple[Any, ...], str] = {}
@@ -255,15 +258,20 @@ class GenerateServer:
         self._lock = threading.RLock()
         self._saved: dict[str, Any] = {}
         self._installed = False
+        self._prepared = False  # prepare() ran: a new structure is no longer expected
+        self._compile_others = True
+        self._unprepared_compiles = 0
 
     @property
     def stats(self) -> dict[str, Any]:
         """``generate`` calls answered by the compiled loop (``loop_generates``) and by
         transformers' loop (``fallbacks``: the count per reason); ``calls``: forward
-        calls served by compiled models."""
+        calls served by compiled models; ``unprepared_compiles``: structures compiled in
+        front of a request after ``prepare``."""
         with self._lock:
             return {"loop_generates": self._loop_generates, "fallbacks": dict(self._fallbacks),
-                    "calls": self.calls}  # fmt: skip
+                    "calls": self.calls,
+                    "unprepared_compiles": self._unprepared_compiles}  # fmt: skip
 
     # -- the hook ----------------------------------------------------------------------
     def __enter__(self) -> GenerateServer:
@@ -340,11 +348,12 @@ class GenerateServer:
                 return found
             if key in self._refused:
                 raise self._refused[key]
+            what = _describe_call(kwargs)
             try:
-                with self._own_forward():
+                with self._own_forward(), self._unless_refused(what) as options:
                     compiled = compile_model(
                         self.model, (), dict(kwargs),
-                        dynamic=_dynamic(kwargs, self.dynamic_batch), **self.options,
+                        dynamic=_dynamic(kwargs, self.dynamic_batch), **options,
                     )  # fmt: skip
             except UnsupportedGraphError as exc:
                 refused = UnsupportedGraphError(_refusal(kwargs, self.dynamic_batch, exc))
@@ -365,6 +374,92 @@ class GenerateServer:
             for name, value in installed.items():
                 setattr(model, name, value)
 
+    @contextlib.contextmanager
+    def _unless_refused(self, what: str) -> Iterator[Mapping[str, Any]]:
+        """compile_model's options for a structure not built yet. After ``prepare`` it is
+        one no request was expected to need: compiled in front of this request with a
+        warning, or, where ``prepare`` said not to compile others, only found in the
+        artifact store (``compile=False``), else refused naming it."""
+        if not self._prepared:
+            yield self.options
+            return
+        if self._compile_others:
+            log.warning(
+                "serve_generate: %s was not prepared; this request waits for its compile", what
+            )
+            self._unprepared_compiles += 1
+            yield self.options
+            return
+        try:
+            yield {**self.options, "compile": False}
+        except ArtifactNotFoundError as exc:
+            raise ArtifactNotFoundError(
+                f"serve_generate: {what} is not among the prepared shapes, and "
+                f"prepare(compile_others=False) compiles nothing in front of a request ({exc})",
+                key=exc.key,
+            ) from exc
+
+    # -- before the first request ------------------------------------------------------
+    def prepare(
+        self,
+        batch_sizes: Sequence[int],
+        prompt_lengths: Sequence[int],
+        *,
+        max_new_tokens: int,
+        compile_others: bool = True,
+        **generate_options: Any,
+    ) -> PreparedShapes:
+        """Build every call structure that requests of these shapes make, before any
+        request: one ``model.generate`` per batch size and prompt length, on made-up
+        prompts of a token that is no special token, with an all-ones attention mask and
+        ``generate_options`` (they choose the structures: pass what your requests pass,
+        ``do_sample`` and the KV cache included; ``max_new_tokens`` sizes the cache that
+        ``cache_implementation="static"`` makes). With ``cudagraphs`` their graphs are
+        captured too. Afterwards a request of a prepared shape compiles nothing; any
+        other compiles in front of its request with a warning (``stats``'
+        ``unprepared_compiles``), or, with ``compile_others=False``, is only looked up
+        in the artifact store and else refused (``ArtifactNotFoundError`` naming it).
+        The caller's random generators are left as they were."""
+        if not self._installed:
+            raise InvalidOptionError("prepare runs inside the serve_generate block")
+        batches = _positive_ints(batch_sizes, "batch_sizes")
+        lengths = _positive_ints(prompt_lengths, "prompt_lengths")
+        (max_new_tokens,) = _positive_ints([max_new_tokens], "max_new_tokens")
+        if not isinstance(compile_others, bool):
+            raise InvalidOptionError(
+                f"compile_others must be True or False, got {compile_others!r}"
+            )
+        given = sorted({"input_ids", "attention_mask", "inputs"} & set(generate_options))
+        if given:
+            raise InvalidOptionError(
+                f"prepare makes the prompts itself (batch_sizes x prompt_lengths); got {given}"
+            )
+        device = _device_of(self.model)
+        token = _plain_token(self.model)
+        with self._lock:
+            before = len(self.compiled) + (len(self.loops.compiled) if self.loops else 0)
+        started = time.perf_counter()
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            for batch in batches:
+                # the longest first: the static cache transformers sizes for it is kept for
+                # this model and serves the shorter ones (no cache length of their own)
+                for length in sorted(lengths, reverse=True):
+                    ids = torch.full((batch, length), token, dtype=torch.long, device=device)
+                    self.model.generate(
+                        input_ids=ids, attention_mask=torch.ones_like(ids),
+                        max_new_tokens=max_new_tokens, **generate_options,
+                    )  # fmt: skip
+        with self._lock:
+            after = len(self.compiled) + (len(self.loops.compiled) if self.loops else 0)
+            self._prepared = True
+            self._compile_others = compile_others
+        prepared = PreparedShapes(
+            tuple((b, n) for b in batches for n in lengths), after - before,
+            time.perf_counter() - started,
+        )  # fmt: skip
+        log.info("serve_generate: prepared %s", prepared)
+        return prepared
+
     # -- generate on the compiled loop (loop=True) --------------------------------------
     def _generate(self, *args: Any, **kwargs: Any) -> Any:
         assert self.loops is not None
@@ -377,9 +472,11 @@ class GenerateServer:
             if compiled is None and key in self._loop_refused:
                 return self._transformers_loop(self._loop_refused[key], args, kwargs)
             if compiled is None:
+                what = (f"the compiled loop of batch {int(request.input_ids.shape[0])}, KV "
+                        f"cache length {request.capacity}")  # fmt: skip
                 try:
-                    with self._own_forward():
-                        compiled = self.loops.compile(key, request)
+                    with self._own_forward(), self._unless_refused(what) as options:
+                        compiled = self.loops.compile(key, request, options)
                 except UnsupportedGraphError as exc:
                     why = "the decode loop could not be compiled"
                     log.info("serve_generate: %s (%s); transformers' loop runs these calls",
@@ -445,18 +542,65 @@ def _tokens_in_vocabulary(model: torch.nn.Module, kwargs: Mapping[str, Any]) -> 
 
 def _refusal(kwargs: Mapping[str, Any], dynamic_batch: bool, error: Exception) -> str:
     """Which of generate's calls could not be compiled, and why."""
-    ids = kwargs.get("input_ids")
-    phase = "call"
-    if isinstance(ids, torch.Tensor) and ids.dim() == 2:
-        phase = "decode step" if int(ids.shape[1]) == 1 else "prefill"
-    names = ", ".join(sorted(kwargs))
-    message = f"serve_generate could not compile generate's {phase} (a call of {names}): {error}"
+    message = f"serve_generate could not compile {_describe_call(kwargs)}: {error}"
     if dynamic_batch:
         message += (
             "; serve_generate(dynamic_batch=False) compiles each batch size apart, where "
             "the model's code fixes the batch"
         )
     return message
+
+
+def _describe_call(kwargs: Mapping[str, Any]) -> str:
+    """One of generate's forward calls, as a log or an error names it."""
+    ids = kwargs.get("input_ids")
+    phase = "call"
+    if isinstance(ids, torch.Tensor) and ids.dim() == 2:
+        phase = "decode step" if int(ids.shape[1]) == 1 else "prefill"
+        phase += f" of batch {int(ids.shape[0])}"
+    return f"generate's {phase} (a call of {', '.join(sorted(kwargs))})"
+
+
+@dataclass(frozen=True)
+class PreparedShapes:
+    """What ``GenerateServer.prepare`` built: the (batch, prompt length) shapes it ran,
+    the call structures it compiled or loaded (``structures``; 0 where an earlier
+    prepare or request had built them all) and the seconds it took."""
+
+    shapes: tuple[tuple[int, int], ...]
+    structures: int
+    seconds: float
+
+
+def _positive_ints(values: Any, name: str) -> list[int]:
+    """``values`` as a non-empty list of ints of at least 1, else refused naming it."""
+    if isinstance(values, (int, str, bytes)) or not isinstance(values, Sequence) or not values:
+        raise InvalidOptionError(f"{name} must be a non-empty list of ints, got {values!r:.80}")
+    for value in values:
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise InvalidOptionError(f"{name} must hold ints of at least 1, got {value!r:.40}")
+    return list(values)
+
+
+def _device_of(model: torch.nn.Module) -> torch.device:
+    for tensor in (*model.parameters(), *model.buffers()):
+        return tensor.device
+    return torch.device("cpu")
+
+
+def _plain_token(model: torch.nn.Module) -> int:
+    """The smallest token id that is none of the model's special tokens (pad, EOS, BOS,
+    decoder start): a made-up prompt of it is never masked nor ends generation."""
+    special: set[int] = set()
+    for config in (getattr(model, "generation_config", None), getattr(model, "config", None)):
+        for field in ("pad_token_id", "eos_token_id", "bos_token_id", "decoder_start_token_id"):
+            value = getattr(config, field, None)
+            values = value if isinstance(value, (list, tuple)) else [value]
+            special.update(v for v in values if isinstance(v, int))
+    token = 0
+    while token in special:
+        token += 1
+    return token
 
 
 _OPTIONS = frozenset(

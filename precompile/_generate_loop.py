@@ -195,10 +195,9 @@ def _defaults(config_type: type) -> Mapping[str, Any]:
 class DecodeLoops:
     """The compiled loop models and KV caches of one ``serve_generate`` block."""
 
-    def __init__(self, model: torch.nn.Module, dynamic_batch: bool, options: Mapping[str, Any]):
+    def __init__(self, model: torch.nn.Module, dynamic_batch: bool):
         self.model = model
         self.dynamic_batch = dynamic_batch
-        self.options = dict(options)
         self.compiled: dict[tuple[Any, ...], Any] = {}
         self._free: dict[tuple[Any, ...], list[Any]] = {}
 
@@ -215,10 +214,12 @@ class DecodeLoops:
         ids = request.input_ids
         return (int(ids.shape[0]), request.capacity, ids.dtype, str(ids.device))
 
-    def compile(self, key: tuple[Any, ...], request: LoopRequest) -> Any:
+    def compile(
+        self, key: tuple[Any, ...], request: LoopRequest, options: Mapping[str, Any]
+    ) -> Any:
         """The loop model for ``key``: ``compile_model`` of a keyword call of
         ``input_ids`` (sequence dim dynamic; the batch too with ``dynamic_batch``) and a
-        ``StaticCache`` of the request's capacity."""
+        ``StaticCache`` of the request's capacity, with compile_model's ``options``."""
         from ._model import compile_model
 
         ids = request.input_ids
@@ -227,7 +228,7 @@ class DecodeLoops:
         call = {"input_ids": example, "past_key_values": self._new_cache(request.capacity),
                 "use_cache": True}  # fmt: skip
         dynamic: dict[int | str, list[int]] = {"input_ids": [0, 1] if self.dynamic_batch else [1]}
-        compiled = compile_model(self.model, (), call, dynamic=dynamic, **self.options)
+        compiled = compile_model(self.model, (), call, dynamic=dynamic, **options)
         self.compiled[key] = compiled
         return compiled
 

@@ -60,7 +60,6 @@ from ._environment_reads import reads_environment
 from ._example_call import DynamicSpec, ExampleCall, argument_name, with_distinct_tensors
 from ._model_plan import build_plan
 from ._offline import is_offline, refuse
-from ._precision_policy import check_switch as check_casts_switch
 from ._random_policy import inductors_random_numbers
 from ._variant_plan import Hints, Sizes, check_kinds
 
@@ -569,10 +568,9 @@ def _trace_and_compile(
     # none of it.
     from . import _torch_adapter as adapter
     from ._model_trace import trace_model
-    from ._standalone import standalone_compile
+    from ._standalone import check_policy_switches, standalone_compile
 
-    inductors_random_numbers(options)  # a bad fallback_random is refused before the trace
-    check_casts_switch(options)  # and a bad emulate_precision_casts
+    check_policy_switches(options)  # a bad fallback_random, say, is refused before the trace
 
     leaves = call.leaves
     started = time.perf_counter()

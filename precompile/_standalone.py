@@ -600,6 +600,19 @@ def _check_upstream_arguments(arguments: Mapping[str, Any]) -> None:
             )
 
 
+def check_policy_switches(options: Mapping[str, Any] | None) -> None:
+    """What is checked of ``options`` before anything else, cache hit or not: that it is
+    a dict, and the policies' switches in its ``config_patches`` (``fallback_random``,
+    ``emulate_precision_casts``: True or False, which a hit's key holds too)."""
+    if options is not None and not isinstance(options, Mapping):
+        raise InvalidOptionError(
+            "options must be a dict of compile_fx keyword arguments, e.g. "
+            f"{{'config_patches': {{...}}}}, got {type(options).__name__}"
+        )
+    inductors_random_numbers(options)
+    check_casts_switch(options)
+
+
 def _check_options(options: Mapping[str, Any] | None) -> None:
     """compile_fx's keywords and inductor's config entries, checked before any compile
     (inductor would fail on a misspelt one in the middle of the first variant's)."""
@@ -718,13 +731,7 @@ def standalone_compile(
         raise InvalidOptionError(
             f"dynamic_shapes must be one of {DYNAMIC_SHAPES}, got {dynamic_shapes!r}"
         )
-    if options is not None and not isinstance(options, Mapping):
-        raise InvalidOptionError(
-            "options must be a dict of compile_fx keyword arguments, e.g. "
-            f"{{'config_patches': {{...}}}}, got {type(options).__name__}"
-        )
-    inductors_random_numbers(options)  # fallback_random, which the build reads, checked first
-    check_casts_switch(options)
+    check_policy_switches(options)
     _check_fake_mode(None if fake_mode is _ABSENT else fake_mode, dynamic_shapes)
     graph = describe_graph(gm, list(example_inputs), dynamic_shapes)
     symbols = _symbols(graph)

@@ -84,3 +84,5 @@ def test_the_opt_out_takes_true_or_false_only(model: torch.nn.Module, value: obj
         with pytest.raises(precompile.InvalidOptionError, match=match):
             precompile.standalone_compile(captured.gm, captured.example_inputs,
                                           options=options, cache=False)  # fmt: skip
+    with pytest.raises(precompile.InvalidOptionError, match=match):  # when made, not called
+        precompile.backend(options=options)

@@ -256,6 +256,61 @@ def test_generate_is_served_by_compiled_models(arch: str, cache_dir: str) -> Non
     assert 2 <= len(served.compiled) <= 6  # prefill and decode, per cache length
 
 
+def test_a_prepared_server_compiles_nothing_in_front_of_a_request(cache_dir: str) -> None:
+    """``served.prepare`` builds the structures requests of the declared shapes make;
+    afterwards those requests compile nothing (counted), answer as eager, and an
+    undeclared shape is refused with ``compile_others=False`` instead of compiled in
+    front of its request. Preparing leaves the caller's generator alone. (The store is
+    this module's: after the test above, prepare loads what it compiled.)"""
+    from precompile import _variant_compile
+
+    model = build("llama")
+    options = dict(max_new_tokens=STEPS, do_sample=False, cache_implementation="static",
+                   pad_token_id=0)  # fmt: skip
+    torch.manual_seed(6)
+    prompts = [torch.randint(1, VOCAB, (1, 7)), torch.randint(1, VOCAB, (1, 4))]
+    with torch.no_grad():
+        expected = [model.generate(p, **options) for p in prompts]
+        vars(model).pop("_previous_max_cache_length", None)
+        compiles: list[int] = []
+        real = _variant_compile.compile_variant
+
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            compiles.append(1)
+            return real(*args, **kwargs)
+
+        state = torch.random.get_rng_state()
+        with (
+            precompile.serve_generate(model, hints=[8], cache=cache_dir) as served,
+            pytest.MonkeyPatch.context() as patch,
+        ):
+            patch.setattr(_variant_compile, "compile_variant", counted)
+            prepared = served.prepare([1], [7], compile_others=False, **options)
+            assert torch.equal(torch.random.get_rng_state(), state)
+            assert prepared.shapes == ((1, 7),) and prepared.structures >= 2
+            compiles.clear()
+            got = [model.generate(p, **options) for p in prompts]
+            assert compiles == [] and served.stats["unprepared_compiles"] == 0
+            with pytest.raises(precompile.ArtifactNotFoundError, match="not among the prepared"):
+                model.generate(torch.randint(1, VOCAB, (3, 7)), **options)
+            assert compiles == []
+    assert all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))
+
+
+def test_prepare_refuses_what_it_cannot_run() -> None:
+    model = build("llama")
+    with precompile.serve_generate(model, hints=[8], cache=False) as served:
+        for bad in ([], [0], [2.0], 3, [True]):
+            with pytest.raises(precompile.InvalidOptionError, match="batch_sizes"):
+                served.prepare(bad, [7], max_new_tokens=4)  # type: ignore[arg-type]
+        with pytest.raises(precompile.InvalidOptionError, match="makes the prompts itself"):
+            served.prepare([1], [7], max_new_tokens=4, input_ids=torch.ones(1, 7))
+        with pytest.raises(precompile.InvalidOptionError, match="compile_others"):
+            served.prepare([1], [7], max_new_tokens=4, compile_others="no")  # type: ignore[arg-type]
+    with pytest.raises(precompile.InvalidOptionError, match="inside the serve_generate block"):
+        served.prepare([1], [7], max_new_tokens=4)
+
+
 def test_serve_generate_names_the_static_cache_a_dynamic_one_needs() -> None:
     """``generate`` without a static cache passes a growing cache: refused before any
     compile, saying what to pass; the model is itself again after the block."""

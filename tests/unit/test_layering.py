@@ -283,9 +283,10 @@ INTERNAL_SUBJECTS = {
     "tests/compile/test_cudagraphs.py": {"precompile.runtime._cudagraphs"},
     # the decode loop driven by a plain callable: a refusal checked without a compile;
     # serve_generate's routing keys compared with its per-step signatures; step-graph keys
-    # made from Sampling values
+    # made from Sampling values; a prepared server's requests counted by compile_variant
     "tests/models/test_decode.py": {
         "precompile._generate",
+        "precompile._variant_compile",
         "precompile.runtime._cudagraphs",
         "precompile.runtime._decode_loop",
         "precompile.runtime._sampling",

@@ -103,13 +103,13 @@ def test_kept_caches_follow_the_batch_a_dynamic_batch_model_serves(model: Any) -
     """With ``dynamic_batch`` one compiled loop serves every batch size, but a KV cache
     holds one sequence per row: a block's kept cache of batch 1 was handed to a batch of
     2, which the loop refused, so every batch size after the first fell back."""
-    loops = DecodeLoops(model, True, {})
+    loops = DecodeLoops(model, True)
     one, two = (loop_request(model, (torch.randint(3, VOCAB, (b, 4)),),
                              {**STATIC, "max_new_tokens": 2}) for b in (1, 2))  # fmt: skip
     assert isinstance(one, LoopRequest) and isinstance(two, LoopRequest)
     assert loops.key(one) == loops.key(two)
     assert loops.cache_key(one) != loops.cache_key(two)
-    fixed = DecodeLoops(model, False, {})
+    fixed = DecodeLoops(model, False)
     assert fixed.key(one) != fixed.key(two)
 
 
