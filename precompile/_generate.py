@@ -28,6 +28,7 @@ import contextlib
 import functools
 import inspect
 import logging
+import operator
 import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
@@ -261,6 +262,9 @@ class GenerateServer:
         self._prepared = False  # prepare() ran: a new structure is no longer expected
         self._compile_others = True
         self._unprepared_compiles = 0
+        self._preparing = threading.local()  # set in the thread running prepare()
+        # transformers' kept static cache length after prepare (a refused request moved it)
+        self._prepared_cache_length: Any = None
 
     @property
     def stats(self) -> dict[str, Any]:
@@ -380,7 +384,7 @@ class GenerateServer:
         one no request was expected to need: compiled in front of this request with a
         warning, or, where ``prepare`` said not to compile others, only found in the
         artifact store (``compile=False``), else refused naming it."""
-        if not self._prepared:
+        if not self._prepared or getattr(self._preparing, "active", False):
             yield self.options
             return
         if self._compile_others:
@@ -393,6 +397,9 @@ class GenerateServer:
         try:
             yield {**self.options, "compile": False}
         except ArtifactNotFoundError as exc:
+            # transformers kept the refused request's longer cache length for this model:
+            # put the prepared one back, or every later request would miss it too
+            _set_kept_cache_length(self.model, self._prepared_cache_length)
             raise ArtifactNotFoundError(
                 f"serve_generate: {what} is not among the prepared shapes, and "
                 f"prepare(compile_others=False) compiles nothing in front of a request ({exc})",
@@ -424,7 +431,7 @@ class GenerateServer:
             raise InvalidOptionError("prepare runs inside the serve_generate block")
         batches = _positive_ints(batch_sizes, "batch_sizes")
         lengths = _positive_ints(prompt_lengths, "prompt_lengths")
-        (max_new_tokens,) = _positive_ints([max_new_tokens], "max_new_tokens")
+        (max_new_tokens,) = _positive_ints([max_new_tokens], "max_new_tokens", scalar=True)
         if not isinstance(compile_others, bool):
             raise InvalidOptionError(
                 f"compile_others must be True or False, got {compile_others!r}"
@@ -434,25 +441,48 @@ class GenerateServer:
             raise InvalidOptionError(
                 f"prepare makes the prompts itself (batch_sizes x prompt_lengths); got {given}"
             )
+        caches = [v for v in generate_options.values() if is_kv_cache(v)]
+        for cache in caches:
+            if _cache_tokens(cache):
+                raise InvalidOptionError(
+                    f"prepare takes an empty KV cache; the {type(cache).__name__} given holds "
+                    f"{_cache_tokens(cache)} tokens (reset() it, as a request would need)"
+                )
         device = _device_of(self.model)
         token = _plain_token(self.model)
+        kept = vars(self.model).get(_KEPT_CACHE_LENGTH)
         with self._lock:
             before = len(self.compiled) + (len(self.loops.compiled) if self.loops else 0)
+            counters = (self.calls, self._loop_generates, collections.Counter(self._fallbacks))
         started = time.perf_counter()
-        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-            for batch in batches:
-                # the longest first: the static cache transformers sizes for it is kept for
-                # this model and serves the shorter ones (no cache length of their own)
-                for length in sorted(lengths, reverse=True):
-                    ids = torch.full((batch, length), token, dtype=torch.long, device=device)
-                    self.model.generate(
-                        input_ids=ids, attention_mask=torch.ones_like(ids),
-                        max_new_tokens=max_new_tokens, **generate_options,
-                    )  # fmt: skip
+        self._preparing.active = True
+        try:
+            with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+                for batch in batches:
+                    # the longest first: the static cache transformers sizes for it is kept
+                    # for this model and serves the shorter ones (no cache length of their own)
+                    for length in sorted(lengths, reverse=True):
+                        ids = torch.full((batch, length), token, dtype=torch.long, device=device)
+                        try:
+                            self.model.generate(
+                                input_ids=ids, attention_mask=torch.ones_like(ids),
+                                max_new_tokens=max_new_tokens, **generate_options,
+                            )  # fmt: skip
+                        finally:
+                            for cache in caches:  # the caller's cache, left as it was
+                                cache.reset()
+        except BaseException:
+            _set_kept_cache_length(self.model, kept)  # a failed prepare changes nothing
+            raise
+        finally:
+            self._preparing.active = False
+            with self._lock:  # prepare's own runs are not requests
+                self.calls, self._loop_generates, self._fallbacks = counters
         with self._lock:
             after = len(self.compiled) + (len(self.loops.compiled) if self.loops else 0)
             self._prepared = True
             self._compile_others = compile_others
+            self._prepared_cache_length = vars(self.model).get(_KEPT_CACHE_LENGTH)
         prepared = PreparedShapes(
             tuple((b, n) for b in batches for n in lengths), after - before,
             time.perf_counter() - started,
@@ -572,14 +602,42 @@ class PreparedShapes:
     seconds: float
 
 
-def _positive_ints(values: Any, name: str) -> list[int]:
-    """``values`` as a non-empty list of ints of at least 1, else refused naming it."""
-    if isinstance(values, (int, str, bytes)) or not isinstance(values, Sequence) or not values:
+def _positive_ints(values: Any, name: str, *, scalar: bool = False) -> list[int]:
+    """``values`` as a non-empty list of ints of at least 1 (numpy's ints too), else
+    refused naming it; ``scalar``: ``values`` holds the one value of an int argument."""
+    wanted = "an int" if scalar else "ints"
+    if isinstance(values, (str, bytes)) or not isinstance(values, Sequence) or not values:
         raise InvalidOptionError(f"{name} must be a non-empty list of ints, got {values!r:.80}")
+    found: list[int] = []
     for value in values:
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise InvalidOptionError(f"{name} must hold ints of at least 1, got {value!r:.40}")
-    return list(values)
+        try:
+            number = operator.index(value) if not isinstance(value, bool) else 0
+        except TypeError:
+            number = 0
+        if number < 1:
+            raise InvalidOptionError(f"{name} must be {wanted} of at least 1, got {value!r:.40}")
+        found.append(number)
+    return found
+
+
+_KEPT_CACHE_LENGTH = "_previous_max_cache_length"  # transformers' kept static cache length
+
+
+def _set_kept_cache_length(model: torch.nn.Module, length: Any) -> None:
+    """Put transformers' kept static cache length of ``model`` back to ``length``."""
+    if length is None:
+        vars(model).pop(_KEPT_CACHE_LENGTH, None)
+    else:
+        setattr(model, _KEPT_CACHE_LENGTH, length)
+
+
+def _cache_tokens(cache: Any) -> int:
+    """The tokens a KV cache holds (0 where it cannot say)."""
+    length = getattr(cache, "get_seq_length", None)
+    try:
+        return int(length()) if callable(length) else 0
+    except Exception:  # a cache of another kind: the compile says what is wrong with it
+        return 0
 
 
 def _device_of(model: torch.nn.Module) -> torch.device:

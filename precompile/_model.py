@@ -645,7 +645,7 @@ def _trace_and_compile(
         state.put_back(python_state)
         state.restore()
     state.check()
-    plan = build_plan(model, call, trace, advanced)
+    plan = build_plan(model, call, trace, advanced, dims)
     if reads_environment(trace.guards):
         plan = dataclasses.replace(
             plan, trace_read=_with_environment(model, call, state, plan.trace_read)

@@ -10,7 +10,7 @@ process runs the graph with no trace.
 from __future__ import annotations
 
 import inspect
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -20,6 +20,7 @@ from precompile.runtime.compiler_interface import (
     KV_CACHE_FIELDS,
     KVCacheLayout,
     ModelPlan,
+    UnboundTensor,
     class_path,
     describe_kv_cache,
     file_digest,
@@ -64,11 +65,16 @@ def _token_source(
 
 
 def build_plan(
-    model: torch.nn.Module, call: ExampleCall, trace: Any, advanced: Mapping[int, list[int]]
+    model: torch.nn.Module,
+    call: ExampleCall,
+    trace: Any,
+    advanced: Mapping[int, list[int]],
+    dims: Mapping[int, Collection[int]],
 ) -> ModelPlan:
     """How the traced ``call`` maps onto the graph: found by identity, since Dynamo hands
     the backend the real parameters, buffers, argument tensors and KV cache tensors.
-    ``advanced``: by how many tokens the traced call advanced each KV cache's layers."""
+    ``advanced``: by how many tokens the traced call advanced each KV cache's layers;
+    ``dims``: the call's dynamic dims per leaf."""
     leaves = call.leaves
     names: dict[int, tuple[str, Any]] = {}
     for name, tensor in model.named_buffers(remove_duplicate=False):
@@ -152,6 +158,9 @@ def build_plan(
          if path == "cache_position" and isinstance(leaves[i], torch.Tensor)),
         None,
     ) if kv_caches else None  # fmt: skip
+    # a cache_position argument is checked against the tokens the call writes (its
+    # length follows them, whichever dims the call made dynamic): not held to its trace
+    unbound = {i: s for i, s in _unbound(leaves, bindings, dims).items() if i != position}
     files = {path: digest for path in sorted(trace.traced_files) if (digest := file_digest(path))}
     return ModelPlan(
         model_class=class_path(model),
@@ -170,7 +179,32 @@ def build_plan(
         trace_read=trace_read(
             model, call.args, call.kwargs, trace.guards, trace.traced_code, trace.wrapper
         ),
+        unbound=unbound,
     )
+
+
+def _unbound(
+    leaves: Sequence[Any], bindings: Sequence[tuple[str, Any]], dims: Mapping[int, Collection[int]]
+) -> dict[int, UnboundTensor]:
+    """The tensor leaves no graph input is bound to, as traced. A dynamic dim of one whose
+    traced size a bound leaf's dynamic dim shares is tied to that dim: Dynamo gave the two
+    one symbol (duck sizing) and guards them equal."""
+    bound = [target for kind, target in bindings if kind == "leaf"]
+    carriers: dict[int, tuple[int, int]] = {}
+    for leaf in bound:
+        for dim in sorted(dims.get(leaf, ())):
+            carriers.setdefault(int(leaves[leaf].shape[dim]), (leaf, dim))
+    found: dict[int, UnboundTensor] = {}
+    for index, leaf in enumerate(leaves):
+        if not isinstance(leaf, torch.Tensor) or index in bound:
+            continue
+        tied = {
+            dim: carriers[int(leaf.shape[dim])]
+            for dim in dims.get(index, ())
+            if int(leaf.shape[dim]) in carriers
+        }
+        found[index] = UnboundTensor.of(leaf, tied)
+    return found
 
 
 def _size_source(manifest: Any, index: int, bindings: Sequence[tuple[str, Any]]) -> tuple[int, int]:

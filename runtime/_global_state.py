@@ -1,8 +1,11 @@
 """The process-wide state a trace reads: what Dynamo's global-state guard checks (grad
 mode, autocast per device with its dtype, default dtype, deterministic algorithms,
-matmul precision, torch-function state) and the torch-function mode stack Dynamo guards
-beside it. Inference mode is grad mode off to these guards (and to inductor's and
-AOTAutograd's cache keys): a graph compiled under ``no_grad`` serves ``inference_mode``.
+matmul precision, torch-function state), the torch-function mode stack Dynamo guards
+beside it, and the torch-dispatch mode stack (a mode active at a call sees the aten ops
+eager runs, not a compiled kernel's: a mode that changes results was served the compiled
+values, 100 off, until a call under one was refused). Inference mode is grad mode off
+to these guards (and to inductor's and AOTAutograd's cache keys): a graph compiled
+under ``no_grad`` serves ``inference_mode``.
 
 A graph traced under ``torch.autocast`` holds bf16 ops; one traced with grad enabled
 holds a backward. So this state is a factor of every cache key (the backend's, the
@@ -51,6 +54,14 @@ def _mode_stack() -> list[str]:
     ]
 
 
+def _dispatch_stack() -> list[str]:
+    count = torch._C._len_torch_dispatch_stack()
+    return [
+        f"{type(m).__module__}.{type(m).__qualname__}"
+        for m in (torch._C._get_dispatch_stack_at(i) for i in range(count))
+    ]
+
+
 def trace_state() -> dict[str, Any]:
     """The state now, as JSON: what a key holds and a compiled model checks."""
     guard = _guard_state()
@@ -76,6 +87,7 @@ def trace_state() -> dict[str, Any]:
         ],
         "torch_function": [guard.get("torch_function"), guard.get("torch_function_all_disabled")],
         "torch_function_modes": _mode_stack(),
+        "torch_dispatch_modes": _dispatch_stack(),
         # the raw guard state (less the thread count): what the per-call check loads
         "guard": {k: v for k, v in guard.items() if k != _THREADS},
     }
@@ -91,12 +103,13 @@ class StateCheck:
     the common case; a failure is explained field by field (or passes, where only the
     thread count moved: the guard is then rebuilt for it)."""
 
-    __slots__ = ("_guard", "_hooks", "_modes", "_recorded", "_where")
+    __slots__ = ("_dispatch", "_guard", "_hooks", "_modes", "_recorded", "_where")
 
     def __init__(self, recorded: Mapping[str, Any], where: str) -> None:
         self._recorded = dict(recorded)
         self._where = where
         self._modes = bool(recorded.get("torch_function_modes"))
+        self._dispatch = bool(recorded.get("torch_dispatch_modes"))
         self._hooks = "saved_tensors_hooks" in recorded
         self._guard: Any = None
         self._rebuild()
@@ -121,7 +134,9 @@ class StateCheck:
             guard is not None
             and guard.check()
             and torch._C._len_torch_function_stack() == 0
+            and torch._C._len_torch_dispatch_stack() == 0
             and not self._modes
+            and not self._dispatch
             and not (
                 self._hooks
                 and (torch._C._autograd._top_saved_tensors_default_hooks(False) is not None)
@@ -133,12 +148,17 @@ class StateCheck:
 
     def _slow_check(self) -> None:
         now = trace_state()
-        differing = [k for k in describe(self._recorded) if self._recorded[k] != now.get(k)]
+        differing = [
+            k
+            for k in {**describe(self._recorded), "torch_dispatch_modes": []}
+            if self._recorded.get(k, []) != now.get(k)
+        ]
         if not differing:
             self._rebuild()  # the thread count moved, or the raw record is another torch's
             return
         said = "; ".join(
-            f"{k} is {now.get(k)!r}, compiled under {self._recorded[k]!r}" for k in differing
+            f"{k} is {now.get(k)!r}, compiled under {self._recorded.get(k, [])!r}"
+            for k in differing
         )
         raise InputMismatchError(
             f"{self._where} was traced under other global state: {said}. Call it under the "

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import os
 import re
 from collections.abc import Hashable, Mapping, Sequence
@@ -65,13 +66,25 @@ from ._model_guards import BoundGuards, TraceRead
 from ._model_identity import check_identity, class_path, file_digest
 from ._process_groups import this_rank
 from ._sampling import Sampling
+from ._unbound import UnboundTensor
 
 log = logging.getLogger("precompile.runtime")
 PLAN_FORMAT = "precompile-model-plan"
-# 2: the trace's guards and global state (``trace_read``); a plan of version 1 is
-# stale (compile_model compiles again; load_model refuses it)
-PLAN_VERSION = 2
+# 2: the trace's guards and global state (``trace_read``); 3: tensor arguments the graph
+# does not take (``unbound``). A plan of an older version is stale (compile_model
+# compiles again; load_model refuses it)
+PLAN_VERSION = 3
 _CONSTANT_TYPES = (bool, int, float, str, type(None))
+
+
+def _same_constant(got: Any, traced: Any) -> bool:
+    """Whether a non-tensor argument is the traced one: floats by sign too (a forward
+    may read the sign of -0.0, which equals 0.0) and NaN as NaN."""
+    if type(traced) is float:
+        if math.isnan(traced):
+            return math.isnan(got)
+        return bool(got == traced and math.copysign(1.0, got) == math.copysign(1.0, traced))
+    return bool(got == traced)
 
 
 @dataclass(frozen=True)
@@ -106,6 +119,8 @@ class ModelPlan:
     # ({"ones", "manifest", "plan"}): built into compiled models where a plan is bound.
     lengths: tuple[tuple[int, int], ...] = ()
     pieces: tuple[Mapping[str, Any], ...] = ()
+    # tensor argument leaves the graph does not take, as traced (``_unbound``)
+    unbound: Mapping[int, UnboundTensor] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -127,6 +142,7 @@ class ModelPlan:
             "trace_read": None if self.trace_read is None else self.trace_read.to_json(),
             "lengths": [list(place) for place in self.lengths],
             "pieces": [dict(piece) for piece in self.pieces],
+            "unbound": [[leaf, spec.to_json()] for leaf, spec in sorted(self.unbound.items())],
         }
 
     @staticmethod
@@ -240,7 +256,19 @@ class ModelPlan:
             trace_read=TraceRead.from_json(value.get("trace_read")),
             lengths=_lengths_from_json(value.get("lengths", []), where),
             pieces=_pieces_from_json(value.get("pieces", []), where),
+            unbound=_unbound_from_json(value.get("unbound"), where),
         )
+
+
+def _unbound_from_json(value: Any, where: str) -> dict[int, UnboundTensor]:
+    if not isinstance(value, list) or len(value) > 4096:
+        raise CorruptArtifactError(f"{where} field unbound is malformed")
+    found: dict[int, UnboundTensor] = {}
+    for pair in value:
+        if not (isinstance(pair, list) and len(pair) == 2 and type(pair[0]) is int):
+            raise CorruptArtifactError(f"{where} field unbound is malformed")
+        found[pair[0]] = UnboundTensor.from_json(pair[1], f"{where} unbound leaf {pair[0]}")
+    return found
 
 
 def _lengths_from_json(value: Any, where: str) -> tuple[tuple[int, int], ...]:
@@ -578,13 +606,22 @@ class CompiledModel:
         artifact and the cache guard check those): the compiled constants, the mode,
         global state, hooks and what the trace read of the model."""
         for index, value in self.plan.constants.items():
-            if type(leaves[index]) is not type(value) or leaves[index] != value:
+            if type(leaves[index]) is not type(value) or not _same_constant(leaves[index], value):
                 raise InputMismatchError(
                     f"argument leaf {index} is {leaves[index]!r}, but the model was compiled "
                     f"for {value!r}; compile again for that value",
                     input_name=str(self._names[index]),
                     expected=value,
                     got=leaves[index],
+                )
+        for index, spec in self.plan.unbound.items():
+            failure = spec.failure(leaves[index], leaves)
+            if failure is not None:
+                raise InputMismatchError(
+                    f"{self._names[index]} {failure}: the compiled graph does not take it, "
+                    "yet the trace may have read it (Dynamo's tensor guard checks this), so "
+                    "it is held to what the trace saw; compile again for it",
+                    input_name=str(self._names[index]),
                 )
         if self.model.training != self.plan.training:
             mode = "train()" if self.model.training else "eval()"

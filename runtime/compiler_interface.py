@@ -63,6 +63,7 @@ if TYPE_CHECKING:
     from ._process_groups import this_rank
     from ._relocate import dotted_name, move_refusal
     from ._torch_adapter import tree_flatten, tree_unflatten, treespec_to_json
+    from ._unbound import UnboundTensor
     from ._unpacked_format import read_unpacked, sign_unpacked
 
 _LAZY = {
@@ -83,6 +84,7 @@ _LAZY = {
     "ProcessGroupSpec": "._manifest",
     "TensorInput": "._manifest",
     "TraceRead": "._model_guards",
+    "UnboundTensor": "._unbound",
     "TritonLaunch": "._manifest",
     "Unencodable": "._model_guards",
     "build_dir": "._build_dir",
@@ -154,6 +156,7 @@ __all__ = [
     "TensorInput",
     "TraceRead",
     "TritonLaunch",
+    "UnboundTensor",
     "Unencodable",
     "build_dir",
     "canonical_digest",

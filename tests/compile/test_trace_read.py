@@ -11,11 +11,13 @@ binding are refused at its next call.
 
 from __future__ import annotations
 
+import math
 import os
 from typing import Any
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import precompile
 from precompile.runtime import compiler_interface
@@ -294,6 +296,73 @@ def test_hooks_on_the_model_itself_are_refused(compiled: dict[str, Any]) -> None
         handle.remove()
     with torch.no_grad():
         torch.testing.assert_close(bound(x), compiled["model"](x))
+
+
+class _AddsToProducts(TorchDispatchMode):
+    """A dispatch mode that changes what a product returns: eager runs it, a compiled
+    kernel would not."""
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        return out + 100 if func is torch.ops.aten.mul.Tensor else out
+
+
+def test_a_call_under_a_dispatch_mode_is_refused(compiled: dict[str, Any]) -> None:
+    """A hostile probe's call under a TorchDispatchMode was served the compiled values,
+    100 off eager's (the mode sees eager's aten ops, not a compiled kernel's)."""
+    with (
+        torch.no_grad(),
+        _AddsToProducts(),
+        pytest.raises(precompile.InputMismatchError, match="torch_dispatch_modes"),
+    ):
+        compiled["compiled"](_example())
+
+
+class _SignOf(torch.nn.Module):
+    def forward(self, x: torch.Tensor, k: float) -> torch.Tensor:
+        return x * math.copysign(1.0, k)
+
+
+def test_a_float_argument_is_checked_by_its_sign_too() -> None:
+    """-0.0 equals 0.0, but a forward may read its sign: it was served the traced sign."""
+    model = _SignOf()
+    with torch.no_grad():
+        compiled = precompile.compile_model(model, (torch.randn(3, 4), 0.0), cache=False,
+                                            warmup=False)  # fmt: skip
+        x = torch.randn(3, 4)
+        assert torch.equal(compiled(x, 0.0), model(x, 0.0))
+        with pytest.raises(precompile.InputMismatchError, match=r"is -0.0.*compiled for 0.0"):
+            compiled(x, -0.0)
+
+
+class _BranchesOnAnUnusedArgument(torch.nn.Module):
+    """``b`` is read (its dtype, its length against ``a``'s) but no op uses its values:
+    Dynamo leaves it out of the graph."""
+
+    def forward(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        if b.dtype != torch.float32:
+            return a * 3
+        return a * 2 if a.shape[0] == b.shape[0] else a * 4
+
+
+def test_a_tensor_argument_the_graph_does_not_take_is_checked_as_traced() -> None:
+    """A hostile probe: another dtype of ``b`` was served the traced branch (2.2 off
+    eager), and so was a length of ``b`` other than ``a``'s, which the example had equal
+    (Dynamo gave the two one symbol). Both are refused now; equal lengths are served."""
+    model = _BranchesOnAnUnusedArgument()
+    with torch.no_grad():
+        compiled = precompile.compile_model(
+            model, (torch.randn(3, 4), torch.randn(3)), dynamic={0: [0], 1: [0]}, cache=False,
+            warmup=False,
+        )  # fmt: skip
+        a, b = torch.randn(7, 4), torch.randn(7)
+        assert torch.equal(compiled(a, b), model(a, b))
+        with pytest.raises(precompile.InputMismatchError, match="size 5 in dim 0, traced with 7"):
+            compiled(a, torch.randn(5))
+        with pytest.raises(precompile.InputMismatchError, match="dtype float64"):
+            compiled(a, b.double())
+        with pytest.raises(precompile.InputMismatchError, match="not contiguous"):
+            compiled(a, torch.randn(14)[::2])
 
 
 def test_a_value_of_another_type_is_named_with_both() -> None:

@@ -269,7 +269,10 @@ def test_a_prepared_server_compiles_nothing_in_front_of_a_request(cache_dir: str
                    pad_token_id=0)  # fmt: skip
     torch.manual_seed(6)
     prompts = [torch.randint(1, VOCAB, (1, 7)), torch.randint(1, VOCAB, (1, 4))]
+    longer = {**options, "max_new_tokens": STEPS + 6}
     with torch.no_grad():
+        expected_longer = model.generate(prompts[0], **longer)
+        vars(model).pop("_previous_max_cache_length", None)
         expected = [model.generate(p, **options) for p in prompts]
         vars(model).pop("_previous_max_cache_length", None)
         compiles: list[int] = []
@@ -293,7 +296,17 @@ def test_a_prepared_server_compiles_nothing_in_front_of_a_request(cache_dir: str
             assert compiles == [] and served.stats["unprepared_compiles"] == 0
             with pytest.raises(precompile.ArtifactNotFoundError, match="not among the prepared"):
                 model.generate(torch.randint(1, VOCAB, (3, 7)), **options)
-            assert compiles == []
+            # a refused longer request moved transformers' kept cache length: put back, so
+            # the prepared shapes still serve (a client trial: every later request missed)
+            with pytest.raises(precompile.ArtifactNotFoundError, match="not among the prepared"):
+                model.generate(prompts[0], **longer)
+            assert torch.equal(model.generate(prompts[0], **options), got[0])
+            assert compiles == [] and served.stats["calls"] == 3 * STEPS
+            # a later prepare builds what it is asked for, compile_others=False before or not
+            # (the store has these from the test above: loaded, not compiled)
+            again = served.prepare([1], [7], **longer)
+            assert again.structures >= 2
+            assert torch.equal(model.generate(prompts[0], **longer), expected_longer)
     assert all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))
 
 
@@ -307,6 +320,12 @@ def test_prepare_refuses_what_it_cannot_run() -> None:
             served.prepare([1], [7], max_new_tokens=4, input_ids=torch.ones(1, 7))
         with pytest.raises(precompile.InvalidOptionError, match="compile_others"):
             served.prepare([1], [7], max_new_tokens=4, compile_others="no")  # type: ignore[arg-type]
+        held = new_cache(model)
+        with torch.no_grad():
+            type(model).forward(model, input_ids=torch.ones(1, 3, dtype=torch.long),
+                                past_key_values=held, use_cache=True)  # fmt: skip
+        with pytest.raises(precompile.InvalidOptionError, match="empty KV cache"):
+            served.prepare([1], [7], max_new_tokens=4, past_key_values=held)
     with pytest.raises(precompile.InvalidOptionError, match="inside the serve_generate block"):
         served.prepare([1], [7], max_new_tokens=4)
 
