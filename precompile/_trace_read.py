@@ -120,6 +120,45 @@ def _frame_locals(
     return found
 
 
+def _defaulted(
+    model: torch.nn.Module, forward: Any, args: Sequence[Any], kwargs: Mapping[str, Any]
+) -> dict[str, Any]:
+    """The forward's parameters the call left to their defaults, each as the expression
+    that reads its default off the model's forward (``M.forward.__defaults__[i]``, or
+    ``__kwdefaults__[name]`` for a keyword-only one): a guard on such a local reads the
+    default, which the call's checks never see (a changed default was served the traced
+    one)."""
+    signature = inspect.signature(forward, follow_wrapped=False)
+    passed = signature.bind(model, *args, **kwargs).arguments
+    # the traced function, from the model's forward through its decorators' __wrapped__
+    method: Any = ["attr", ["M"], "forward"]
+    current = getattr(model, "forward", None)
+    for _ in range(8):
+        if getattr(getattr(current, "__func__", current), "__code__", None) is forward.__code__:
+            break
+        current = getattr(current, "__wrapped__", None)
+        if current is None:
+            return {}  # not reachable by attributes: such guards stay unchecked, named
+        method = ["attr", method, "__wrapped__"]
+    else:
+        return {}
+    positional = [
+        p.name
+        for p in signature.parameters.values()
+        if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) and p.default is not p.empty
+    ]
+    found: dict[str, Any] = {}
+    for index, name in enumerate(positional):
+        if name not in passed:
+            found[name] = ["item", ["attr", method, "__defaults__"], ["const", encode(index)]]
+    for parameter in signature.parameters.values():
+        defaulted = parameter.default is not parameter.empty and parameter.name not in passed
+        if parameter.kind is parameter.KEYWORD_ONLY and defaulted:
+            key = ["const", encode(parameter.name)]
+            found[parameter.name] = ["item", ["attr", method, "__kwdefaults__"], key]
+    return found
+
+
 def _wrapper_locals(
     model: torch.nn.Module, wrapper: Any, args: Sequence[Any], kwargs: Mapping[str, Any]
 ) -> dict[str, Any]:
@@ -159,9 +198,11 @@ def _module_globals_only(expr: Any) -> None:
 
 
 def _rooted(expr: Any, model: Any, frame: Mapping[str, Any], closure: Mapping[str, Any],
-            roots: Roots) -> tuple[Any, bool]:  # fmt: skip
-    """``expr`` with the model as ``M`` and closure cells as ``C``, and whether what is
-    left reads a call argument (a local that is neither)."""
+            roots: Roots, defaults: Mapping[str, Any] | None = None,
+            ) -> tuple[Any, bool]:  # fmt: skip
+    """``expr`` with the model as ``M``, closure cells as ``C`` and parameters the call
+    left to their defaults as reads of those defaults (``defaults``), and whether what is
+    left reads a call argument (a local that is none of these)."""
     if not isinstance(expr, list):
         return expr, False
     op = expr[0]
@@ -173,12 +214,14 @@ def _rooted(expr: Any, model: Any, frame: Mapping[str, Any], closure: Mapping[st
             return ["M"], False
         if name in closure:
             return ["C", name], False
+        if defaults and name in defaults:
+            return defaults[name], False
         return expr, True
     if op in ("G", "const", "M", "C"):
         return expr, False
     if op == "item":
-        base, call_base = _rooted(expr[1], model, frame, closure, roots)
-        key, call_key = _rooted(expr[2], model, frame, closure, roots)
+        base, call_base = _rooted(expr[1], model, frame, closure, roots, defaults)
+        key, call_key = _rooted(expr[2], model, frame, closure, roots, defaults)
         rooted = ["item", base, key]
         if base[:1] == ["L"] and key[:1] == ["const"]:
             # ``L['args'][0]`` in a forward taking *args: the model, if that is its value
@@ -190,10 +233,10 @@ def _rooted(expr: Any, model: Any, frame: Mapping[str, Any], closure: Mapping[st
                 return ["M"], False
         return rooted, call_base or call_key
     if op == "attr":
-        base, call = _rooted(expr[1], model, frame, closure, roots)
+        base, call = _rooted(expr[1], model, frame, closure, roots, defaults)
         return ["attr", base, expr[2]], call
     if op == "call":
-        parts = [_rooted(e, model, frame, closure, roots) for e in expr[2]]
+        parts = [_rooted(e, model, frame, closure, roots, defaults) for e in expr[2]]
         return ["call", expr[1], [p for p, _ in parts]], any(c for _, c in parts)
     raise _Untranslatable(f"expression op {op}")
 
@@ -267,17 +310,19 @@ def trace_read(
             f"model's forward {name}"
         )
     roots = roots_of(model, forward)
+    defaults: dict[str, Any] = {}
     if wrapped:
         frame = _wrapper_locals(model, wrapper, args, kwargs)
         closure: Mapping[str, Any] = {}  # the wrapper's cells are not the forward's
     else:
         frame = _frame_locals(model, forward, args, kwargs)
         closure = roots.closure
+        defaults = _defaulted(model, forward, args, kwargs)
     guards: dict[str, Guard] = {}
     unchecked: list[str] = []
 
     def parse(text: str) -> Any:
-        rooted, call = _rooted(parse_source(text), model, frame, closure, roots)
+        rooted, call = _rooted(parse_source(text), model, frame, closure, roots, defaults)
         if call:
             raise _Untranslatable("reads the call's arguments")
         if wrapped:
@@ -300,7 +345,9 @@ def trace_read(
             )
             continue
         try:
-            rooted, reads_call = _rooted(parse_source(source), model, frame, closure, roots)
+            rooted, reads_call = _rooted(
+                parse_source(source), model, frame, closure, roots, defaults
+            )
             if reads_call:
                 continue  # the call's arguments: the plan's per-call checks
             if wrapped:

@@ -365,6 +365,55 @@ def test_a_tensor_argument_the_graph_does_not_take_is_checked_as_traced() -> Non
             compiled(a, torch.randn(14)[::2])
 
 
+class _ScalesByDefault(torch.nn.Module):
+    def forward(self, x: torch.Tensor, k: float = 2.0, *, shift: float = 0.0) -> torch.Tensor:
+        return x * k + shift
+
+
+def test_a_default_the_call_left_is_checked_as_the_trace_read_it() -> None:
+    """A hostile probe changed the forward's default after compiling (and in a fresh
+    process): it was served the traced default, 5.5 off eager. The defaults a call leaves
+    are now read off the model's forward by the trace's guards: a bind (a fresh process,
+    ``load_model``) or ``check_model`` refuses a changed one."""
+    model = _ScalesByDefault()
+    with torch.no_grad():
+        compiled = precompile.compile_model(model, (torch.randn(3, 4),), cache=False,
+                                            warmup=False)  # fmt: skip
+        compiled.check_model()
+        saved = _ScalesByDefault.forward.__defaults__, _ScalesByDefault.forward.__kwdefaults__
+        try:
+            _ScalesByDefault.forward.__defaults__ = (5.0,)
+            with pytest.raises(precompile.IncompatibleArtifactError, match="__defaults__"):
+                compiled.check_model()
+            _ScalesByDefault.forward.__defaults__ = saved[0]
+            _ScalesByDefault.forward.__kwdefaults__ = {"shift": 1.0}
+            with pytest.raises(precompile.IncompatibleArtifactError, match="__kwdefaults__"):
+                compiled.check_model()
+        finally:
+            _ScalesByDefault.forward.__defaults__, _ScalesByDefault.forward.__kwdefaults__ = saved
+        compiled.check_model()
+
+
+class _FoldsItsKeywords(torch.nn.Module):
+    def forward(self, x: torch.Tensor, **kwargs: float) -> torch.Tensor:
+        for value in kwargs.values():
+            x = x * 2 + value
+        return x
+
+
+def test_keywords_a_forward_takes_in_kwargs_keep_the_traced_order() -> None:
+    """Keyword arguments are matched by name, but a forward iterating ``**kwargs`` reads
+    their order: another order was served the traced one (4.0 off eager, a probe)."""
+    model = _FoldsItsKeywords()
+    x = torch.randn(3, 4)
+    with torch.no_grad():
+        compiled = precompile.compile_model(model, (x,), {"q": 5.0, "p": 1.0}, cache=False,
+                                            warmup=False)  # fmt: skip
+        assert torch.equal(compiled(x, p=1.0, q=5.0), model(x, p=1.0, q=5.0))
+        with pytest.raises(precompile.InputMismatchError, match="sorted by name"):
+            compiled(x, q=5.0, p=1.0)
+
+
 def test_a_value_of_another_type_is_named_with_both() -> None:
     from precompile.runtime.compiler_interface import Guard
     from precompile.runtime.compiler_interface import GuardRoots as Roots
