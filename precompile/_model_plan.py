@@ -28,7 +28,6 @@ from precompile.runtime.compiler_interface import (
     kv_cache_tensors,
     model_identity,
     this_rank,
-    traced_forward,
     tree_flatten,
     treespec_to_json,
 )
@@ -181,23 +180,7 @@ def build_plan(
             model, call.args, call.kwargs, trace.guards, trace.traced_code, trace.wrapper
         ),
         unbound=unbound,
-        keyword_order=_keyword_order(model, call),
     )
-
-
-def _keyword_order(model: torch.nn.Module, call: ExampleCall) -> tuple[str, ...]:
-    """The call's keywords the forward's ``**kwargs`` takes, in the traced call's order
-    (``compile_model`` traces keywords sorted by name), where there are two or more
-    (fewer have one order): a forward iterating ``kwargs`` reads it."""
-    try:
-        parameters = inspect.signature(traced_forward(model)).parameters.values()
-    except (TypeError, ValueError):
-        return ()
-    if not any(p.kind is p.VAR_KEYWORD for p in parameters):
-        return ()
-    named = {p.name for p in parameters if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)}
-    extra = tuple(name for name in call.kwargs if name not in named)
-    return extra if len(extra) >= 2 else ()
 
 
 def _unbound(

@@ -121,10 +121,6 @@ class ModelPlan:
     pieces: tuple[Mapping[str, Any], ...] = ()
     # tensor argument leaves the graph does not take, as traced (``_unbound``)
     unbound: Mapping[int, UnboundTensor] = field(default_factory=dict)
-    # keyword arguments the forward's **kwargs took, in the traced call's order, where
-    # there were two or more: a forward iterating them sees their order, which the call
-    # structure (keywords matched by name) does not hold
-    keyword_order: tuple[str, ...] = ()
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -147,7 +143,6 @@ class ModelPlan:
             "lengths": [list(place) for place in self.lengths],
             "pieces": [dict(piece) for piece in self.pieces],
             "unbound": [[leaf, spec.to_json()] for leaf, spec in sorted(self.unbound.items())],
-            "keyword_order": list(self.keyword_order),
         }
 
     @staticmethod
@@ -262,18 +257,7 @@ class ModelPlan:
             lengths=_lengths_from_json(value.get("lengths", []), where),
             pieces=_pieces_from_json(value.get("pieces", []), where),
             unbound=_unbound_from_json(value.get("unbound"), where),
-            keyword_order=_keyword_order_from_json(value.get("keyword_order", []), where),
         )
-
-
-def _keyword_order_from_json(value: Any, where: str) -> tuple[str, ...]:
-    if (
-        not isinstance(value, list)
-        or len(value) > 4096
-        or not all(isinstance(name, str) and len(name) < 256 for name in value)
-    ):
-        raise CorruptArtifactError(f"{where} field keyword_order is malformed")
-    return tuple(value)
 
 
 def _unbound_from_json(value: Any, where: str) -> dict[int, UnboundTensor]:
@@ -528,8 +512,6 @@ class CompiledModel:
         return found
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if self.plan.keyword_order:
-            self._check_keyword_order(kwargs)
         leaves = self._flat_leaves(args, kwargs)
         if leaves is None:
             leaves = self._leaves(args, kwargs)
@@ -540,19 +522,6 @@ class CompiledModel:
             if said is None:
                 raise
             raise said from None
-
-    def _check_keyword_order(self, kwargs: Mapping[str, Any]) -> None:
-        traced = self.plan.keyword_order
-        said = tuple(name for name in kwargs if name in traced)
-        if said != traced and len(said) == len(traced):
-            raise InputMismatchError(
-                f"the keyword arguments {list(said)} came in another order than traced "
-                f"({list(traced)}: compile_model traces keyword arguments sorted by name): "
-                "the forward takes them in **kwargs, whose order it may read; pass them in "
-                "the traced order",
-                expected=list(traced),
-                got=list(said),
-            )
 
     def _shape_refusal(self, leaves: list[Any]) -> InputMismatchError | None:
         """Where a refused call has a tensor argument of another rank, or another size in

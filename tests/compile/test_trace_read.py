@@ -394,26 +394,6 @@ def test_a_default_the_call_left_is_checked_as_the_trace_read_it() -> None:
         compiled.check_model()
 
 
-class _FoldsItsKeywords(torch.nn.Module):
-    def forward(self, x: torch.Tensor, **kwargs: float) -> torch.Tensor:
-        for value in kwargs.values():
-            x = x * 2 + value
-        return x
-
-
-def test_keywords_a_forward_takes_in_kwargs_keep_the_traced_order() -> None:
-    """Keyword arguments are matched by name, but a forward iterating ``**kwargs`` reads
-    their order: another order was served the traced one (4.0 off eager, a probe)."""
-    model = _FoldsItsKeywords()
-    x = torch.randn(3, 4)
-    with torch.no_grad():
-        compiled = precompile.compile_model(model, (x,), {"q": 5.0, "p": 1.0}, cache=False,
-                                            warmup=False)  # fmt: skip
-        assert torch.equal(compiled(x, p=1.0, q=5.0), model(x, p=1.0, q=5.0))
-        with pytest.raises(precompile.InputMismatchError, match="sorted by name"):
-            compiled(x, q=5.0, p=1.0)
-
-
 def test_a_value_of_another_type_is_named_with_both() -> None:
     from precompile.runtime.compiler_interface import Guard
     from precompile.runtime.compiler_interface import GuardRoots as Roots
