@@ -334,7 +334,8 @@ class GenerateServer:
                 if len(self._by_signature) >= _SIGNATURES_KEPT:  # prompt lengths, mostly
                     self._by_signature.clear()
                 self._by_signature[signature] = compiled
-        self.calls += 1
+        if not self._in_prepare():  # prepare's own runs are not requests
+            self.calls += 1
         return compiled(**kwargs)
 
     def _compile(self, key: tuple[Any, ...], kwargs: Mapping[str, Any]) -> CompiledModel:
@@ -378,13 +379,17 @@ class GenerateServer:
             for name, value in installed.items():
                 setattr(model, name, value)
 
+    def _in_prepare(self) -> bool:
+        """Whether this thread is running ``prepare`` (its runs are no requests)."""
+        return bool(getattr(self._preparing, "active", False))
+
     @contextlib.contextmanager
     def _unless_refused(self, what: str) -> Iterator[Mapping[str, Any]]:
         """compile_model's options for a structure not built yet. After ``prepare`` it is
         one no request was expected to need: compiled in front of this request with a
         warning, or, where ``prepare`` said not to compile others, only found in the
         artifact store (``compile=False``), else refused naming it."""
-        if not self._prepared or getattr(self._preparing, "active", False):
+        if not self._prepared or self._in_prepare():
             yield self.options
             return
         if self._compile_others:
@@ -453,7 +458,6 @@ class GenerateServer:
         kept = vars(self.model).get(_KEPT_CACHE_LENGTH)
         with self._lock:
             before = len(self.compiled) + (len(self.loops.compiled) if self.loops else 0)
-            counters = (self.calls, self._loop_generates, collections.Counter(self._fallbacks))
         started = time.perf_counter()
         self._preparing.active = True
         try:
@@ -476,8 +480,6 @@ class GenerateServer:
             raise
         finally:
             self._preparing.active = False
-            with self._lock:  # prepare's own runs are not requests
-                self.calls, self._loop_generates, self._fallbacks = counters
         with self._lock:
             after = len(self.compiled) + (len(self.loops.compiled) if self.loops else 0)
             self._prepared = True
@@ -532,14 +534,16 @@ class GenerateServer:
                 with self._lock:
                     self.loops.give_back(held, kv_cache)
         with self._lock:
-            self._loop_generates += 1
+            if not self._in_prepare():
+                self._loop_generates += 1
         return tokens
 
     def _transformers_loop(self, why: str, args: Any, kwargs: Mapping[str, Any]) -> Any:
         """transformers' own ``generate``, each forward served by the router."""
         log.debug("serve_generate: transformers' loop runs this generate: %s", why)
         with self._lock:
-            self._fallbacks[why] += 1
+            if not self._in_prepare():
+                self._fallbacks[why] += 1
         return type(self.model).generate(self.model, *args, **kwargs)
 
 
