@@ -60,6 +60,8 @@ ROWS = [
     "compile_model, blocks on",
     "compile_model, cuBLAS GEMMs",
     "compile_model before",
+    "compile_model, variants in workers",
+    "compile_model, variants in one process",
 ]
 DEFAULT_ROWS = ROWS[:5]
 GPU_ONLY = ("compile_model + cudagraphs",)
@@ -200,6 +202,10 @@ def run_row(
     if row == "compile_model, blocks on":
         env["PRECOMPILE_REPEATED_BLOCKS"] = "1"
     env.update(extra_env or {})
+    if row == "compile_model, variants in workers":  # four, or one per variant after the first
+        env["PRECOMPILE_COMPILE_WORKERS"] = "4"
+    if row == "compile_model, variants in one process":
+        env["PRECOMPILE_COMPILE_WORKERS"] = "0"
     command = [sys.executable, os.path.abspath(__file__), "--child", row,
                "--layers", str(layers), "--device", device,
                *(["--steady"] if steady else [])]  # fmt: skip

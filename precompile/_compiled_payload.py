@@ -30,10 +30,17 @@ class InputUse:
     aliased: bool  # some output is a view of it (or is it)
 
 
+# Inductor numbers the graphs a process compiles in a comment (``# AOT ID:
+# ['3_inference']``): two compiles of one graph differ there and nowhere else.
+_AOT_ID = re.compile(r"^# AOT ID: .*$", re.M)
+
+
 def variant_code_digest(payload: bytes) -> str:
-    """sha256 over the generated code (forward, and backward if any): equal means same code."""
+    """sha256 over the generated code (forward, and backward if any), less inductor's
+    count of the graphs compiled before it: equal means same code."""
     digest = hashlib.sha256()
     for number, source in enumerate(adapter.wrapper_sources(payload)):
+        source = _AOT_ID.sub("", source)
         digest.update((b"\0backward\0" if number else b"") + source.encode())
     return digest.hexdigest()
 

@@ -69,6 +69,17 @@ def caller_switch(options: Mapping[str, Any] | None, name: str) -> bool | None:
     return value
 
 
+def compile_configs() -> dict[str, dict[str, Any]]:
+    """The imported config modules' entries besides their defaults, by module name: what
+    ``codegen_config_digest`` reads of them, for another process to set."""
+    configs = {}
+    for name in adapter.CONFIG_MODULES:
+        config = sys.modules.get(name)
+        if config is not None:
+            configs[name] = _non_defaults(config)
+    return configs
+
+
 def inductor_config_changes() -> frozenset[str]:
     """The inductor config entries this process holds at other than their defaults (none
     where inductor's config is not imported and no variable of its is set)."""

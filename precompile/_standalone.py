@@ -52,8 +52,6 @@ from . import _variant_compile as variant_compile
 from ._cache_key import cache_factors, cache_key, one_device_index
 from ._collectives import LocalCollectives, graph_collectives
 from ._compiled_payload import InputUse, variant_code_digest
-from ._compiler_config import inductor_config_changes
-from ._gemm_policy import gemm_options
 from ._graph import GraphDescription
 from ._graph_description import DYNAMIC_SHAPES, describe_graph
 from ._graph_name import graph_name
@@ -62,6 +60,7 @@ from ._offline import is_offline, refuse
 from ._precision_policy import check_switch as check_casts_switch
 from ._random_policy import graph_draws_random, inductors_random_numbers
 from ._variant_plan import DEFAULT_MAX_VARIANTS, Hints, Sizes, VariantRequest, plan_variants
+from ._variant_workers import variant_workers
 
 log = logging.getLogger("precompile.compile")
 
@@ -141,11 +140,6 @@ def _output_shapes(graph: GraphDescription) -> tuple[tuple[int | str, ...] | Non
         else tuple(_size_text(s) for s in shape)
         for shape in graph.output_shapes
     )
-
-
-def _device_of(graph: GraphDescription) -> str:
-    devices = {str(i.device.type) for i in graph.inputs if i.device is not None}
-    return "cuda" if "cuda" in devices else "cpu"
 
 
 def _holds(expr: sympy.Expr, values: Mapping[sympy.Symbol, int]) -> bool:
@@ -323,51 +317,36 @@ def _size_one_requests(
     return added
 
 
-def _first_line(exc: BaseException, limit: int) -> str:
-    """What an inductor failure says, for a log line or an error: its first line."""
-    text = str(exc).strip()
-    return text.splitlines()[0][:limit] if text else ""
-
-
-def _compile_variant(
+def _compile_here(
     gm: torch.fx.GraphModule,
     graph: GraphDescription,
     point: Mapping[sympy.Symbol, int],
     request: VariantRequest,
     options: Mapping[str, Any],
     number: int,
-    to_compile: torch.fx.GraphModule | None = None,
-) -> variant_compile.CompiledVariant:
-    """One variant, its GEMMs as ``_gemm_policy`` says; where inductor cannot compile
-    them so, with the caller's options (an INFO log says why)."""
-    dynamic = request.kind == "hint"
-    # A point with every symbol at 0 or 1 is specialized by the trace: one size is served.
-    serves_many = dynamic and any(int(value) >= 2 for value in point.values())
-    device = _device_of(graph)
-    chosen = gemm_options(
-        options, device=device, dynamic=serves_many, caller_config=inductor_config_changes(),
-        cudnn_decode=serves_many and device == "cuda"
-        and variant_compile.decode_attention_on_cudnn(gm, graph, point),
-    )  # fmt: skip
-    if chosen is not None:
-        try:
-            return variant_compile.compile_variant(
-                gm, graph, point, dynamic=dynamic, options=chosen, to_compile=to_compile
-            )
-        except PrecompileError:
+    outlined: repeated_blocks.Outlined,
+) -> tuple[variant_compile.CompiledVariant, repeated_blocks.Outlined]:
+    """One variant compiled in this process; where its repeated blocks outlined fail,
+    the graph as traced (and so every later variant: the returned ``outlined``)."""
+    try:
+        compiled = variant_compile.compile_under_policy(
+            gm, graph, point, request, options, number, outlined.gm
+        )
+        return compiled, outlined
+    except PrecompileError:
+        raise
+    except Exception as exc:
+        if outlined.gm is gm:
             raise
-        except Exception as exc:  # inductor's own failure, whatever its type
-            reason = _first_line(exc, 200)
-            log.info(
-                "variant %d: Triton GEMM templates failed (%s: %s); compiling with inductor's "
-                "default GEMMs",
-                number,
-                type(exc).__name__,
-                reason,
-            )
-    return variant_compile.compile_variant(
-        gm, graph, point, dynamic=dynamic, options=options, to_compile=to_compile
-    )
+        log.info(
+            "variant %d: compiling with repeated blocks outlined failed (%s: %s); "
+            "compiling the graph as traced", number, type(exc).__name__,
+            variant_compile.first_line(exc, 200),
+        )  # fmt: skip
+        compiled = variant_compile.compile_under_policy(
+            gm, graph, point, request, options, number, gm
+        )
+        return compiled, repeated_blocks.Outlined(gm, ())
 
 
 def _compile_all(
@@ -394,115 +373,106 @@ def _compile_all(
     grad_enabled = torch.is_grad_enabled()
     queue = _within_the_graph(graph, requests)  # then any variant a dim's 1 needs
     outlined = repeated_blocks.outline(gm)
-    number = -1
-    while number + 1 < len(queue):
-        number += 1
-        request = queue[number]
-        point = dict(zip(graph.symbols, request.point, strict=True))
-        started = time.perf_counter()
-        try:
+    with variant_workers(gm, outlined.gm, graph, options, queue) as workers:
+        number = -1
+        while number + 1 < len(queue):
+            number += 1
+            request = queue[number]
+            point = dict(zip(graph.symbols, request.point, strict=True))
+            started = time.perf_counter()
             try:
-                compiled = _compile_variant(gm, graph, point, request, options, number,
-                                            outlined.gm)  # fmt: skip
+                compiled = workers.take(request, number) if workers is not None else None
+                if compiled is None:
+                    compiled, outlined = _compile_here(
+                        gm, graph, point, request, options, number, outlined
+                    )
             except PrecompileError:
                 raise
-            except Exception as exc:
-                if outlined.gm is gm:
-                    raise
-                log.info(
-                    "variant %d: compiling with repeated blocks outlined failed (%s: %s); "
-                    "compiling the graph as traced", number, type(exc).__name__,
-                    _first_line(exc, 200),
-                )  # fmt: skip
-                outlined = repeated_blocks.Outlined(gm, ())
-                compiled = _compile_variant(gm, graph, point, request, options, number, gm)
-        except PrecompileError:
-            raise
-        except Exception as exc:  # inductor's own failure, whatever its type
-            where = ", ".join(f"{n}={v}" for n, v in zip(names, request.point, strict=True))
-            reason = _first_line(exc, 500)
-            if min(request.point, default=2) < 2 and len(queue) > 1:
-                # Below the range the graph was traced for (a slice of s // 2 is empty
-                # at 1): such a point was asked for by default or added here; leave it
-                # out and serve the rest.
-                log.warning(
-                    "%s variant at %s is not compiled (inductor: %s: %s); calls there "
-                    "find no variant",
-                    request.kind,
-                    where,
-                    type(exc).__name__,
-                    reason[:200],
+            except Exception as exc:  # inductor's own failure, whatever its type
+                where = ", ".join(f"{n}={v}" for n, v in zip(names, request.point, strict=True))
+                reason = variant_compile.first_line(exc, 500)
+                if min(request.point, default=2) < 2 and len(queue) > 1:
+                    # Below the range the graph was traced for (a slice of s // 2 is empty
+                    # at 1): such a point was asked for by default or added here; leave it
+                    # out and serve the rest.
+                    log.warning(
+                        "%s variant at %s is not compiled (inductor: %s: %s); calls there "
+                        "find no variant",
+                        request.kind,
+                        where,
+                        type(exc).__name__,
+                        reason[:200],
+                    )
+                    queue.pop(number)
+                    number -= 1
+                    continue
+                raise UnsupportedGraphError(
+                    f"inductor could not compile variant {number} ({request.kind}"
+                    f"{' ' + where if where else ''}): {type(exc).__name__}: {reason}"
+                ) from exc
+            if uses is None:
+                uses, training = compiled.uses, compiled.training
+            elif (uses, training) != (compiled.uses, compiled.training):
+                raise UnsupportedGraphError(
+                    "variants of this graph disagree on which inputs it writes or aliases, or on "
+                    "having a backward graph; precompile cannot give them one input contract"
                 )
-                queue.pop(number)
-                number -= 1
-                continue
-            raise UnsupportedGraphError(
-                f"inductor could not compile variant {number} ({request.kind}"
-                f"{' ' + where if where else ''}): {type(exc).__name__}: {reason}"
-            ) from exc
-        if uses is None:
-            uses, training = compiled.uses, compiled.training
-        elif (uses, training) != (compiled.uses, compiled.training):
-            raise UnsupportedGraphError(
-                "variants of this graph disagree on which inputs it writes or aliases, or on "
-                "having a backward graph; precompile cannot give them one input contract"
-            )
-        guards = (*compiled.guards, *graph.caller_guards)
-        if request.kind == "static":
-            guards = (*(sympy.Eq(s, v) for s, v in point.items()), *guards)
-        else:
-            _warn_if_pinned(number, guards, training=compiled.training)
-        all_guards.append(guards)
-        code = variant_code_digest(compiled.payload)
-        shared = code in by_code
-        if not shared:
-            by_code[code] = sha256_hex(compiled.payload)
-            payloads[by_code[code]] = compiled.payload
-            plan = lean_plan(compiled.payload, lambda text: sha256_hex(text.encode()))
-            leans[code] = plan.lean
-            if plan.lean is not None and plan.triton_kernels:
-                leans[code] = None  # until its launches are recorded (_complete_gpu_leans)
-                pending[code] = plan
-            elif plan.lean is not None:
-                payloads[plan.lean.source] = plan.source.encode()
+            guards = (*compiled.guards, *graph.caller_guards)
+            if request.kind == "static":
+                guards = (*(sympy.Eq(s, v) for s, v in point.items()), *guards)
             else:
-                log.info(
-                    "variant %d loads through upstream's deserializer (not the lean path): %s",
+                _warn_if_pinned(number, guards, training=compiled.training)
+            all_guards.append(guards)
+            code = variant_code_digest(compiled.payload)
+            shared = code in by_code
+            if not shared:
+                by_code[code] = sha256_hex(compiled.payload)
+                payloads[by_code[code]] = compiled.payload
+                plan = lean_plan(compiled.payload, lambda text: sha256_hex(text.encode()))
+                leans[code] = plan.lean
+                if plan.lean is not None and plan.triton_kernels:
+                    leans[code] = None  # until its launches are recorded (_complete_gpu_leans)
+                    pending[code] = plan
+                elif plan.lean is not None:
+                    payloads[plan.lean.source] = plan.source.encode()
+                else:
+                    log.info(
+                        "variant %d loads through upstream's deserializer (not the lean path): %s",
+                        number,
+                        "; ".join(plan.reasons),
+                    )
+            texts = tuple(dict.fromkeys(adapter.print_expr(g) for g in guards))
+            point_by_name = dict(zip(names, request.point, strict=True))
+            for kernel, binary in compiled.kernels:
+                payloads[kernel.binary] = binary
+            kernels = tuple(kernel for kernel, _ in compiled.kernels)
+            variants.append(
+                Variant(
                     number,
-                    "; ".join(plan.reasons),
+                    request.kind,
+                    point_by_name,
+                    texts,
+                    by_code[code],
+                    code,
+                    kernels,
+                    leans[code],
                 )
-        texts = tuple(dict.fromkeys(adapter.print_expr(g) for g in guards))
-        point_by_name = dict(zip(names, request.point, strict=True))
-        for kernel, binary in compiled.kernels:
-            payloads[kernel.binary] = binary
-        kernels = tuple(kernel for kernel, _ in compiled.kernels)
-        variants.append(
-            Variant(
-                number,
-                request.kind,
-                point_by_name,
-                texts,
-                by_code[code],
-                code,
-                kernels,
-                leans[code],
             )
-        )
-        log.info(
-            "compiled variant %d/%d (%s %s) in %.1f s; %d guards%s",
-            number + 1,
-            len(queue),
-            request.kind,
-            ", ".join(f"{n}={v}" for n, v in point_by_name.items()) or "-",
-            time.perf_counter() - started,
-            len(texts),
-            "; same code as an earlier variant" if shared else "",
-        )
-        if number + 1 == len(queue) and called_at_one:
-            queue += _size_one_requests(graph, queue, all_guards)
+            log.info(
+                "compiled variant %d/%d (%s %s) in %.1f s; %d guards%s",
+                number + 1,
+                len(queue),
+                request.kind,
+                ", ".join(f"{n}={v}" for n, v in point_by_name.items()) or "-",
+                time.perf_counter() - started,
+                len(texts),
+                "; same code as an earlier variant" if shared else "",
+            )
+            if number + 1 == len(queue) and called_at_one:
+                queue += _size_one_requests(graph, queue, all_guards)
     assert uses is not None
     manifest = Manifest(
-        environment=current_environment(_device_of(graph)),
+        environment=current_environment(variant_compile.graph_device(graph)),
         symbols=symbols,
         inputs=_input_specs(graph, uses, grad_enabled and not training),
         variants=tuple(variants),
@@ -777,7 +747,8 @@ def standalone_compile(
         # keeps calls at 1 away from this graph (it traces 1 apart): no variant at 1 for
         # it. A graph handed over whole (vLLM's range, from_graph) is called at 1.
         called_at_one = dynamic_shapes == "from_graph"
-        with variant_compile.compiling_in_build_dir(cpu=_device_of(graph) == "cpu"):
+        cpu = variant_compile.graph_device(graph) == "cpu"
+        with variant_compile.compiling_in_build_dir(cpu=cpu):
             artifact, common = _compile_all(
                 gm, graph, symbols, requests, options or {}, groups, called_at_one
             )
@@ -789,9 +760,8 @@ def standalone_compile(
     # A graph on one CUDA device: keyed without its index, so that ranks (or processes) on
     # other devices of this GPU model find it and move it there (see _cached_or_built)
     index = one_device_index(gm, graph)
-    factors = cache_factors(
-        gm, graph, requests, options or {}, dynamic_shapes, _device_of(graph), index
-    )
+    device = variant_compile.graph_device(graph)
+    factors = cache_factors(gm, graph, requests, options or {}, dynamic_shapes, device, index)
     if index is not None:  # named, so that a miss against an indexed entry says so
         factors["device_index"] = "any (moved to the caller's device at load)"
     if groups:

@@ -1050,6 +1050,88 @@ def recorded_launch(module: Any, name: str) -> RecordedLaunch | str:
 
 
 # -- the compiler's configs -------------------------------------------------------------
+# -- a graph and its timings across processes (``_variant_workers``) ------------------
+def graph_to_bytes(gm: torch.fx.GraphModule) -> bytes:
+    """``gm`` pickled with its nodes' metadata (their fake example values, which
+    AOTAutograd's cache reads) by torch's ``GraphPickler``, less what refers to real
+    tensors; a view's base is described without its fake mode, which torch's pickler
+    leaves on it (and then fails on)."""
+    import dataclasses
+    import io
+
+    from torch._subclasses.fake_tensor import FakeTensor
+    from torch.fx import _graph_pickler
+
+    class _Pickler(_graph_pickler.GraphPickler):  # type: ignore[misc]
+        def reducer_override(self, obj: object) -> Any:
+            if not isinstance(obj, FakeTensor):
+                return super().reducer_override(obj)
+            unpickle, (data, state) = _graph_pickler._TensorPickleData.reduce_helper(self, obj)
+            base = data.metadata.base
+            if base is not None:
+                data.metadata = dataclasses.replace(
+                    data.metadata, base=dataclasses.replace(base, fake_mode=None)
+                )
+            return unpickle, (data, state)
+
+    def kept(key: str) -> bool:
+        # Dynamo's record of each placeholder's argument (``grapharg``) refers to the
+        # caller's real tensor, its parameters included: a compile from fresh inputs
+        # reads none of it
+        return key != "grapharg" and _graph_pickler._node_metadata_key_filter_safe(key)
+
+    options = _graph_pickler.Options(node_metadata_key_filter=kept)
+    with io.BytesIO() as stream:
+        _Pickler(stream, options).dump(gm)
+        return stream.getvalue()
+
+
+def graph_from_bytes(data: bytes) -> torch.fx.GraphModule:
+    """A graph ``graph_to_bytes`` wrote, its fake values in a fresh fake mode."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx._graph_pickler import GraphPickler
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    gm = GraphPickler.loads(data, FakeTensorMode(shape_env=ShapeEnv()))
+    if not isinstance(gm, torch.fx.GraphModule):
+        raise TypeError(f"expected a pickled GraphModule, got {type(gm).__name__}")
+    return gm
+
+
+@contextmanager
+def gpu_timings_under(lock: Callable[[], contextlib.AbstractContextManager[Any]]) -> Iterator[None]:
+    """Every GPU timing inductor takes (autotuning's) holds ``lock()`` for the duration:
+    processes compiling on one GPU time their kernels one at a time, as one process
+    would, instead of each other's kernels too."""
+    from torch._inductor.runtime import benchmarking
+
+    timer = benchmarking.benchmarker
+    original = timer.benchmark_gpu
+    own = "benchmark_gpu" in vars(timer)
+
+    def locked(*args: Any, **kwargs: Any) -> Any:
+        with lock():
+            return original(*args, **kwargs)
+
+    timer.benchmark_gpu = locked
+    try:
+        yield
+    finally:
+        if own:
+            timer.benchmark_gpu = original
+        else:
+            del timer.benchmark_gpu  # the class's method again
+
+
+def set_config_values(name: str, values: Mapping[str, Any]) -> None:
+    """Set entries of the config module ``name`` (``CONFIG_MODULES``) for this process."""
+    import importlib
+
+    config = importlib.import_module(name)
+    for key, value in values.items():
+        setattr(config, key, value)
+
+
 CONFIG_MODULES = ("torch._inductor.config", "torch._functorch.config")
 INDUCTOR_CONFIG = "torch._inductor.config"
 # a name of an environment variable, as a config module's source spells it

@@ -19,17 +19,20 @@ from typing import Any
 import sympy
 import torch
 
-from precompile.runtime import NativeKernel, UnsupportedGraphError
+from precompile.runtime import NativeKernel, PrecompileError, UnsupportedGraphError
 from precompile.runtime.compiler_interface import build_dir
 
 from . import _torch_adapter as adapter
 from ._attention_policy import attention_backends, sdpa_backends, sdpa_switches
 from ._compiled_payload import InputUse, built_cpp_kernels, input_uses, settle_triton_kernels
+from ._compiler_config import inductor_config_changes
+from ._gemm_policy import gemm_options
 from ._graph import GraphDescription
 from ._graph_description import symbol_hint
 from ._kernel_checks import raise_index_checks
 from ._precision_policy import PATCHES as PRECISION_PATCHES
 from ._random_policy import PATCHES as RANDOM_PATCHES
+from ._variant_plan import VariantRequest
 
 log = logging.getLogger("precompile.compile")
 
@@ -400,3 +403,55 @@ def compile_variant(
             continue
         translated.append(expr)
     return CompiledVariant(payload, tuple(dict.fromkeys(translated)), kernels, uses, training)
+
+
+def graph_device(graph: GraphDescription) -> str:
+    """``cuda`` for a graph that takes a CUDA tensor, else ``cpu``."""
+    devices = {str(i.device.type) for i in graph.inputs if i.device is not None}
+    return "cuda" if "cuda" in devices else "cpu"
+
+
+def first_line(exc: BaseException, limit: int) -> str:
+    """What an inductor failure says, for a log line or an error: its first line."""
+    text = str(exc).strip()
+    return text.splitlines()[0][:limit] if text else ""
+
+
+def compile_under_policy(
+    gm: torch.fx.GraphModule,
+    graph: GraphDescription,
+    point: Mapping[sympy.Symbol, int],
+    request: VariantRequest,
+    options: Mapping[str, Any],
+    number: int,
+    to_compile: torch.fx.GraphModule | None = None,
+) -> CompiledVariant:
+    """One variant, its GEMMs as ``_gemm_policy`` says; where inductor cannot compile
+    them so, with the caller's options (an INFO log says why)."""
+    dynamic = request.kind == "hint"
+    # A point with every symbol at 0 or 1 is specialized by the trace: one size is served.
+    serves_many = dynamic and any(int(value) >= 2 for value in point.values())
+    device = graph_device(graph)
+    chosen = gemm_options(
+        options, device=device, dynamic=serves_many, caller_config=inductor_config_changes(),
+        cudnn_decode=serves_many and device == "cuda"
+        and decode_attention_on_cudnn(gm, graph, point),
+    )  # fmt: skip
+    if chosen is not None:
+        try:
+            return compile_variant(
+                gm, graph, point, dynamic=dynamic, options=chosen, to_compile=to_compile
+            )
+        except PrecompileError:
+            raise
+        except Exception as exc:  # inductor's own failure, whatever its type
+            log.info(
+                "variant %d: Triton GEMM templates failed (%s: %s); compiling with inductor's "
+                "default GEMMs",
+                number,
+                type(exc).__name__,
+                first_line(exc, 200),
+            )
+    return compile_variant(
+        gm, graph, point, dynamic=dynamic, options=options, to_compile=to_compile
+    )

@@ -122,17 +122,23 @@ def test_a_variant_templates_cannot_serve_compiles_with_the_callers_options(
     monkeypatch.setattr(_standalone.variant_compile, "compile_variant", compile_variant)
     monkeypatch.setattr(_standalone.variant_compile, "decode_attention_on_cudnn",
                         lambda gm, graph, point: False)  # fmt: skip
-    monkeypatch.setattr(_standalone, "_device_of", lambda graph: "cuda")
+    monkeypatch.setattr(_standalone.variant_compile, "graph_device", lambda graph: "cuda")
     request = VariantRequest("hint", (16,))
     with caplog.at_level(logging.INFO, logger="precompile.compile"):
-        got = _standalone._compile_variant(None, None, {sympy.Symbol("s0"): 16}, request,  # type: ignore[arg-type]
-                                           {"config_patches": {"a": 1}}, 0)  # fmt: skip
+        got = _standalone.variant_compile.compile_under_policy(
+            None,
+            None,
+            {sympy.Symbol("s0"): 16},
+            request,
+            {"config_patches": {"a": 1}},
+            0,  # type: ignore[arg-type]
+        )
     assert got == "compiled"
     assert calls == [{"config_patches": {"a": 1, **TEMPLATES}}, {"config_patches": {"a": 1}}]
     assert "Triton GEMM templates failed (RuntimeError: NoValidChoicesError" in caplog.text
     calls.clear()
     static = VariantRequest("static", (16,))
-    _standalone._compile_variant(None, None, {}, static, {}, 1)  # type: ignore[arg-type]
+    _standalone.variant_compile.compile_under_policy(None, None, {}, static, {}, 1)  # type: ignore[arg-type]
     assert calls == [{}]
 
 
@@ -157,13 +163,19 @@ def test_a_hint_variant_that_serves_one_size_keeps_inductors_gemms(
     monkeypatch.setattr(_standalone.variant_compile, "compile_variant", compile_variant)
     monkeypatch.setattr(_standalone.variant_compile, "decode_attention_on_cudnn",
                         lambda gm, graph, point: cudnn[0])  # fmt: skip
-    monkeypatch.setattr(_standalone, "_device_of", lambda graph: "cuda")
+    monkeypatch.setattr(_standalone.variant_compile, "graph_device", lambda graph: "cuda")
     batch, length = sympy.Symbol("s0"), sympy.Symbol("s1")
     request = VariantRequest("hint", (1, 1))
-    _standalone._compile_variant(None, None, {batch: 1, length: 1}, request, {}, 0)  # type: ignore[arg-type]
+    _standalone.variant_compile.compile_under_policy(
+        None, None, {batch: 1, length: 1}, request, {}, 0
+    )  # type: ignore[arg-type]
     assert calls == [{}]
-    _standalone._compile_variant(None, None, {batch: 8, length: 1}, request, {}, 1)  # type: ignore[arg-type]
+    _standalone.variant_compile.compile_under_policy(
+        None, None, {batch: 8, length: 1}, request, {}, 1
+    )  # type: ignore[arg-type]
     assert calls[1] == {"config_patches": TEMPLATES}
     cudnn[0] = True  # the same point, its attention on cuDNN (a decode step): cuBLAS
-    _standalone._compile_variant(None, None, {batch: 8, length: 1}, request, {}, 2)  # type: ignore[arg-type]
+    _standalone.variant_compile.compile_under_policy(
+        None, None, {batch: 8, length: 1}, request, {}, 2
+    )  # type: ignore[arg-type]
     assert calls[2] == {}

@@ -1,0 +1,118 @@
+"""Variants compiled in worker processes (``precompile._variant_workers``): the same
+code as one process compiles, eager's answers, and every way a worker can fail hands
+its variant back to the building process instead of failing or changing the build."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+from conftest import AttentionBlock, Captured, capture
+
+import precompile
+from precompile import _variant_workers
+from precompile.runtime import InvalidOptionError
+
+HINTS = [4, 64]
+SIZES = [(1, 3), (2, 5), (3, 40), (1, 70)]
+
+
+@pytest.fixture(scope="module")
+def captured() -> Captured:
+    torch.manual_seed(0)
+    return capture(AttentionBlock().eval(), torch.randn(2, 6, 32))
+
+
+def _compile(captured: Captured, workers: str, monkeypatch: pytest.MonkeyPatch) -> Any:
+    monkeypatch.setenv(_variant_workers.WORKERS_ENV, workers)
+    with torch.no_grad():
+        return precompile.standalone_compile(
+            captured.gm, captured.example_inputs, hints=HINTS, cache=False
+        )
+
+
+def _codes(artifact: Any) -> list[str]:
+    return [variant.code for variant in artifact.manifest.variants]
+
+
+def _check_eager(captured: Captured, artifact: Any) -> None:
+    for batch, seq in SIZES:
+        x = torch.randn(batch, seq, 32)
+        with torch.no_grad():
+            expected = captured.model(x)
+            got = artifact(*captured.flat(x))
+        got = got[0] if isinstance(got, (tuple, list)) else got
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.fixture(scope="module")
+def serial(captured: Captured) -> Iterator[Any]:
+    with pytest.MonkeyPatch.context() as patch:
+        yield _compile(captured, "0", patch)
+
+
+def test_workers_compile_the_code_one_process_compiles(
+    captured: Captured,
+    serial: Any,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    with caplog.at_level(logging.INFO, logger="precompile.compile"):
+        artifact = _compile(captured, "2", monkeypatch)
+    assert caplog.text.count("compiled in a worker process") == len(HINTS) - 1
+    assert _codes(artifact) == _codes(serial)
+    _check_eager(captured, artifact)
+
+
+def test_a_worker_that_cannot_take_the_callers_state_hands_its_variants_back(
+    captured: Captured,
+    serial: Any,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # cuBLAS's reduced-precision setting is in the state a key reads, and not one a
+    # worker sets: the worker refuses rather than compile under other state.
+    matmul = torch.backends.cuda.matmul
+    before = matmul.allow_bf16_reduced_precision_reduction
+    matmul.allow_bf16_reduced_precision_reduction = not before
+    try:
+        with caplog.at_level(logging.INFO, logger="precompile.compile"):
+            artifact = _compile(captured, "2", monkeypatch)
+    finally:
+        matmul.allow_bf16_reduced_precision_reduction = before
+    assert "compiled in a worker process" not in caplog.text
+    assert caplog.text.count("compile state differs: reduced_precision_reduction") == len(HINTS) - 1
+    assert _codes(artifact) == _codes(serial)
+    _check_eager(captured, artifact)
+
+
+def test_a_worker_that_dies_hands_its_variant_back(
+    captured: Captured,
+    serial: Any,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    give = _variant_workers._Worker.give
+
+    def give_and_die(worker: Any, job: Any) -> bool:
+        sent = give(worker, job)
+        worker.process.kill()
+        return sent
+
+    monkeypatch.setattr(_variant_workers._Worker, "give", give_and_die)
+    with caplog.at_level(logging.INFO, logger="precompile.compile"):
+        artifact = _compile(captured, "1", monkeypatch)
+    assert "the worker process ended" in caplog.text
+    assert _codes(artifact) == _codes(serial)
+    _check_eager(captured, artifact)
+
+
+@pytest.mark.parametrize("value", ["-1", "many", "2.5"])
+def test_a_bad_worker_count_is_named(
+    captured: Captured, monkeypatch: pytest.MonkeyPatch, value: str
+) -> None:
+    with pytest.raises(InvalidOptionError, match="PRECOMPILE_COMPILE_WORKERS"):
+        _compile(captured, value, monkeypatch)
