@@ -20,7 +20,9 @@ with on this model), ``compile_model`` (the docs' call: sequence dim dynamic, hi
 run. ``compile_model, blocks on``: with ``PRECOMPILE_REPEATED_BLOCKS=1`` (repeated
 layers compiled once);
 ``compile_model, cuBLAS GEMMs``: with ``options={"config_patches": {"max_autotune_gemm":
-False}}`` (inductor's default GEMMs, no autotuning). ``--logs DIR`` keeps each row's log.
+False}}`` (inductor's default GEMMs, no autotuning); ``compile_model, variants in
+workers`` and ``compile_model, variants in one process``: ``PRECOMPILE_COMPILE_WORKERS``
+4 and 0 (the default row has the library's choice). ``--logs DIR`` keeps each row's log.
 
 ``--steady``: after its first output each row's process also times what a build trades
 against: the first call at sizes it has not run (``new_size_ms``: 100, 300 and 1000 tokens,

@@ -373,7 +373,9 @@ def _compile_all(
     grad_enabled = torch.is_grad_enabled()
     queue = _within_the_graph(graph, requests)  # then any variant a dim's 1 needs
     outlined = repeated_blocks.outline(gm)
-    with variant_workers(gm, outlined.gm, graph, options, queue) as workers:
+    # A graph running collectives compiles here: a worker process has no process group.
+    spread = () if groups else queue
+    with variant_workers(gm, outlined.gm, graph, options, spread) as workers:
         number = -1
         while number + 1 < len(queue):
             number += 1
