@@ -282,6 +282,16 @@ def new_fake_mode(*, specialize_zero_one: bool, duck_shape: bool) -> Any:
     return FakeTensorMode(shape_env=shape_env)
 
 
+def forget_unbacked_bindings(gm: torch.fx.GraphModule) -> None:
+    """Drop which unbacked symbol (``u0``: a value read from a tensor, ``.item()``) each
+    of ``gm``'s nodes bound in the trace's ShapeEnv. AOTAutograd's retrace renames each
+    new symbol to its node's old one, which a fresh ShapeEnv does not have (inductor
+    failed: "u0 possible memo disaster", or an AttributeError once they were numbered
+    apart); without the bindings the new symbols keep their own names."""
+    for node in gm.graph.nodes:
+        node.meta.pop("unbacked_bindings", None)
+
+
 def new_size_symbol(shape_env: Any, hint: int, name: str) -> sympy.Expr:
     """A new dynamic size symbol of ``shape_env``, backed at ``hint``."""
     from torch._dynamo.source import ConstantSource

@@ -266,7 +266,9 @@ def _compile_once(
         attention_backends(attention),
         _short_kernel_names(),
     ):
-        compiled = adapter.compile_fx(copy.deepcopy(gm), inputs, options)
+        to_compile = copy.deepcopy(gm)
+        adapter.forget_unbacked_bindings(to_compile)  # they name the trace's ShapeEnv's symbols
+        compiled = adapter.compile_fx(to_compile, inputs, options)
         if not adapter.serializable(compiled):
             raise UnsupportedGraphError(
                 "inductor returned a compiled graph that cannot be serialized (for example "

@@ -155,9 +155,13 @@ class _Worker:
         return str(kind), value
 
     def close(self) -> None:
+        """An idle worker ends on its closed stdin; one still compiling (the build
+        stopped early: an error, an interrupt) is killed, its variant unwanted."""
         if self.process.stdin is not None:
             with suppress(OSError):
                 self.process.stdin.close()
+        if self.job is not None:
+            self.process.kill()
         try:
             self.process.wait(timeout=5)
         except subprocess.TimeoutExpired:
@@ -237,12 +241,13 @@ class VariantWorkers:
         return cls(context, jobs, count)
 
     def _next(self, worker: _Worker) -> None:
+        """The next variant not handed out to ``worker``; one it cannot take (it died)
+        is this process's to compile when it reaches it."""
         worker.job = None
-        while self._pending:
+        if self._pending:
             job = self._pending.pop(0)
             if worker.give(job):
                 self._by_key[_job_key(job.request)] = worker
-            return
 
     def take(self, request: VariantRequest, number: int) -> variant_compile.CompiledVariant | None:
         """The variant a worker compiled for ``request``; None where this process is to
@@ -342,15 +347,36 @@ def _set_state(context: _Context) -> str | None:
     return ", ".join(differing) or None
 
 
-def _serve(context_path: str, inbox: IO[bytes], outbox: IO[bytes]) -> None:
+def _prepared(context_path: str) -> tuple[_Context, Any, Any, str | None]:
+    """The context, its graphs, and why this worker cannot compile them (None where it
+    can)."""
     with open(context_path, "rb") as file:
         context: _Context = pickle.loads(file.read(_MAX_MESSAGE))
     try:
         refused = _set_state(context)
     except Exception as exc:  # a setting this torch does not take as recorded
         refused = f"{type(exc).__name__}: {variant_compile.first_line(exc, 200)}"
+    if refused is not None:
+        return context, None, None, f"this worker's compile state differs: {refused}"
     gm = adapter.graph_from_bytes(context.gm)
     to_compile = gm if context.to_compile is None else adapter.graph_from_bytes(context.to_compile)
+    return context, gm, to_compile, None
+
+
+def _answer(outbox: IO[bytes], answer: tuple[str, Any]) -> None:
+    data = pickle.dumps(answer)
+    outbox.write(_HEADER.pack(len(data)) + data)
+    outbox.flush()
+
+
+def _serve(context_path: str, inbox: IO[bytes], outbox: IO[bytes]) -> None:
+    try:
+        context, gm, to_compile, refused = _prepared(context_path)
+    except Exception as exc:  # something of the caller's this process cannot unpickle
+        reason = f"the graph could not be read here ({type(exc).__name__}: {exc!s:.200})"
+        while _read_message(inbox) is not None:
+            _answer(outbox, ("back", reason))
+        return
     with ExitStack() as stack:
         if context.timing_lock is not None:
             lock = FileLock(context.timing_lock)
@@ -359,23 +385,19 @@ def _serve(context_path: str, inbox: IO[bytes], outbox: IO[bytes]) -> None:
         stack.enter_context(variant_compile.compiling_in_build_dir(cpu=cpu))
         while (message := _read_message(inbox)) is not None:
             job: _Job = pickle.loads(message)
-            answer: tuple[str, Any]
             if refused is not None:
-                answer = ("back", f"this worker's compile state differs: {refused}")
+                _answer(outbox, ("back", refused))
+                continue
+            try:
+                compiled = variant_compile.compile_under_policy(
+                    gm, context.graph, job.point, job.request, context.options,
+                    job.number, to_compile,
+                )  # fmt: skip
+            except Exception as exc:
+                reason = f"{type(exc).__name__}: {variant_compile.first_line(exc, 300)}"
+                _answer(outbox, ("back", reason))
             else:
-                try:
-                    answer = ("ok", variant_compile.compile_under_policy(
-                        gm, context.graph, job.point, job.request, context.options,
-                        job.number, to_compile,
-                    ))  # fmt: skip
-                except Exception as exc:
-                    answer = (
-                        "back",
-                        f"{type(exc).__name__}: {variant_compile.first_line(exc, 300)}",
-                    )
-            data = pickle.dumps(answer)
-            outbox.write(_HEADER.pack(len(data)) + data)
-            outbox.flush()
+                _answer(outbox, ("ok", compiled))
 
 
 def main() -> None:

@@ -1,5 +1,5 @@
 """The tiny random-initialized ``transformers`` models the tests build (from small
-configs, nothing downloaded): Llama, GPT-2 and BERT."""
+configs, nothing downloaded): Llama, GPT-2, BERT and OPT."""
 
 from __future__ import annotations
 
@@ -52,3 +52,14 @@ def tiny_bert() -> torch.nn.Module:
         max_position_embeddings=256,
     )
     return transformers.BertModel(config).eval()
+
+
+def tiny_opt() -> torch.nn.Module:
+    """OPT: learned positions computed from the attention mask's cumulative sum."""
+    torch.manual_seed(0)
+    config = transformers.OPTConfig(
+        hidden_size=32, ffn_dim=64, num_hidden_layers=1, num_attention_heads=2,
+        vocab_size=VOCAB, max_position_embeddings=64, word_embed_proj_dim=32,
+        pad_token_id=1, bos_token_id=2, eos_token_id=2,
+    )  # fmt: skip
+    return transformers.OPTForCausalLM(config).eval()

@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 import torch
 from conftest import AttentionBlock, Captured, capture
+from torch._inductor.custom_graph_pass import CustomGraphPass
 
 import precompile
 from precompile import _variant_workers
@@ -116,3 +117,27 @@ def test_a_bad_worker_count_is_named(
 ) -> None:
     with pytest.raises(InvalidOptionError, match="PRECOMPILE_COMPILE_WORKERS"):
         _compile(captured, value, monkeypatch)
+
+
+class _KeepGraph(CustomGraphPass):
+    """A post-grad pass that changes nothing, defined where no worker can import it."""
+
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        return None
+
+    def uuid(self) -> str:
+        return "keep-graph"
+
+
+def test_a_worker_that_cannot_read_the_callers_options_hands_its_variants_back(
+    captured: Captured, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setenv(_variant_workers.WORKERS_ENV, "1")
+    options = {"config_patches": {"post_grad_custom_post_pass": _KeepGraph()}}
+    with caplog.at_level(logging.INFO, logger="precompile.compile"), torch.no_grad():
+        artifact = precompile.standalone_compile(
+            captured.gm, captured.example_inputs, hints=HINTS, cache=False, options=options
+        )
+    assert "the graph could not be read here (ModuleNotFoundError" in caplog.text
+    assert "compiled in a worker process" not in caplog.text
+    _check_eager(captured, artifact)

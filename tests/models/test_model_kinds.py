@@ -1,0 +1,29 @@
+"""Model kinds beyond Llama and Qwen2 through ``serve_generate``, each against
+transformers' own ``generate`` (the table of Whole models' model kinds)."""
+
+from __future__ import annotations
+
+import torch
+from tiny_models_helpers import VOCAB, tiny_opt
+
+import precompile
+
+
+def test_opt_is_served_with_transformers_tokens() -> None:
+    """OPT computes its positions from the attention mask (a cumulative sum read back
+    as a length: an unbacked symbol in the trace). Each variant compiles from a fresh
+    ShapeEnv, where AOTAutograd's rebinding of that symbol to the trace's name failed
+    ("u0 possible memo disaster") and serve_generate refused the model."""
+    model = tiny_opt()
+    options = dict(max_new_tokens=6, do_sample=False, cache_implementation="static",
+                   pad_token_id=1)  # fmt: skip
+    torch.manual_seed(3)
+    prompts = [torch.randint(3, VOCAB, (1, 7)), torch.randint(3, VOCAB, (1, 12))]
+    with torch.no_grad():
+        expected = [model.generate(p, **options) for p in prompts]
+        vars(model).pop("_previous_max_cache_length", None)
+        with precompile.serve_generate(model, hints=[8]) as served:
+            got = [model.generate(p, **options) for p in prompts]
+    assert served.stats["calls"] > 0 and len(served.compiled) >= 2  # prefill and decode
+    for tokens, reference in zip(got, expected, strict=True):
+        assert torch.equal(tokens, reference)
