@@ -36,7 +36,7 @@ from precompile.runtime.compiler_interface import registered_process_groups as r
 
 from ._compiler_config import codegen_config_digest
 from ._gemm_policy import POLICY as GEMM_POLICY
-from ._graph import GraphDescription
+from ._graph import BACKWARD_POLICY, GraphDescription, has_backward
 from ._kernel_checks import MARK as KERNELS
 from ._precision_policy import POLICY as PRECISION_POLICY
 from ._random_policy import POLICY as RANDOM_POLICY
@@ -144,7 +144,9 @@ def cache_factors(
     """``index``: the graph's one CUDA device index (``one_device_index``), left out of
     every factor so that the key is the same on every device of this GPU model."""
     environment = current_environment(device)
+    backward = {"backward": BACKWARD_POLICY} if has_backward(graph) else {}
     return {
+        **backward,
         "graph": graph_digest(gm, index),
         "inputs": hashlib.sha256(_inputs_text(graph, index).encode()).hexdigest(),
         "variants": _canonical([[r.kind, list(r.point)] for r in requests]),
@@ -226,8 +228,11 @@ def model_factors(
     if distributed is not None:
         groups = [[g.name, g.size, g.backend, list(g.ranks)] for g in registered_groups()]
         rank = {"distributed": _digest([*distributed, groups])}
+    # a compile with grad on may have a backward graph, traced by another policy since
+    backward = {"backward": BACKWARD_POLICY} if torch.is_grad_enabled() else {}
     return {
         **rank,
+        **backward,
         **model_identity(model),  # model_class, model_sources, model_settings, model_tensors
         "model_mode": "train" if model.training else "eval",
         "call": _digest([str(spec), described]),

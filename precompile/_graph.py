@@ -53,3 +53,19 @@ class GraphDescription:
     # what the caller's trace assumed of the sizes beyond their ranges (a branch on
     # ``s % 2 == 0``): the graph holds only where these do, so every variant keeps them
     caller_guards: tuple[sympy.Expr, ...] = ()
+
+
+# In every cache key of a graph with a backward (``has_backward``): such graphs compiled
+# before this policy serve their hint's size only.
+BACKWARD_POLICY = "backward 1: 0/1 guards, not size-oblivious"
+
+
+def has_backward(graph: GraphDescription) -> bool:
+    """Whether compiling ``graph`` now gives it a backward graph: grad enabled and an
+    input requiring grad. Such a graph is never traced size-obliviously: AOTAutograd,
+    compiling the backward with the forward, restrides each saved activation to the
+    forward's strides evaluated at the hint wherever it cannot prove them equal for every
+    size, which a size-oblivious trace never can (a tiny Llama in train mode: the
+    backward failed at every length but the hint's, ``expected size 17==17, stride
+    17==16``)."""
+    return torch.is_grad_enabled() and any(item.requires_grad for item in graph.inputs)

@@ -27,7 +27,7 @@ from ._attention_policy import attention_backends, sdpa_backends, sdpa_switches
 from ._compiled_payload import InputUse, built_cpp_kernels, input_uses, settle_triton_kernels
 from ._compiler_config import inductor_config_changes
 from ._gemm_policy import gemm_options
-from ._graph import GraphDescription
+from ._graph import GraphDescription, has_backward
 from ._graph_description import symbol_hint
 from ._kernel_checks import raise_index_checks
 from ._precision_policy import PATCHES as PRECISION_PATCHES
@@ -339,7 +339,9 @@ def compile_variant(
     # tracing is experimental in torch: where it fails (torch 2.11 lowering a KV-cache
     # graph raised KeyError 'unbacked_bindings'), the variant is compiled with 0/1 guards
     # instead, which keep it away from the sizes it was not traced for.
-    size_oblivious = dynamic and all(int(v) >= 2 for v in point.values())
+    size_oblivious = (
+        dynamic and all(int(v) >= 2 for v in point.values()) and not has_backward(graph)
+    )
     switches = sdpa_switches()
     lengths = attention_lengths(gm) if dynamic else ()
     attention = sdpa_backends(
