@@ -631,6 +631,37 @@ def filtered_inductor_log(module: str, keep: Callable[[logging.LogRecord], bool]
         logger.removeFilter(kept)
 
 
+_BYPASS = "Bypassing autograd cache due to: %s"
+
+
+@contextmanager
+def autograd_cache_bypasses() -> Iterator[list[str]]:
+    """For the duration, the reasons AOTAutograd's cache gives for not caching a graph
+    (its INFO records, which torch's own logging leaves unprinted: they still are). A
+    graph it does not cache has no serializable compiled function."""
+    logger = logging.getLogger("torch._functorch._aot_autograd.autograd_cache")
+    reasons: list[str] = []
+    shown = logger.getEffectiveLevel()
+
+    class _Record(logging.Filter):
+        def filter(self, record: logging.LogRecord) -> bool:
+            if record.msg == _BYPASS and record.args:
+                reasons.append(
+                    str(record.args[0] if isinstance(record.args, tuple) else record.args)
+                )
+            return record.levelno >= shown
+
+    recorder = _Record()
+    level = logger.level
+    logger.setLevel(min(shown, logging.INFO))
+    logger.addFilter(recorder)
+    try:
+        yield reasons
+    finally:
+        logger.removeFilter(recorder)
+        logger.setLevel(level)
+
+
 def compile_fx_keywords() -> frozenset[str] | None:
     """The keyword arguments inductor's compile_fx takes besides the graph and inputs;
     None where it takes any (a wrapper someone put in its place: ``**kwargs``)."""

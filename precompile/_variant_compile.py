@@ -268,7 +268,8 @@ def _compile_once(
     ):
         to_compile = copy.deepcopy(gm)
         adapter.forget_unbacked_bindings(to_compile)  # they name the trace's ShapeEnv's symbols
-        compiled = adapter.compile_fx(to_compile, inputs, options)
+        with adapter.autograd_cache_bypasses() as bypasses:
+            compiled = adapter.compile_fx(to_compile, inputs, options)
         if not adapter.serializable(compiled):
             raise UnsupportedGraphError(
                 "inductor returned a compiled graph that cannot be serialized (for example "
@@ -278,16 +279,29 @@ def _compile_once(
         try:
             payload = adapter.serialize_variant(compiled)
         except (TypeError, AttributeError, pickle.PicklingError) as exc:
-            raise UnsupportedGraphError(
-                "inductor compiled the graph but could not serialize it "
-                f"({type(exc).__name__}: {exc}); graphs from torch.export's module() wrapper "
-                "are one known case: capture the graph with Dynamo (a torch.compile backend) "
-                "instead"
-            ) from exc
+            raise UnsupportedGraphError(_unsaved(exc, bypasses)) from exc
         payload = settle_triton_kernels(payload)
         kernels = built_cpp_kernels(payload)
         uses, training = input_uses(payload, len(inputs))
     return fake_mode, reverse, payload, kernels, uses, training
+
+
+def _unsaved(exc: BaseException, bypasses: Sequence[str]) -> str:
+    """Why a compiled variant could not be serialized, as AOTAutograd's cache said."""
+    said = f"inductor compiled the graph but could not serialize it ({type(exc).__name__}: {exc})"
+    if not bypasses:
+        return (
+            f"{said}; graphs from torch.export's module() wrapper are one known case: "
+            "capture the graph with Dynamo (a torch.compile backend) instead"
+        )
+    reason = bypasses[-1]
+    hint = ""
+    if "custom pass" in reason:
+        hint = (
+            ": a custom pass in the config must be a torch._inductor.custom_graph_pass."
+            "CustomGraphPass whose uuid() names it (a plain function cannot be saved)"
+        )
+    return f"{said}: AOTAutograd would not cache it ({reason}){hint}"
 
 
 def _may_fix_lengths(

@@ -437,3 +437,25 @@ def test_hints_for_a_graph_with_no_dynamic_dims_say_so(caplog: Any) -> None:
         art = precompile.standalone_compile(gm, example_inputs, hints=[1, 16], cache=False)
     assert len(art.variants) == 1 and not art.symbols
     assert "no dynamic dims" in caplog.text, caplog.text
+
+
+def test_a_custom_pass_that_cannot_be_saved_is_named() -> None:
+    """A plain function as a post-grad pass compiles, but AOTAutograd will not cache a
+    graph compiled with it, so nothing can be saved: the error names the pass and what
+    it must be, where it blamed torch.export's wrapper (a client trial)."""
+
+    class Silu(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.nn.functional.silu(x) * 2
+
+    def keep(graph: torch.fx.Graph) -> None:
+        return None
+
+    options = {"config_patches": {"post_grad_custom_post_pass": keep}}
+    with pytest.raises(precompile.UnsupportedGraphError, match="CustomGraphPass whose uuid") as err:
+        precompile.compile_model(
+            Silu(), (torch.randn(4, 8),), dynamic={0: [0]}, hints=[8], cache=False,
+            options=options,
+        )  # fmt: skip
+    assert "Unsupported post grad custom pass" in str(err.value)
+    assert "torch.export" not in str(err.value)
