@@ -79,9 +79,12 @@ def worker_count(variants: int, device: str) -> int:
 
 
 def _auto_count(device: str) -> int:
-    """The default: see docs/benchmarks.md ("Variants in worker processes")."""
+    """The default, where it was measured (docs/benchmarks.md, "Variants in worker
+    processes"): a quarter of the cores on a CUDA build on a host of 16 or more (10-13%
+    shorter on an H200 host of 16); none on CPU (slower on 2 cores) or on smaller hosts
+    (not measured)."""
     cores = os.cpu_count() or 1
-    return cores // 4 if device == "cuda" else 0
+    return cores // 4 if device == "cuda" and cores >= 16 else 0
 
 
 # -- the building process's side --------------------------------------------------------

@@ -141,3 +141,21 @@ def test_a_worker_that_cannot_read_the_callers_options_hands_its_variants_back(
     assert "the graph could not be read here (ModuleNotFoundError" in caplog.text
     assert "compiled in a worker process" not in caplog.text
     _check_eager(captured, artifact)
+
+
+@pytest.mark.parametrize(
+    ("value", "cores", "device", "expected"),
+    [
+        ("auto", 16, "cuda", 2),  # a quarter of 16, but a 3-variant graph hands out 2
+        ("auto", 8, "cuda", 0),  # measured on 16 cores only
+        ("auto", 64, "cpu", 0),
+        ("3", 2, "cpu", 2),
+        ("0", 64, "cuda", 0),
+    ],
+)
+def test_the_worker_count(
+    monkeypatch: pytest.MonkeyPatch, value: str, cores: int, device: str, expected: int
+) -> None:
+    monkeypatch.setenv(_variant_workers.WORKERS_ENV, value)
+    monkeypatch.setattr(_variant_workers.os, "cpu_count", lambda: cores)
+    assert _variant_workers.worker_count(3, device) == expected
