@@ -417,6 +417,33 @@ def _reads_environ(expr: Any) -> bool:
     return any(_reads_environ(part) for part in expr[1:] if isinstance(part, list))
 
 
+_DEFAULTS = ("__defaults__", "__kwdefaults__")
+
+
+def _defaults_read(expr: Any) -> list[Any]:
+    """The ``[attr, function, __defaults__ or __kwdefaults__]`` reads in a guard's
+    expression: a forward's defaults the call left, which the trace read."""
+    if not isinstance(expr, list) or not expr:
+        return []
+    if expr[0] == "attr" and len(expr) == 3 and expr[2] in _DEFAULTS:
+        return [expr]
+    return [read for part in expr[1:] if isinstance(part, list) for read in _defaults_read(part)]
+
+
+class _DefaultsSeen:
+    """A function's defaults (its ``__defaults__`` or ``__kwdefaults__`` object) as last
+    checked, and the guards that read them: per call, one identity test; the guards
+    run again only where the object was replaced."""
+
+    __slots__ = ("attribute", "function", "guards", "seen")
+
+    def __init__(self, function: Any, attribute: str, guards: list[Guard]) -> None:
+        self.function = function
+        self.attribute = attribute
+        self.guards = guards
+        self.seen = getattr(function, attribute, None)
+
+
 def _is_training_flag(guard: Guard) -> bool:
     expr = guard.expr
     return (
@@ -497,13 +524,26 @@ class BoundGuards:
                 flags.append((owner, guard.expected == ["bool", True], guard))
         self._flags = flags
         self._environment = [g for g in self.read.guards if _reads_environ(g.expr)]
+        defaults: dict[tuple[int, str], _DefaultsSeen] = {}
+        for guard in self.read.guards:
+            for read in _defaults_read(guard.expr):
+                try:
+                    function = evaluate(read[1], self.roots)
+                except Exception:  # nothing to watch per call: the bind checked it
+                    continue
+                key = (id(function), read[2])
+                if key not in defaults:
+                    defaults[key] = _DefaultsSeen(function, read[2], [])
+                defaults[key].guards.append(guard)
+        self._defaults = list(defaults.values())
         _tracked.update(self.model.modules())
         self._generation = _generation[0]
 
     def check(self) -> bool:
-        """Per call: the training flags the trace read, and a new bind after a
-        registration in a bound model since the last one (True then: what was resolved
-        from the model, its weights' owners, must be resolved again)."""
+        """Per call: the training flags, the environment and the defaults the trace
+        read, and a new bind after a registration in a bound model since the last one
+        (True then: what was resolved from the model, its weights' owners, must be
+        resolved again)."""
         rebound = self._generation != _generation[0]
         if rebound:
             self.bind()
@@ -524,4 +564,17 @@ class BoundGuards:
                     "read it, so it holds for the traced value alone: set it back or "
                     "compile again"
                 )
+        for read in self._defaults:
+            now = getattr(read.function, read.attribute, None)
+            if now is read.seen:
+                continue
+            for guard in read.guards:
+                failure = guard.failure(self.roots)
+                if failure is not None:
+                    raise InputMismatchError(
+                        f"a default of {self.where}'s forward changed after binding: "
+                        f"{failure}; the trace used the default the call left, so pass the "
+                        "argument, set the default back or compile again"
+                    )
+            read.seen = now
         return rebound

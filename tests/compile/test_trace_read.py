@@ -374,24 +374,33 @@ def test_a_default_the_call_left_is_checked_as_the_trace_read_it() -> None:
     """A hostile probe changed the forward's default after compiling (and in a fresh
     process): it was served the traced default, 5.5 off eager. The defaults a call leaves
     are now read off the model's forward by the trace's guards: a bind (a fresh process,
-    ``load_model``) or ``check_model`` refuses a changed one."""
+    ``load_model``), ``check_model`` and each call refuse a changed one."""
     model = _ScalesByDefault()
     with torch.no_grad():
         compiled = precompile.compile_model(model, (torch.randn(3, 4),), cache=False,
                                             warmup=False)  # fmt: skip
         compiled.check_model()
         saved = _ScalesByDefault.forward.__defaults__, _ScalesByDefault.forward.__kwdefaults__
+        x = torch.randn(3, 4)
         try:
             _ScalesByDefault.forward.__defaults__ = (5.0,)
             with pytest.raises(precompile.IncompatibleArtifactError, match="__defaults__"):
                 compiled.check_model()
+            # and per call, in the same binding (it was served the traced default)
+            with pytest.raises(precompile.InputMismatchError, match=r"default .* changed"):
+                compiled(x)
+            _ScalesByDefault.forward.__defaults__ = (2.0,)  # another tuple, the same value
+            assert torch.equal(compiled(x), model(x))
             _ScalesByDefault.forward.__defaults__ = saved[0]
             _ScalesByDefault.forward.__kwdefaults__ = {"shift": 1.0}
             with pytest.raises(precompile.IncompatibleArtifactError, match="__kwdefaults__"):
                 compiled.check_model()
+            with pytest.raises(precompile.InputMismatchError, match="__kwdefaults__"):
+                compiled(x)
         finally:
             _ScalesByDefault.forward.__defaults__, _ScalesByDefault.forward.__kwdefaults__ = saved
         compiled.check_model()
+        assert torch.equal(compiled(x), model(x))
 
 
 def test_a_value_of_another_type_is_named_with_both() -> None:
