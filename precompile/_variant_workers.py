@@ -34,7 +34,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator, Mapping, Sequence
-from contextlib import ExitStack, contextmanager, suppress
+from contextlib import AbstractContextManager, ExitStack, contextmanager, suppress
 from dataclasses import dataclass, replace
 from typing import IO, Any
 
@@ -47,7 +47,7 @@ from precompile.runtime.compiler_interface import build_dir, trace_state
 
 from . import _torch_adapter as adapter
 from . import _variant_compile as variant_compile
-from ._attention_policy import sdpa_switches
+from ._attention_policy import attention_backends, sdpa_switches
 from ._compiler_config import codegen_config_digest, compile_configs
 from ._graph import GraphDescription
 from ._variant_plan import VariantRequest
@@ -227,7 +227,7 @@ class VariantWorkers:
                     state=state,
                     sdpa=sdpa_switches(),
                     cuda_device=torch.cuda.current_device() if cuda else None,
-                    timing_lock=os.path.join(build_dir(), "gpu-timing.lock") if cuda else None,
+                    timing_lock=_timing_lock() if cuda else None,
                 )
             )
         except Exception as exc:  # a graph or option torch's pickler cannot carry
@@ -291,14 +291,22 @@ def variant_workers(
         yield None
         return
     try:
-        if variant_compile.graph_device(graph) == "cuda":
-            lock = FileLock(os.path.join(build_dir(), "gpu-timing.lock"))
-            with adapter.gpu_timings_under(lambda: lock):
-                yield workers
-        else:
+        with ExitStack() as stack:
+            if variant_compile.graph_device(graph) == "cuda":
+                stack.enter_context(_timings_under(_timing_lock()))
             yield workers
     finally:
         workers.close()
+
+
+def _timing_lock() -> str:
+    """The file whose lock every GPU timing of one build's processes holds."""
+    return os.path.join(build_dir(), "gpu-timing.lock")
+
+
+def _timings_under(path: str) -> AbstractContextManager[None]:
+    lock = FileLock(path)
+    return adapter.gpu_timings_under(lambda: lock)
 
 
 def _read_message(stream: IO[bytes]) -> bytes | None:
@@ -313,20 +321,12 @@ def _read_message(stream: IO[bytes]) -> bytes | None:
 
 
 # -- the worker's side --------------------------------------------------------------------
-def _set_state(context: _Context) -> str | None:
-    """This process put under the building process's compile state; what still differs,
-    or None where nothing does."""
+def _set_state(context: _Context, stack: ExitStack) -> str | None:
+    """This process put under the building process's compile state (its attention
+    switches for as long as ``stack``); what still differs, or None where nothing does."""
     for name, values in context.configs.items():
         adapter.set_config_values(name, values)
-    backends = torch.backends.cuda
-    setters = {
-        "flash": backends.enable_flash_sdp,
-        "mem_efficient": backends.enable_mem_efficient_sdp,
-        "math": backends.enable_math_sdp,
-        "cudnn": backends.enable_cudnn_sdp,
-    }
-    for name, value in context.sdpa.items():
-        setters[name](value)
+    stack.enter_context(attention_backends(context.sdpa))
     state = context.state
     torch.set_grad_enabled(bool(state["grad_mode"]))
     torch.set_default_dtype(getattr(torch, str(state["default_dtype"]).replace("torch.", "")))
@@ -350,13 +350,13 @@ def _set_state(context: _Context) -> str | None:
     return ", ".join(differing) or None
 
 
-def _prepared(context_path: str) -> tuple[_Context, Any, Any, str | None]:
+def _prepared(context_path: str, stack: ExitStack) -> tuple[_Context, Any, Any, str | None]:
     """The context, its graphs, and why this worker cannot compile them (None where it
     can)."""
     with open(context_path, "rb") as file:
         context: _Context = pickle.loads(file.read(_MAX_MESSAGE))
     try:
-        refused = _set_state(context)
+        refused = _set_state(context, stack)
     except Exception as exc:  # a setting this torch does not take as recorded
         refused = f"{type(exc).__name__}: {variant_compile.first_line(exc, 200)}"
     if refused is not None:
@@ -373,17 +373,16 @@ def _answer(outbox: IO[bytes], answer: tuple[str, Any]) -> None:
 
 
 def _serve(context_path: str, inbox: IO[bytes], outbox: IO[bytes]) -> None:
-    try:
-        context, gm, to_compile, refused = _prepared(context_path)
-    except Exception as exc:  # something of the caller's this process cannot unpickle
-        reason = f"the graph could not be read here ({type(exc).__name__}: {exc!s:.200})"
-        while _read_message(inbox) is not None:
-            _answer(outbox, ("back", reason))
-        return
     with ExitStack() as stack:
+        try:
+            context, gm, to_compile, refused = _prepared(context_path, stack)
+        except Exception as exc:  # something of the caller's this process cannot unpickle
+            reason = f"the graph could not be read here ({type(exc).__name__}: {exc!s:.200})"
+            while _read_message(inbox) is not None:
+                _answer(outbox, ("back", reason))
+            return
         if context.timing_lock is not None:
-            lock = FileLock(context.timing_lock)
-            stack.enter_context(adapter.gpu_timings_under(lambda: lock))
+            stack.enter_context(_timings_under(context.timing_lock))
         cpu = variant_compile.graph_device(context.graph) == "cpu"
         stack.enter_context(variant_compile.compiling_in_build_dir(cpu=cpu))
         while (message := _read_message(inbox)) is not None:
