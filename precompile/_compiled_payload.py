@@ -30,9 +30,11 @@ class InputUse:
     aliased: bool  # some output is a view of it (or is it)
 
 
-# Inductor numbers the graphs a process compiles in a comment (``# AOT ID:
-# ['3_inference']``): two compiles of one graph differ there and nowhere else.
-_AOT_ID = re.compile(r"^# AOT ID: .*$", re.M)
+# Comments that differ between two compiles of one graph and nowhere else: inductor
+# numbers the graphs a process compiles (``# AOT ID: ['3_inference']``), and on CUDA it
+# names each Triton kernel's file in the compiling process's cache dir (``# kernel path:
+# /tmp/precompile-build-502-kc495ach/wg/cwgv....py``), which a worker process has its own of.
+_PROCESS_COMMENTS = re.compile(r"^# (AOT ID|kernel path): .*$", re.M)
 
 
 def variant_code_digest(payload: bytes) -> str:
@@ -40,7 +42,7 @@ def variant_code_digest(payload: bytes) -> str:
     count of the graphs compiled before it: equal means same code."""
     digest = hashlib.sha256()
     for number, source in enumerate(adapter.wrapper_sources(payload)):
-        source = _AOT_ID.sub("", source)
+        source = _PROCESS_COMMENTS.sub("", source)
         digest.update((b"\0backward\0" if number else b"") + source.encode())
     return digest.hexdigest()
 

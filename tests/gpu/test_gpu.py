@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 
 import pytest
@@ -328,3 +329,37 @@ def test_an_artifact_moved_to_the_second_gpu_matches_its_original(tmp_path: obje
         x = torch.randn(7, 64, device="cuda:1")
         flat = [v.to("cuda:1") if isinstance(v, torch.Tensor) else v for v in captured.flat(x)]  # type: ignore[attr-defined]
         assert torch.equal(again(*flat)[0], moved(*flat)[0])
+
+
+def test_cuda_variants_from_workers_are_the_code_one_process_compiles(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """On a GPU host workers are on by default: their variants must be one process's code
+    (GEMM autotuning off, so timing noise cannot choose other kernels) and eager's answers."""
+    torch.manual_seed(0)
+    model = AttentionBlock().cuda().eval()
+    captured = capture(model, torch.randn(2, 6, 32, device="cuda"))
+    options = {"config_patches": {"max_autotune_gemm": False}}
+
+    def build(workers: str) -> precompile.CompiledArtifact:
+        monkeypatch.setenv("PRECOMPILE_COMPILE_WORKERS", workers)
+        with torch.no_grad():
+            return precompile.standalone_compile(
+                captured.gm,
+                captured.example_inputs,
+                hints=[4, 64, 512],
+                cache=False,
+                options=options,
+            )
+
+    serial = build("0")
+    with caplog.at_level(logging.INFO, logger="precompile.compile"):
+        pooled = build("2")
+    assert caplog.text.count("compiled in a worker process") == 2
+    assert [v.code for v in pooled.manifest.variants] == [v.code for v in serial.manifest.variants]
+    for batch, seq in [(1, 3), (2, 70), (3, 600)]:
+        x = torch.randn(batch, seq, 32, device="cuda")
+        with torch.no_grad():
+            torch.testing.assert_close(
+                pooled(*captured.flat(x))[0], captured.model(x), rtol=2e-3, atol=2e-3
+            )
