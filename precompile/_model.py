@@ -298,12 +298,8 @@ def _compiled_model(
 
     def build(store: ArtifactCache | None) -> CompiledModel:
         from ._repeated_blocks import recording
-        from ._variant_workers import build_workers, expected_variants
 
-        # where the graphs compile: a model on the GPU, or a call with CUDA inputs
-        on_gpu = bool(_cuda_indices([*model.parameters(), *model.buffers(), *call.leaves]))
-        device = "cuda" if on_gpu else "cpu"
-        with build_workers(device, expected_variants(hints, sizes)), recording() as found:
+        with recording() as found:
             compiled = _trace_with_pieces(
                 model,
                 call,

@@ -1092,12 +1092,6 @@ def recorded_launch(module: Any, name: str) -> RecordedLaunch | str:
 
 # -- the compiler's configs -------------------------------------------------------------
 # -- a graph and its timings across processes (``_variant_workers``) ------------------
-def import_compiler() -> None:
-    """Import what compiling a variant needs (Dynamo, AOTAutograd, inductor), so that a
-    worker started ahead of its first graph spends the wait on it."""
-    import torch._inductor.compile_fx  # noqa: F401
-
-
 def graph_to_bytes(gm: torch.fx.GraphModule) -> bytes:
     """``gm`` pickled with its nodes' metadata (their fake example values, which
     AOTAutograd's cache reads) by torch's ``GraphPickler``, less what refers to real

@@ -3,11 +3,8 @@
 The variants of one graph are independent compiles (each from a fresh ShapeEnv, see
 ``_variant_compile``), each seconds to tens of seconds, most of it Python in one thread.
 The building process compiles the first variant itself and hands the next ones to
-worker processes (``python -m precompile._variant_workers``). A worker imports the
-compiler as soon as it starts, before it has a graph: ``compile_model`` starts its
-workers before it traces the model (``build_workers``), so that their start-up runs
-under the trace, and lends them to each graph it compiles (the model's, then each
-length-1 piece's); a lone ``standalone_compile`` starts its own when its compile begins.
+worker processes (``python -m precompile._variant_workers``), started when the graph's
+compile begins so that their start-up runs under its first compile.
 
 A worker compiles under what the cache key reads: the compiler configs besides their
 defaults, the environment (inherited), the attention switches and the global state
@@ -20,11 +17,10 @@ the workers, only how long it takes.
 On a GPU the processes share the device: every kernel timing of autotuning holds one
 file lock, so each process times its kernels alone, as one process would.
 
-Both sides of the protocol live here: length-prefixed pickles over the worker's stdin
-and stdout. ``("graph", path)`` names a file in the building process's private build
-dir holding the graph and its state (a file, not the pipe: a worker still importing
-would hold the building process); ``("job", _Job)`` asks for one variant of the last
-graph named, answered with ``("ok", CompiledVariant)`` or ``("back", reason)``.
+Both sides of the protocol live here. The graph and its state are one file in the
+building process's private build dir, named on each worker's command line; then
+length-prefixed pickles over the worker's stdin and stdout: one variant at a time, each
+answered with ``("ok", CompiledVariant)`` or ``("back", reason)``.
 """
 
 from __future__ import annotations
@@ -120,13 +116,13 @@ def _job_key(request: VariantRequest) -> tuple[str, tuple[int, ...]]:
 
 
 class _Worker:
-    def __init__(self) -> None:
+    def __init__(self, context: str) -> None:
         env = dict(os.environ)
         env.pop("PRECOMPILE_BUILD_DIR", None)  # a worker builds in a directory of its own
         if env.get("TORCHINDUCTOR_CACHE_DIR") == build_dir():
             env.pop("TORCHINDUCTOR_CACHE_DIR")  # this process's build dir, swapped in
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "precompile._variant_workers"],
+            [sys.executable, "-m", "precompile._variant_workers", context],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             env=env,
@@ -134,12 +130,11 @@ class _Worker:
         self.job: _Job | None = None
         self.started = 0.0
 
-    def send(self, message: tuple[str, Any]) -> bool:
+    def send(self, message: bytes) -> bool:
         stream = self.process.stdin
         try:
-            data = pickle.dumps(message)
             assert stream is not None
-            stream.write(_HEADER.pack(len(data)) + data)
+            stream.write(_HEADER.pack(len(message)) + message)
             stream.flush()
             return True
         except (OSError, ValueError):
@@ -147,13 +142,12 @@ class _Worker:
 
     def give(self, job: _Job) -> bool:
         self.job, self.started = job, time.perf_counter()
-        return self.send(("job", job))
+        return self.send(pickle.dumps(job))
 
     def answer(self) -> tuple[str, Any]:
         """The worker's answer to its job; ``("back", why)`` where it died."""
         assert self.process.stdout is not None
         message = _read_message(self.process.stdout)
-        self.job = None
         if message is None:
             code = self.process.poll()
             return "back", f"the worker process ended (exit status {code})"
@@ -162,10 +156,6 @@ class _Worker:
         except Exception as exc:
             return "back", f"the worker's answer could not be read ({type(exc).__name__})"
         return str(kind), value
-
-    def usable(self) -> bool:
-        """Idle and alive: it can take another graph."""
-        return self.job is None and self.process.poll() is None
 
     def close(self) -> None:
         """An idle worker ends on its closed stdin; one still compiling (the build
@@ -184,69 +174,6 @@ class _Worker:
             self.process.stdout.close()
 
 
-class _Pool:
-    """Workers started before the graphs they will compile exist (``build_workers``),
-    lent to one graph's compile at a time."""
-
-    def __init__(self, count: int) -> None:
-        self.idle = [_Worker() for _ in range(count)]
-
-    def lend(self, count: int) -> list[_Worker]:
-        """Up to ``count`` idle workers, started ones first; new ones where fewer are left
-        (one died, say)."""
-        for worker in [w for w in self.idle if not w.usable()]:
-            worker.close()
-            self.idle.remove(worker)
-        lent, self.idle = self.idle[:count], self.idle[count:]
-        return lent + [_Worker() for _ in range(count - len(lent))]
-
-    def take_back(self, workers: Sequence[_Worker]) -> None:
-        for worker in workers:
-            if worker.usable():
-                self.idle.append(worker)
-            else:
-                worker.close()
-
-    def close(self) -> None:
-        for worker in self.idle:
-            worker.close()
-        self.idle = []
-
-
-_pool: _Pool | None = None  # the building thread's, while compile_model builds
-
-
-def expected_variants(hints: Any, sizes: Any) -> int:
-    """How many variants a graph compiled with these hints and sizes has, before the
-    graph exists: one per hint point (a list's values; a dict's combinations) and size."""
-    if isinstance(hints, Mapping):
-        points = 1
-        for values in hints.values():
-            points *= len(values) if isinstance(values, Sequence) else 1
-    else:
-        points = len(hints) if isinstance(hints, Sequence) else 1
-    return max(points, 1) + (len(sizes) if isinstance(sizes, Sequence) else 0)
-
-
-@contextmanager
-def build_workers(device: str, variants: int) -> Iterator[None]:
-    """Workers for the graphs a whole-model build compiles, started now (before its
-    trace) and stopped at the end; none where ``worker_count`` says none, or inside
-    another build's."""
-    global _pool
-    count = worker_count(variants, device)
-    if count == 0 or _pool is not None:
-        yield
-        return
-    log.info("starting %d compile worker process(es) before the trace", count)
-    _pool = _Pool(count)
-    try:
-        yield
-    finally:
-        pool, _pool = _pool, None
-        pool.close()
-
-
 class VariantWorkers:
     """Workers compiling the variants a graph's compile hands them, in queue order; the
     building process ``take``s each variant's result when it reaches it."""
@@ -258,13 +185,12 @@ class VariantWorkers:
         with os.fdopen(descriptor, "wb") as file:
             file.write(context)
         self._pending = list(jobs)
-        self._pool = _pool
-        self._workers = self._pool.lend(count) if self._pool is not None else \
-            [_Worker() for _ in range(count)]  # fmt: skip
+        self._workers: list[_Worker] = []
         self._by_key: dict[tuple[str, tuple[int, ...]], _Worker] = {}
-        for worker in self._workers:
-            if worker.send(("graph", self._context)):
-                self._next(worker)
+        for _ in range(count):
+            worker = _Worker(self._context)
+            self._workers.append(worker)
+            self._next(worker)
 
     @classmethod
     def start(
@@ -320,6 +246,7 @@ class VariantWorkers:
     def _next(self, worker: _Worker) -> None:
         """The next variant not handed out to ``worker``; one it cannot take (it died)
         is this process's to compile when it reaches it."""
+        worker.job = None
         if self._pending:
             job = self._pending.pop(0)
             if worker.give(job):
@@ -343,12 +270,8 @@ class VariantWorkers:
         return None
 
     def close(self) -> None:
-        """Workers back to the build's pool (one still compiling is stopped), or stopped."""
-        if self._pool is not None:
-            self._pool.take_back(self._workers)
-        else:
-            for worker in self._workers:
-                worker.close()
+        for worker in self._workers:
+            worker.close()
         with suppress(OSError):
             os.unlink(self._context)
 
@@ -362,8 +285,7 @@ def variant_workers(
     queue: Sequence[VariantRequest],
 ) -> Iterator[VariantWorkers | None]:
     """``VariantWorkers.start`` for the duration, this process's GPU timings under the
-    workers' lock while they run; they are stopped (or go back to the build's pool) at
-    the end."""
+    workers' lock while they run; they are stopped at the end."""
     workers = VariantWorkers.start(gm, to_compile, graph, options, queue)
     if workers is None:
         yield None
@@ -450,66 +372,42 @@ def _answer(outbox: IO[bytes], answer: tuple[str, Any]) -> None:
     outbox.flush()
 
 
-class _Graph:
-    """The graph a worker compiles variants of, and the state it compiles them under
-    (held by ``stack`` until the next graph is named)."""
-
-    def __init__(self, context_path: str) -> None:
-        self.stack = ExitStack()
-        self.refused: str | None = None
+def _serve(context_path: str, inbox: IO[bytes], outbox: IO[bytes]) -> None:
+    with ExitStack() as stack:
         try:
-            self.context, self.gm, self.to_compile, self.refused = _prepared(
-                context_path, self.stack
-            )
+            context, gm, to_compile, refused = _prepared(context_path, stack)
         except Exception as exc:  # something of the caller's this process cannot unpickle
-            self.refused = f"the graph could not be read here ({type(exc).__name__}: {exc!s:.200})"
+            reason = f"the graph could not be read here ({type(exc).__name__}: {exc!s:.200})"
+            while _read_message(inbox) is not None:
+                _answer(outbox, ("back", reason))
             return
-        if self.refused is not None:
-            return
-        if self.context.timing_lock is not None:
-            self.stack.enter_context(_timings_under(self.context.timing_lock))
-        cpu = variant_compile.graph_device(self.context.graph) == "cpu"
-        self.stack.enter_context(variant_compile.compiling_in_build_dir(cpu=cpu))
-
-    def compile(self, job: _Job) -> tuple[str, Any]:
-        if self.refused is not None:
-            return "back", self.refused
-        try:
-            compiled = variant_compile.compile_under_policy(
-                self.gm, self.context.graph, job.point, job.request, self.context.options,
-                job.number, self.to_compile,
-            )  # fmt: skip
-        except Exception as exc:
-            return "back", f"{type(exc).__name__}: {variant_compile.first_line(exc, 300)}"
-        return "ok", compiled
-
-
-def _serve(inbox: IO[bytes], outbox: IO[bytes]) -> None:
-    graph: _Graph | None = None
-    try:
+        if context.timing_lock is not None:
+            stack.enter_context(_timings_under(context.timing_lock))
+        cpu = variant_compile.graph_device(context.graph) == "cpu"
+        stack.enter_context(variant_compile.compiling_in_build_dir(cpu=cpu))
         while (message := _read_message(inbox)) is not None:
-            kind, value = pickle.loads(message)
-            if kind == "graph":
-                if graph is not None:
-                    graph.stack.close()
-                graph = _Graph(str(value))
-            elif graph is None:
-                _answer(outbox, ("back", "no graph was named before the job"))
+            job: _Job = pickle.loads(message)
+            if refused is not None:
+                _answer(outbox, ("back", refused))
+                continue
+            try:
+                compiled = variant_compile.compile_under_policy(
+                    gm, context.graph, job.point, job.request, context.options,
+                    job.number, to_compile,
+                )  # fmt: skip
+            except Exception as exc:
+                reason = f"{type(exc).__name__}: {variant_compile.first_line(exc, 300)}"
+                _answer(outbox, ("back", reason))
             else:
-                _answer(outbox, graph.compile(value))
-    finally:
-        if graph is not None:
-            graph.stack.close()
+                _answer(outbox, ("ok", compiled))
 
 
 def main() -> None:
-    """The worker: the compiler imported while the building process traces, then its
-    protocol on the stdin and stdout it was started with; anything else it prints goes
-    to stderr."""
+    """The worker: the context file its one argument names, then its protocol on the
+    stdin and stdout it was started with; anything else it prints goes to stderr."""
     outbox = os.fdopen(os.dup(1), "wb")
     os.dup2(2, 1)
-    adapter.import_compiler()
-    _serve(sys.stdin.buffer, outbox)
+    _serve(sys.argv[1], sys.stdin.buffer, outbox)
 
 
 if __name__ == "__main__":

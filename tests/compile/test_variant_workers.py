@@ -181,36 +181,3 @@ def test_the_code_digest_ignores_what_names_the_compiling_process(
     assert digest(b"a") == digest(b"b")
     assert digest(b"a") != digest(b"c")
 
-
-def test_a_model_build_starts_its_workers_before_the_trace_and_stops_them_after(
-    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
-) -> None:
-    """compile_model's workers import the compiler while the model is traced, compile
-    variants of each graph the build compiles, and are gone when it returns."""
-    monkeypatch.setenv(_variant_workers.WORKERS_ENV, "1")
-    started: list[Any] = []
-    start = _variant_workers._Worker.__init__
-
-    def recorded(self: Any) -> None:
-        start(self)
-        started.append(self.process)
-
-    monkeypatch.setattr(_variant_workers._Worker, "__init__", recorded)
-    torch.manual_seed(0)
-    model = AttentionBlock().eval()
-    with caplog.at_level(logging.INFO, logger="precompile"), torch.no_grad():
-        compiled = precompile.compile_model(
-            model, (torch.randn(2, 6, 32),), dynamic={0: [1]}, hints=HINTS, cache=False,
-            warmup=False,
-        )  # fmt: skip
-    text = caplog.text
-    assert text.index("starting 1 compile worker process(es) before the trace") < text.index(
-        "compiled variant 1/"
-    )
-    assert text.count("compiled in a worker process") == len(HINTS) - 1
-    assert len(started) == 1 and started[0].poll() is not None  # one worker, stopped
-    assert _variant_workers._pool is None
-    for seq in (1, 3, 5, 40, 70):  # 1: the trace at length 1, a graph of its own
-        x = torch.randn(2, seq, 32)
-        with torch.no_grad():
-            torch.testing.assert_close(compiled(x), model(x), rtol=1e-5, atol=1e-5)
