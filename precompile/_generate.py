@@ -340,6 +340,14 @@ class GenerateServer:
 
     def _compile(self, key: tuple[Any, ...], kwargs: Mapping[str, Any]) -> CompiledModel:
         for name, value in kwargs.items():
+            if is_kv_cache(value) and hasattr(value, "cross_attention_cache"):
+                raise UnsupportedGraphError(
+                    f"generate passed {name} as a {type(value).__name__}: an encoder-decoder "
+                    f"model ({type(self.model).__name__}), whose cross-attention cache is "
+                    "filled at the first decoder step and marked filled by a Python flag per "
+                    "layer, which a compiled graph would be fixed to; serve_generate does not "
+                    "serve encoder-decoder models yet: call generate outside the block"
+                )
             if is_kv_cache(value) and kv_cache_capacity(value) is None:
                 raise UnsupportedGraphError(
                     f"generate passed {name} as a {type(value).__name__}, whose length grows "

@@ -63,3 +63,21 @@ def tiny_opt() -> torch.nn.Module:
         pad_token_id=1, bos_token_id=2, eos_token_id=2,
     )  # fmt: skip
     return transformers.OPTForCausalLM(config).eval()
+
+
+def tiny_encoder_decoders() -> dict[str, torch.nn.Module]:
+    """T5 and BART: generate hands their forward an ``EncoderDecoderCache``."""
+    torch.manual_seed(0)
+    bart = transformers.BartConfig(
+        vocab_size=VOCAB, d_model=32, encoder_layers=1, decoder_layers=1,
+        encoder_attention_heads=2, decoder_attention_heads=2, encoder_ffn_dim=64,
+        decoder_ffn_dim=64, max_position_embeddings=64,
+    )  # fmt: skip
+    t5 = transformers.T5Config(
+        vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=64, num_layers=1, num_heads=2,
+        decoder_start_token_id=0,
+    )  # fmt: skip
+    return {
+        "bart": transformers.BartForConditionalGeneration(bart).eval(),
+        "t5": transformers.T5ForConditionalGeneration(t5).eval(),
+    }

@@ -3,8 +3,9 @@ transformers' own ``generate`` (the table of Whole models' model kinds)."""
 
 from __future__ import annotations
 
+import pytest
 import torch
-from tiny_models_helpers import VOCAB, tiny_opt
+from tiny_models_helpers import VOCAB, tiny_encoder_decoders, tiny_opt
 
 import precompile
 
@@ -27,3 +28,17 @@ def test_opt_is_served_with_transformers_tokens() -> None:
     assert served.stats["calls"] > 0 and len(served.compiled) >= 2  # prefill and decode
     for tokens, reference in zip(got, expected, strict=True):
         assert torch.equal(tokens, reference)
+
+
+@pytest.mark.parametrize("kind", ["t5", "bart"])
+def test_encoder_decoders_are_refused_before_any_compile_with_the_true_reason(kind: str) -> None:
+    """A gap, refused by name: transformers hands T5 and BART an ``EncoderDecoderCache``
+    with ``cache_implementation="static"`` too, which the refusal told the caller to pass."""
+    model = tiny_encoder_decoders()[kind]
+    prompt = torch.randint(3, VOCAB, (1, 7))
+    with torch.no_grad(), precompile.serve_generate(model, hints=[8]) as served:
+        for static in (False, True):
+            options = {"cache_implementation": "static"} if static else {}
+            with pytest.raises(precompile.UnsupportedGraphError, match="encoder-decoder model"):
+                model.generate(prompt, max_new_tokens=3, do_sample=False, **options)
+    assert served.compiled == {} and served.stats["calls"] == 0
