@@ -180,4 +180,3 @@ def test_the_code_digest_ignores_what_names_the_compiling_process(
     digest = _compiled_payload.variant_code_digest
     assert digest(b"a") == digest(b"b")
     assert digest(b"a") != digest(b"c")
-
