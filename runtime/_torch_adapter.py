@@ -774,3 +774,18 @@ def process_group_names() -> list[str]:
     from torch.distributed.distributed_c10d import _world
 
     return sorted(str(name) for name in _world.pg_names.values())
+
+
+# -- hook registrations ------------------------------------------------------------------
+@functools.cache
+def _removable_handle() -> Any:
+    from torch.utils.hooks import RemovableHandle
+
+    return RemovableHandle
+
+
+def hook_handles_made() -> int:
+    """How many hook handles torch has made in this process: every ``register_*_hook``
+    (a module's, a tensor's, a global one) makes one, so a hook registered anywhere since
+    a reading changes it (``RemovableHandle.next_id``)."""
+    return int(_removable_handle().next_id)

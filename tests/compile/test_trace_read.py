@@ -182,6 +182,7 @@ def test_trace_state_names_what_changes_a_trace() -> None:
 
 def test_changes_after_binding_are_refused_at_the_next_call(compiled: dict[str, Any]) -> None:
     model = Configured().eval()
+    hooks: list[Any] = []
     model.load_state_dict(compiled["model"].state_dict())
     bound = precompile.load_model(model, path=compiled["path"], warmup=False)
     x = _example()
@@ -198,10 +199,57 @@ def test_changes_after_binding_are_refused_at_the_next_call(compiled: dict[str, 
         torch.testing.assert_close(bound(x), model(x))
         model.norm.train()  # LayerNorm reads no training flag: nothing to refuse
         torch.testing.assert_close(bound(x), model(x))
-        # a plain attribute set in place is not seen per call; check_model sees it
+        # a plain attribute set in place: refused at the next call, as check_model does
         model.perm = (2, 1, 0)
         with pytest.raises(precompile.IncompatibleArtifactError, match=r"model\.perm is"):
             bound.check_model()
+        changed = r"changed under .* after it was bound: .*"
+        with pytest.raises(precompile.InputMismatchError, match=changed + r"model\.perm is"):
+            bound(x)
+        model.perm = (1, 0, 2)
+        torch.testing.assert_close(bound(x), model(x))
+        model.use_norm = bool(1)  # set again, to an equal value: still served
+        torch.testing.assert_close(bound(x), model(x))
+        for change, undo, said in [
+            # an item of a list set in place, and the list grown
+            (lambda: model.scales.__setitem__(1, 3.0), lambda: model.scales.__setitem__(1, 2.0),
+             r"model\.scales\[1\] is 3\.0"),
+            (lambda: model.scales.append(5.0), model.scales.pop, r"length 3"),
+            # a forward set on a submodule's instance, a hook registered on a submodule
+            (lambda: setattr(model.norm, "forward", lambda y: y),
+             lambda: vars(model.norm).pop("forward"), r"model\.norm has 'forward'"),
+            (lambda: hooks.append(model.proj.register_forward_hook(lambda m, a, o: o * 0)),
+             lambda: hooks.pop().remove(), r"model\.proj\._forward_hooks is not empty"),
+        ]:  # fmt: skip
+            change()
+            with pytest.raises(precompile.InputMismatchError, match=changed + said):
+                bound(x)
+            undo()
+            torch.testing.assert_close(bound(x), model(x))
+
+
+SHIFT = 0.0  # a global the forward below reads
+
+
+class Shifted(torch.nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * 2 + SHIFT
+
+
+def test_a_global_the_forward_read_is_checked_per_call() -> None:
+    """A module global set again after binding (a scalar Dynamo specialized the graph to)
+    is refused at the next call, where it was served the traced value."""
+    global SHIFT
+    model, x = Shifted().eval(), _example()
+    with torch.no_grad():
+        bound = precompile.compile_model(model, (x,), cache=False, warmup=False)
+        SHIFT = 1.0
+        try:
+            with pytest.raises(precompile.InputMismatchError, match=r"SHIFT is 1\.0, compiled"):
+                bound(x)
+        finally:
+            SHIFT = 0.0
+        torch.testing.assert_close(bound(x), model(x))
 
 
 class Tied(torch.nn.Module):

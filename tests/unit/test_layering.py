@@ -281,7 +281,9 @@ INTERNAL_SUBJECTS = {
     },
     "tests/compile/test_compile.py": {"precompile._variant_compile"},  # counts compiles
     # the worker count's variable; a worker killed while it compiles
-    "tests/compile/test_variant_workers.py": {"precompile._variant_workers"},
+    "tests/compile/test_variant_workers.py": {  # and the code digest workers are held to
+        "precompile._variant_workers", "precompile._compiled_payload", "precompile._torch_adapter"
+    },
     "tests/compile/test_cudagraphs.py": {"precompile.runtime._cudagraphs"},
     # the decode loop driven by a plain callable: a refusal checked without a compile;
     # serve_generate's routing keys compared with its per-step signatures; step-graph keys
