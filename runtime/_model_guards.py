@@ -31,6 +31,8 @@ import threading
 import weakref
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from operator import contains as _contains
+from operator import itemgetter
 from types import MappingProxyType
 from typing import Any
 
@@ -464,6 +466,18 @@ _MODULE_DICTS = frozenset(
 )  # fmt: skip
 
 
+_REGISTERED = ("_modules", "_parameters", "_buffers")
+
+
+def _registered(owner: Any, name: Any) -> bool:
+    """Whether ``name`` is a submodule, parameter or buffer of the module ``owner``: an
+    instance attribute cannot shadow those (``Module.__setattr__`` moves a value given
+    that name into its registry), and registering is what torch's hooks report."""
+    return isinstance(owner, torch.nn.Module) and any(
+        name in getattr(owner, held, {}) for held in _REGISTERED
+    )
+
+
 class _Reads:
     """Where the guards' values live, as bound: per call each slot must still hold the
     object bound there (a guard that read ``layer.eps`` watches ``vars(layer)["eps"]``),
@@ -471,10 +485,12 @@ class _Reads:
     (no ``forward`` set on the instance) must still lack it. A difference is no failure
     by itself (an equal value set again): it sends the guards to be checked again.
 
-    Hooks dicts the guards found empty are not read one by one: a hook registered
-    anywhere makes a hook handle, whose count is watched instead. The test is one
-    generated function of the slots, for speed (the tiny Llama's 417 reads: 22 us per
-    call as a loop over them)."""
+    Not watched here: hooks dicts the guards found empty (a hook registered anywhere
+    makes a hook handle, whose count is watched instead) and a module's submodules,
+    parameters and buffers (registering one is what torch's hooks report). The test is
+    one generated function of the slots, for speed: 7.6 us per call for a 2-layer tiny
+    Llama, 23.8 us for 32 layers, where a loop over the slots took 22 and 100 us
+    (docs/benchmarks.md, "Dispatch overhead")."""
 
     __slots__ = ("changed", "count")
 
@@ -501,9 +517,30 @@ class _Reads:
         names: dict[str, Any] = {"_MISSING": _MISSING, "_handles": hook_handles_made,
                                  "_made": hook_handles_made()}  # fmt: skip
         terms = ["_handles() != _made"]  # a hook registered anywhere since
-        for n, (mapping, key, value) in enumerate(slots):
-            names.update({f"m{n}": mapping.get, f"k{n}": key, f"v{n}": value})
-            terms.append(f"m{n}(k{n}, _MISSING) is not v{n}")
+        # One C call per dict for the keys it held (itemgetter), compared as a tuple:
+        # identical items cost a pointer test; an item replaced by an equal value passes
+        # (the guard would), anything else is a change. Keys it lacked: ``in`` each.
+        held: dict[int, tuple[Any, list[Any], list[Any]]] = {}
+        lacked: list[tuple[Any, Any]] = []
+        for mapping, key, value in slots:
+            if value is _MISSING:
+                lacked.append((mapping, key))
+            else:
+                held.setdefault(id(mapping), (mapping, [], []))
+                held[id(mapping)][1].append(key)
+                held[id(mapping)][2].append(value)
+        for n, (mapping, keys, values) in enumerate(held.values()):
+            if len(keys) == 1:
+                names.update({f"m{n}": mapping.get, f"k{n}_": keys[0], f"v{n}": values[0]})
+                terms.append(f"m{n}(k{n}_, _MISSING) is not v{n}")
+            else:
+                names.update({f"g{n}": itemgetter(*keys), f"d{n}": mapping, f"t{n}": tuple(values)})
+                terms.append(f"g{n}(d{n}) != t{n}")
+        if lacked:  # one C-level pass: any of these dicts holding its key now
+            names.update({"_any": any, "_map": map, "_contains": _contains,
+                          "_lacking": tuple(m for m, _ in lacked),
+                          "_lacked": tuple(k for _, k in lacked)})  # fmt: skip
+            terms.append("_any(_map(_contains, _lacking, _lacked))")
         for n, (sequence, index, value) in enumerate(items):
             names.update({f"s{n}": sequence, f"i{n}": index, f"w{n}": value})
             terms.append(f"(len(s{n}) <= i{n} or s{n}[i{n}] is not w{n})")
@@ -511,7 +548,12 @@ class _Reads:
             names.update({f"c{n}": container, f"n{n}": length})
             terms.append(f"len(c{n}) != n{n}")
         parameters = ", ".join(f"{name}={name}" for name in names)
-        source = f"def changed({parameters}):\n    return " + " or ".join(terms) + "\n"
+        # a key gone, or a comparison that raises (a tensor set in a value's place): changed
+        source = (
+            f"def changed({parameters}):\n    try:\n        return bool("
+            + " or ".join(terms)
+            + ")\n    except Exception:\n        return True\n"
+        )
         scope: dict[str, Any] = {}
         exec(compile(source, "<precompile guard reads>", "exec"), dict(names), scope)
         changed: Callable[[], bool] = scope["changed"]
@@ -527,7 +569,7 @@ class _Reads:
 
         expr = guard.expr
         value = evaluate(expr, roots)
-        if guard.kind in ("hasattr", "not_in_dict"):
+        if guard.kind in ("hasattr", "not_in_dict") and not _registered(value, guard.detail):
             slot(getattr(value, "__dict__", None), str(guard.detail))
         hooks = guard.kind == "empty" and expr[0] == "attr" and "hooks" in str(expr[2])
         if hooks:
@@ -539,6 +581,8 @@ class _Reads:
             slot(roots.globals, expr[1])
         elif op == "attr":
             owner = evaluate(expr[1], roots)
+            if _registered(owner, expr[2]):
+                return  # a submodule, parameter or buffer: the registration hooks see those
             own = getattr(owner, "__dict__", None)
             slot(own, expr[2])  # set on the instance later: a value of its own
             if not (isinstance(own, dict) and expr[2] in own):
@@ -552,6 +596,9 @@ class _Reads:
                             slot(cls.__dict__, expr[2])
                         break
         elif op == "item" and isinstance(expr[2], list) and expr[2][:1] == ["const"]:
+            base = expr[1]
+            if isinstance(base, list) and base[:1] == ["attr"] and base[2] in _REGISTERED:
+                return  # a module's registry: the registration hooks see its entries
             container, key = evaluate(expr[1], roots), _decode_constant(expr[2][1])
             if isinstance(container, list) and isinstance(key, int) and key >= 0:
                 items.setdefault((id(container), key), (container, key, container[key]))
