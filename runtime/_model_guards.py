@@ -32,8 +32,8 @@ import weakref
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from operator import contains as _contains
-from operator import itemgetter
-from types import MappingProxyType
+from operator import is_not, itemgetter
+from types import FunctionType, MappingProxyType
 from typing import Any
 
 import torch
@@ -341,7 +341,9 @@ class Guard:
         if self.kind == "empty":
             return f"{path} is not empty (hooks registered?), compiled with it empty"
         if self.kind == "hasattr":
-            return f"{path} has no attribute {self.detail!r}, compiled with one"
+            if self.expected:
+                return f"{path} has no attribute {self.detail!r}, compiled with one"
+            return f"{path} has an attribute {self.detail!r}, compiled without one"
         if self.kind == "not_in_dict":
             return f"{path} has {self.detail!r} in its instance dict, compiled without"
         if self.kind in ("contains", "not_contains"):
@@ -492,7 +494,7 @@ class _Reads:
     Llama, 23.8 us for 32 layers, where a loop over the slots took 22 and 100 us
     (docs/benchmarks.md, "Dispatch overhead")."""
 
-    __slots__ = ("changed", "count")
+    __slots__ = ("changed", "count", "forwards")
 
     def __init__(self, guards: Sequence[Guard], roots: Roots) -> None:
         slots: dict[tuple[int, Any], tuple[Any, Any, Any]] = {}
@@ -503,6 +505,24 @@ class _Reads:
                 self._watch(guard, roots, slots, items, lengths)
             except Exception:  # nothing to watch there: the bind checked it
                 continue
+
+        def slot(mapping: Any, key: Any) -> None:
+            slots.setdefault((id(mapping), key), (mapping, key, mapping.get(key, _MISSING)))
+
+        # each module class's forward where it is defined (Dynamo guards none of them:
+        # ``Sub.forward = other`` after binding would be served the traced code)
+        forwards: list[tuple[type, Any, Any]] = []
+        if isinstance(roots.model, torch.nn.Module):
+            for cls in {type(m) for m in roots.model.modules()}:
+                _class_slot(cls, "forward", slot)
+                defining = next((c for c in cls.__mro__ if "forward" in c.__dict__), None)
+                if defining is not None and defining.__module__ != "builtins":
+                    forwards.append((cls, defining.__dict__, defining.__dict__["forward"]))
+        self.forwards = tuple(forwards)
+        # a function's code, which a ``named`` guard checks by name and line only
+        for *_, value in list(slots.values()):
+            if isinstance(value, FunctionType):
+                items.setdefault((id(value), -1), (value, -1, value.__code__))
         self.count = len(slots) + len(items) + len(lengths)
         self.changed = self._test(
             list(slots.values()), list(items.values()), list(lengths.values())
@@ -515,7 +535,8 @@ class _Reads:
         container has another length (the values are the function's default arguments,
         never source text)."""
         names: dict[str, Any] = {"_MISSING": _MISSING, "_handles": hook_handles_made,
-                                 "_made": hook_handles_made()}  # fmt: skip
+                                 "_made": hook_handles_made(), "_any": any, "_map": map,
+                                 "_is_not": is_not}  # fmt: skip
         terms = ["_handles() != _made"]  # a hook registered anywhere since
         # One C call per dict for the keys it held (itemgetter), compared as a tuple:
         # identical items cost a pointer test; an item replaced by an equal value passes
@@ -535,15 +556,17 @@ class _Reads:
                 terms.append(f"m{n}(k{n}_, _MISSING) is not v{n}")
             else:
                 names.update({f"g{n}": itemgetter(*keys), f"d{n}": mapping, f"t{n}": tuple(values)})
-                terms.append(f"g{n}(d{n}) != t{n}")
+                terms.append(f"_any(_map(_is_not, g{n}(d{n}), t{n}))")  # identity: -0.0 too
         if lacked:  # one C-level pass: any of these dicts holding its key now
-            names.update({"_any": any, "_map": map, "_contains": _contains,
-                          "_lacking": tuple(m for m, _ in lacked),
+            names.update({"_contains": _contains, "_lacking": tuple(m for m, _ in lacked),
                           "_lacked": tuple(k for _, k in lacked)})  # fmt: skip
             terms.append("_any(_map(_contains, _lacking, _lacked))")
         for n, (sequence, index, value) in enumerate(items):
             names.update({f"s{n}": sequence, f"i{n}": index, f"w{n}": value})
-            terms.append(f"(len(s{n}) <= i{n} or s{n}[i{n}] is not w{n})")
+            if index < 0:  # a function and its code object
+                terms.append(f"s{n}.__code__ is not w{n}")
+            else:
+                terms.append(f"(len(s{n}) <= i{n} or s{n}[i{n}] is not w{n})")
         for n, (container, length) in enumerate(lengths):
             names.update({f"c{n}": container, f"n{n}": length})
             terms.append(f"len(c{n}) != n{n}")
@@ -567,43 +590,62 @@ class _Reads:
             if isinstance(mapping, (dict, MappingProxyType)) and key not in _MODULE_DICTS:
                 slots.setdefault((id(mapping), key), (mapping, key, mapping.get(key, _MISSING)))
 
+        def read(expr: Any) -> None:
+            """Every read of ``expr``, the ones its value was reached through included
+            (a global rebound to a new list, whose item the guard reads)."""
+            if not isinstance(expr, list) or not expr:
+                return
+            op = expr[0]
+            if op == "G" and not str(expr[1]).startswith(("__import_", "__builtins_dict__")):
+                slot(roots.globals, expr[1])
+            elif op == "attr":
+                read(expr[1])
+                owner = evaluate(expr[1], roots)
+                if _registered(owner, expr[2]):
+                    return  # a submodule, parameter or buffer: the registration hooks
+                own = getattr(owner, "__dict__", None)
+                slot(own, expr[2])  # set on the instance later: a value of its own
+                if not (isinstance(own, dict) and expr[2] in own):
+                    _class_slot(type(owner), expr[2], slot)
+            elif op == "item" and isinstance(expr[2], list) and expr[2][:1] == ["const"]:
+                base = expr[1]
+                if isinstance(base, list) and base[:1] == ["attr"] and base[2] in _REGISTERED:
+                    read(base[1])
+                    return  # a module's registry: the registration hooks see its entries
+                if isinstance(base, list) and base[:2] == ["call", "dict"] and len(base[2]) == 1:
+                    base = base[2][0]  # dict(type(m).__dict__)[k]: the class's own dict
+                read(base)
+                container, key = evaluate(base, roots), _decode_constant(expr[2][1])
+                if isinstance(container, list) and isinstance(key, int) and key >= 0:
+                    items.setdefault((id(container), key), (container, key, container[key]))
+                else:
+                    slot(container, key)
+            elif op == "call" and isinstance(expr[2], list):
+                for argument in expr[2]:
+                    read(argument)
+
         expr = guard.expr
         value = evaluate(expr, roots)
         if guard.kind in ("hasattr", "not_in_dict") and not _registered(value, guard.detail):
             slot(getattr(value, "__dict__", None), str(guard.detail))
-        hooks = guard.kind == "empty" and expr[0] == "attr" and "hooks" in str(expr[2])
-        if hooks:
+        if guard.kind == "empty" and expr[0] == "attr" and "hooks" in str(expr[2]):
             return  # a registration makes a hook handle: the count of those is watched
         if guard.kind in ("length", "keys", "empty") and isinstance(value, (list, dict)):
             lengths.setdefault(id(value), (value, len(value)))
-        op = expr[0]
-        if op == "G" and not str(expr[1]).startswith(("__import_", "__builtins_dict__")):
-            slot(roots.globals, expr[1])
-        elif op == "attr":
-            owner = evaluate(expr[1], roots)
-            if _registered(owner, expr[2]):
-                return  # a submodule, parameter or buffer: the registration hooks see those
-            own = getattr(owner, "__dict__", None)
-            slot(own, expr[2])  # set on the instance later: a value of its own
-            if not (isinstance(own, dict) and expr[2] in own):
-                for cls in type(owner).__mro__:  # a class attribute, where it is defined
-                    if expr[2] in cls.__dict__:
-                        found = cls.__dict__[expr[2]]
-                        # not a builtin type's, nor a descriptor of the instance's state
-                        # (a cell's contents, a function's defaults: watched elsewhere)
-                        data = hasattr(type(found), "__set__") or hasattr(type(found), "__delete__")
-                        if cls.__module__ != "builtins" and not data:
-                            slot(cls.__dict__, expr[2])
-                        break
-        elif op == "item" and isinstance(expr[2], list) and expr[2][:1] == ["const"]:
-            base = expr[1]
-            if isinstance(base, list) and base[:1] == ["attr"] and base[2] in _REGISTERED:
-                return  # a module's registry: the registration hooks see its entries
-            container, key = evaluate(expr[1], roots), _decode_constant(expr[2][1])
-            if isinstance(container, list) and isinstance(key, int) and key >= 0:
-                items.setdefault((id(container), key), (container, key, container[key]))
-            else:
-                slot(container, key)
+        read(expr)
+
+
+def _class_slot(cls: type, name: str, slot: Callable[[Any, Any], None]) -> None:
+    """Watch a class attribute where the class hierarchy defines it: not a builtin type's,
+    nor a descriptor of the instance's state (a cell's contents, a function's defaults:
+    watched elsewhere)."""
+    for defining in cls.__mro__:
+        if name in defining.__dict__:
+            found = defining.__dict__[name]
+            data = hasattr(type(found), "__set__") or hasattr(type(found), "__delete__")
+            if defining.__module__ != "builtins" and not data:
+                slot(defining.__dict__, name)
+            return
 
 
 def _is_training_flag(guard: Guard) -> bool:
@@ -671,13 +713,11 @@ class BoundGuards:
 
     def bind(self) -> None:
         """Check every guard against the model now; refuse with the first failures."""
-        failures = [f for g in self.read.guards if (f := g.failure(self.roots)) is not None]
+        failures = self._failures()
         if failures:
-            more = f" (and {len(failures) - 3} more)" if len(failures) > 3 else ""
             raise IncompatibleArtifactError(
-                f"{self.where} does not fit this model: its trace read "
-                f"{'; '.join(failures[:3])}{more}. Load it with the model it was compiled "
-                "from, or compile this one"
+                f"{self.where} does not fit this model: its trace read {failures}. Load it "
+                "with the model it was compiled from, or compile this one"
             )
         flags = []
         for guard in self.read.guards:
@@ -705,14 +745,27 @@ class BoundGuards:
     def _check_again(self) -> None:
         """Every guard, where a value one read was set again since the last check:
         refused naming what differs, or (set to an equal value) watched as it is now."""
-        failures = [f for g in self.read.guards if (f := g.failure(self.roots)) is not None]
+        failures = self._failures()
         if failures:
-            more = f" (and {len(failures) - 3} more)" if len(failures) > 3 else ""
             raise InputMismatchError(
                 f"the model changed under {self.where} after it was bound: its trace read "
-                f"{'; '.join(failures[:3])}{more}; set it back or compile the model again"
+                f"{failures}; set it back or compile the model again"
+            )
+        replaced = [qualified_name(cls) for cls, mapping, forward in self._reads.forwards
+                    if mapping.get("forward", _MISSING) is not forward]  # fmt: skip
+        if replaced:
+            raise InputMismatchError(
+                f"the forward of {', '.join(sorted(replaced))} was replaced on its class "
+                f"after {self.where} was bound (its graph runs the forward it traced); set "
+                "it back or compile the model again"
             )
         self._reads = _Reads(self.read.guards, self.roots)
+
+    def _failures(self) -> str:
+        """The first three guards that fail now, said ("" where every one holds)."""
+        failures = [f for g in self.read.guards if (f := g.failure(self.roots)) is not None]
+        more = f" (and {len(failures) - 3} more)" if len(failures) > 3 else ""
+        return "; ".join(failures[:3]) + more if failures else ""
 
     def check(self) -> bool:
         """Per call: the training flags, the environment and the defaults the trace

@@ -252,6 +252,73 @@ def test_a_global_the_forward_read_is_checked_per_call() -> None:
         torch.testing.assert_close(bound(x), model(x))
 
 
+WEIGHTS = [1.0, 2.0]  # a global list the forward below indexes
+
+
+def _scaled(x: torch.Tensor) -> torch.Tensor:  # a global function it calls
+    return x * 2.0
+
+
+class _Inner(torch.nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + 1
+
+
+class ReadsAround(torch.nn.Module):
+    """A forward reading a class attribute, a signed zero beside another attribute, a
+    global list by index, a global function and a submodule's class forward."""
+
+    K = 0.75
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.eps, self.z, self.inner = 1e-3, 0.0, _Inner()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = _scaled(self.inner(x)) * WEIGHTS[0] + self.eps
+        return y * self.K * math.copysign(1.0, self.z) + (1.0 if hasattr(self, "extra") else 0.0)
+
+
+def test_what_a_client_trial_found_served_after_binding_is_refused() -> None:
+    """A client trial of the per-call reads found these served the traced graph: a class
+    attribute read as ``self.K`` (Dynamo reads it through ``dict(type(self).__dict__)``),
+    0.0 set to -0.0 (equal, not the same), a global list rebound to a new list, a global
+    function's code swapped, a submodule's forward replaced on its class. Each is now
+    refused at the next call, and served again once set back."""
+    global WEIGHTS
+    model, x = ReadsAround().eval(), _example()
+    code, inner_forward = _scaled.__code__, _Inner.forward
+    weights = WEIGHTS
+
+    def rebind(value: list[float]) -> None:
+        global WEIGHTS
+        WEIGHTS = value
+
+    with torch.no_grad():
+        bound = precompile.compile_model(model, (x,), cache=False, warmup=False)
+        cases = [
+            (lambda: setattr(ReadsAround, "K", 2.0), lambda: setattr(ReadsAround, "K", 0.75),
+             r"\['K'\] is 2\.0, compiled with 0\.75"),
+            (lambda: setattr(model, "z", -0.0), lambda: setattr(model, "z", 0.0),
+             r"model\.z is -0\.0, compiled with 0\.0"),
+            (lambda: rebind([4.0, 2.0]), lambda: rebind(weights), r"WEIGHTS\[0\] is 4\.0"),
+            (lambda: setattr(_scaled, "__code__", (lambda x: x * 3.0).__code__),
+             lambda: setattr(_scaled, "__code__", code), r"_scaled"),
+            (lambda: setattr(_Inner, "forward", lambda self, x: x + 2),
+             lambda: setattr(_Inner, "forward", inner_forward), r"_Inner was replaced"),
+            (lambda: setattr(model, "extra", 1), lambda: delattr(model, "extra"),
+             r"has an attribute 'extra', compiled without one"),
+        ]  # fmt: skip
+        for change, undo, said in cases:
+            change()
+            try:
+                with pytest.raises(precompile.InputMismatchError, match=said):
+                    bound(x)
+            finally:
+                undo()
+            torch.testing.assert_close(bound(x), model(x))
+
+
 class Tied(torch.nn.Module):
     def __init__(self) -> None:
         super().__init__()
