@@ -31,8 +31,8 @@ import threading
 import weakref
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from operator import attrgetter, getitem, is_not
 from operator import contains as _contains
-from operator import is_not, itemgetter
 from types import FunctionType, MappingProxyType
 from typing import Any
 
@@ -490,9 +490,9 @@ class _Reads:
     Not watched here: hooks dicts the guards found empty (a hook registered anywhere
     makes a hook handle, whose count is watched instead) and a module's submodules,
     parameters and buffers (registering one is what torch's hooks report). The test is
-    one generated function of the slots, for speed: 7.6 us per call for a 2-layer tiny
-    Llama, 23.8 us for 32 layers, where a loop over the slots took 22 and 100 us
-    (docs/benchmarks.md, "Dispatch overhead")."""
+    one generated function of C-level passes over the slots, for speed: 16.7 us per call
+    for a 2-layer tiny Llama, 35.6 us for 32 layers (docs/benchmarks.md, "Dispatch
+    overhead")."""
 
     __slots__ = ("changed", "count", "forwards")
 
@@ -538,35 +538,29 @@ class _Reads:
                                  "_made": hook_handles_made(), "_any": any, "_map": map,
                                  "_is_not": is_not}  # fmt: skip
         terms = ["_handles() != _made"]  # a hook registered anywhere since
-        # One C call per dict for the keys it held (itemgetter), compared as a tuple:
-        # identical items cost a pointer test; an item replaced by an equal value passes
-        # (the guard would), anything else is a change. Keys it lacked: ``in`` each.
-        held: dict[int, tuple[Any, list[Any], list[Any]]] = {}
-        lacked: list[tuple[Any, Any]] = []
-        for mapping, key, value in slots:
-            if value is _MISSING:
-                lacked.append((mapping, key))
-            else:
-                held.setdefault(id(mapping), (mapping, [], []))
-                held[id(mapping)][1].append(key)
-                held[id(mapping)][2].append(value)
-        for n, (mapping, keys, values) in enumerate(held.values()):
-            if len(keys) == 1:
-                names.update({f"m{n}": mapping.get, f"k{n}_": keys[0], f"v{n}": values[0]})
-                terms.append(f"m{n}(k{n}_, _MISSING) is not v{n}")
-            else:
-                names.update({f"g{n}": itemgetter(*keys), f"d{n}": mapping, f"t{n}": tuple(values)})
-                terms.append(f"_any(_map(_is_not, g{n}(d{n}), t{n}))")  # identity: -0.0 too
-        if lacked:  # one C-level pass: any of these dicts holding its key now
-            names.update({"_contains": _contains, "_lacking": tuple(m for m, _ in lacked),
-                          "_lacked": tuple(k for _, k in lacked)})  # fmt: skip
-            terms.append("_any(_map(_contains, _lacking, _lacked))")
-        for n, (sequence, index, value) in enumerate(items):
+        # C-level passes, no bytecode per slot: the keys each dict held, read (a key gone
+        # raises: a change) and compared by identity (-0.0 is not 0.0); the keys each
+        # lacked, tested with ``in``; each function's code object, by identity.
+        held = [(m, k, v) for m, k, v in slots if v is not _MISSING]
+        lacked = [(m, k) for m, k, v in slots if v is _MISSING]
+        functions = [(f, code) for f, index, code in items if index < 0]
+        listed = [(seq, index, value) for seq, index, value in items if index >= 0]
+        names.update({
+            "_getitem": getitem, "_contains": _contains, "_code": attrgetter("__code__"),
+            "_held": tuple(m for m, _, _ in held), "_keys": tuple(k for _, k, _ in held),
+            "_values": tuple(v for _, _, v in held),
+            "_lacking": tuple(m for m, _ in lacked), "_lacked": tuple(k for _, k in lacked),
+            "_functions": tuple(f for f, _ in functions),
+            "_codes": tuple(c for _, c in functions),
+        })  # fmt: skip
+        terms += [
+            "_any(_map(_is_not, _map(_getitem, _held, _keys), _values))",
+            "_any(_map(_contains, _lacking, _lacked))",
+            "_any(_map(_is_not, _map(_code, _functions), _codes))",
+        ]
+        for n, (sequence, index, value) in enumerate(listed):
             names.update({f"s{n}": sequence, f"i{n}": index, f"w{n}": value})
-            if index < 0:  # a function and its code object
-                terms.append(f"s{n}.__code__ is not w{n}")
-            else:
-                terms.append(f"(len(s{n}) <= i{n} or s{n}[i{n}] is not w{n})")
+            terms.append(f"(len(s{n}) <= i{n} or s{n}[i{n}] is not w{n})")
         for n, (container, length) in enumerate(lengths):
             names.update({f"c{n}": container, f"n{n}": length})
             terms.append(f"len(c{n}) != n{n}")
