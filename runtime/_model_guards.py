@@ -494,15 +494,16 @@ class _Reads:
     for a 2-layer tiny Llama, 35.6 us for 32 layers (docs/benchmarks.md, "Dispatch
     overhead")."""
 
-    __slots__ = ("changed", "count", "forwards")
+    __slots__ = ("changed", "count", "forwards", "shadows")
 
     def __init__(self, guards: Sequence[Guard], roots: Roots) -> None:
         slots: dict[tuple[int, Any], tuple[Any, Any, Any]] = {}
         items: dict[tuple[int, int], tuple[Any, int, Any]] = {}
         lengths: dict[int, tuple[Any, int]] = {}
+        shadows: dict[tuple[int, Any], tuple[type, Any]] = {}
         for guard in guards:
             try:
-                self._watch(guard, roots, slots, items, lengths)
+                self._watch(guard, roots, slots, items, lengths, shadows)
             except Exception:  # nothing to watch there: the bind checked it
                 continue
 
@@ -511,14 +512,13 @@ class _Reads:
 
         # each module class's forward where it is defined (Dynamo guards none of them:
         # ``Sub.forward = other`` after binding would be served the traced code)
-        forwards: list[tuple[type, Any, Any]] = []
+        forwards: list[tuple[type, Any]] = []
         if isinstance(roots.model, torch.nn.Module):
             for cls in {type(m) for m in roots.model.modules()}:
                 _class_slot(cls, "forward", slot)
-                defining = next((c for c in cls.__mro__ if "forward" in c.__dict__), None)
-                if defining is not None and defining.__module__ != "builtins":
-                    forwards.append((cls, defining.__dict__, defining.__dict__["forward"]))
+                forwards.append((cls, cls.forward))
         self.forwards = tuple(forwards)
+        self.shadows = tuple(shadows.values())
         # a function's code, which a ``named`` guard checks by name and line only
         for *_, value in list(slots.values()):
             if isinstance(value, FunctionType):
@@ -579,7 +579,8 @@ class _Reads:
     @staticmethod
     def _watch(guard: Guard, roots: Roots, slots: dict[tuple[int, Any], tuple[Any, Any, Any]],
                items: dict[tuple[int, int], tuple[Any, int, Any]],
-               lengths: dict[int, tuple[Any, int]]) -> None:  # fmt: skip
+               lengths: dict[int, tuple[Any, int]],
+               shadows: dict[tuple[int, Any], tuple[type, Any]]) -> None:  # fmt: skip
         def slot(mapping: Any, key: Any) -> None:
             if isinstance(mapping, (dict, MappingProxyType)) and key not in _MODULE_DICTS:
                 slots.setdefault((id(mapping), key), (mapping, key, mapping.get(key, _MISSING)))
@@ -608,6 +609,9 @@ class _Reads:
                     return  # a module's registry: the registration hooks see its entries
                 if isinstance(base, list) and base[:2] == ["call", "dict"] and len(base[2]) == 1:
                     base = base[2][0]  # dict(type(m).__dict__)[k]: the class's own dict
+                    for passed, name in _shadowing_classes(base, expr[2], roots):
+                        slot(passed.__dict__, name)
+                        shadows.setdefault((id(passed), name), (passed, name))
                 read(base)
                 container, key = evaluate(base, roots), _decode_constant(expr[2][1])
                 if isinstance(container, list) and isinstance(key, int) and key >= 0:
@@ -629,17 +633,36 @@ class _Reads:
         read(expr)
 
 
+def _shadowing_classes(base: Any, key: Any, roots: Roots) -> list[tuple[type, Any]]:
+    """For a class attribute Dynamo read from the class that defines it
+    (``dict(type(m).__mro__[1].__dict__)['K']``): the classes the lookup passes first,
+    which must still lack it (a subclass given its own ``K`` shadows the one read, and
+    no guard of Dynamo's says so)."""
+    path = base[1] if isinstance(base, list) and base[:1] == ["attr"] else None
+    if not (isinstance(path, list) and path[:1] == ["item"] and path[2][:1] == ["const"]):
+        return []
+    mro = evaluate(path[1], roots)
+    position = _decode_constant(path[2][1])
+    if not (isinstance(mro, tuple) and isinstance(position, int)):
+        return []
+    return [(passed, _decode_constant(key[1])) for passed in mro[:position]]
+
+
 def _class_slot(cls: type, name: str, slot: Callable[[Any, Any], None]) -> None:
     """Watch a class attribute where the class hierarchy defines it: not a builtin type's,
     nor a descriptor of the instance's state (a cell's contents, a function's defaults:
     watched elsewhere)."""
+    before: list[type] = []  # the classes the lookup passes first: one setting it there shadows it
     for defining in cls.__mro__:
         if name in defining.__dict__:
             found = defining.__dict__[name]
             data = hasattr(type(found), "__set__") or hasattr(type(found), "__delete__")
             if defining.__module__ != "builtins" and not data:
                 slot(defining.__dict__, name)
+                for passed in before:
+                    slot(passed.__dict__, name)
             return
+        before.append(defining)
 
 
 def _is_training_flag(guard: Guard) -> bool:
@@ -745,13 +768,18 @@ class BoundGuards:
                 f"the model changed under {self.where} after it was bound: its trace read "
                 f"{failures}; set it back or compile the model again"
             )
-        replaced = [qualified_name(cls) for cls, mapping, forward in self._reads.forwards
-                    if mapping.get("forward", _MISSING) is not forward]  # fmt: skip
+        replaced = [f"{qualified_name(cls)}.forward" for cls, forward in self._reads.forwards
+                    if getattr(cls, "forward", None) is not forward]  # fmt: skip
+        replaced += [
+            f"{qualified_name(cls)}.{name} (set where the class it was read from is shadowed)"
+            for cls, name in self._reads.shadows
+            if name in cls.__dict__
+        ]
         if replaced:
             raise InputMismatchError(
-                f"the forward of {', '.join(sorted(replaced))} was replaced on its class "
-                f"after {self.where} was bound (its graph runs the forward it traced); set "
-                "it back or compile the model again"
+                f"{', '.join(sorted(replaced))} was replaced on its class after "
+                f"{self.where} was bound (its graph runs what it traced); set it back or "
+                "compile the model again"
             )
         self._reads = _Reads(self.read.guards, self.roots)
 

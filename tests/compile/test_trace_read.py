@@ -279,6 +279,10 @@ class ReadsAround(torch.nn.Module):
         return y * self.K * math.copysign(1.0, self.z) + (1.0 if hasattr(self, "extra") else 0.0)
 
 
+class _Sub(ReadsAround):
+    pass
+
+
 def test_what_a_client_trial_found_served_after_binding_is_refused() -> None:
     """A client trial of the per-call reads found these served the traced graph: a class
     attribute read as ``self.K`` (Dynamo reads it through ``dict(type(self).__dict__)``),
@@ -286,7 +290,7 @@ def test_what_a_client_trial_found_served_after_binding_is_refused() -> None:
     function's code swapped, a submodule's forward replaced on its class. Each is now
     refused at the next call, and served again once set back."""
     global WEIGHTS
-    model, x = ReadsAround().eval(), _example()
+    model, x = _Sub().eval(), _example()
     code, inner_forward = _scaled.__code__, _Inner.forward
     weights = WEIGHTS
 
@@ -305,7 +309,9 @@ def test_what_a_client_trial_found_served_after_binding_is_refused() -> None:
             (lambda: setattr(_scaled, "__code__", (lambda x: x * 3.0).__code__),
              lambda: setattr(_scaled, "__code__", code), r"_scaled"),
             (lambda: setattr(_Inner, "forward", lambda self, x: x + 2),
-             lambda: setattr(_Inner, "forward", inner_forward), r"_Inner was replaced"),
+             lambda: setattr(_Inner, "forward", inner_forward), r"_Inner\.forward was replaced"),
+            # a subclass's attribute set where the base class defines it
+            (lambda: setattr(_Sub, "K", 2.0), lambda: delattr(_Sub, "K"), r"_Sub\.K \(set"),
             (lambda: setattr(model, "extra", 1), lambda: delattr(model, "extra"),
              r"has an attribute 'extra', compiled without one"),
         ]  # fmt: skip
