@@ -375,7 +375,33 @@ def trace_read(
             len(unchecked),
             unchecked[0][:200],
         )
+    for guard in _class_forwards(model, roots):
+        guards.setdefault(repr(guard.to_json()), guard)
     return TraceRead(tuple(guards.values()), state, name, tuple(unchecked))
+
+
+def _class_forwards(model: torch.nn.Module, roots: Roots) -> list[Guard]:
+    """A guard per module class of the model on its ``forward``, by qualified name and
+    code place. Dynamo inlines a submodule's forward and records no guard on it, so a
+    class whose forward was replaced (``Sub.forward = other``) before a bind was bound
+    and served the traced code; each class is reached through its first submodule (the
+    model's own class is not: its forward is checked by name and place at every bind)."""
+    found: list[Guard] = []
+    seen: set[type] = set()
+    for path, module in model.named_modules():
+        cls = type(module)
+        if not path:  # the model's own forward: its name and place are the read's forward
+            seen.add(cls)
+        if cls in seen or not inspect.isfunction(getattr(cls, "forward", None)):
+            continue
+        seen.add(cls)
+        expr: Any = ["M"]
+        for part in path.split(".") if path else []:
+            expr = ["item", ["attr", expr, "_modules"], ["const", encode(part)]]
+        guard = Guard("named", ["attr", ["call", "type", [expr]], "forward"], named(cls.forward))
+        if guard.failure(roots) is None:
+            found.append(guard)
+    return found
 
 
 # Dynamo installs globals for its guards under names made of an object's id and the

@@ -283,7 +283,7 @@ class _Sub(ReadsAround):
     pass
 
 
-def test_what_a_client_trial_found_served_after_binding_is_refused() -> None:
+def test_what_a_client_trial_found_served_after_binding_is_refused(tmp_path: Any) -> None:
     """A client trial of the per-call reads found these served the traced graph: a class
     attribute read as ``self.K`` (Dynamo reads it through ``dict(type(self).__dict__)``),
     0.0 set to -0.0 (equal, not the same), a global list rebound to a new list, a global
@@ -309,7 +309,8 @@ def test_what_a_client_trial_found_served_after_binding_is_refused() -> None:
             (lambda: setattr(_scaled, "__code__", (lambda x: x * 3.0).__code__),
              lambda: setattr(_scaled, "__code__", code), r"_scaled"),
             (lambda: setattr(_Inner, "forward", lambda self, x: x + 2),
-             lambda: setattr(_Inner, "forward", inner_forward), r"_Inner\.forward was replaced"),
+             lambda: setattr(_Inner, "forward", inner_forward),
+             r"type\(model\.inner\)\.forward is .*compiled with .*_Inner\.forward"),
             # a subclass's attribute set where the base class defines it
             (lambda: setattr(_Sub, "K", 2.0), lambda: delattr(_Sub, "K"), r"_Sub\.K \(set"),
             (lambda: setattr(model, "extra", 1), lambda: delattr(model, "extra"),
@@ -323,6 +324,19 @@ def test_what_a_client_trial_found_served_after_binding_is_refused() -> None:
             finally:
                 undo()
             torch.testing.assert_close(bound(x), model(x))
+        # a class's forward replaced before a bind: the load refuses it (Dynamo inlined
+        # the forward and guards none of it; the trace read records each class's)
+        path = str(tmp_path / "reads.pt2c")
+        bound.save(path)
+        _Inner.forward = lambda self, x: x + 2  # type: ignore[method-assign,assignment,misc]
+        try:
+            with pytest.raises(precompile.IncompatibleArtifactError, match=r"_Inner.*forward"):
+                precompile.load_model(model, path=path, warmup=False)
+        finally:
+            _Inner.forward = inner_forward  # type: ignore[method-assign]
+        torch.testing.assert_close(
+            precompile.load_model(model, path=path, warmup=False)(x), model(x)
+        )
 
 
 class Tied(torch.nn.Module):
