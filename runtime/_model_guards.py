@@ -490,8 +490,8 @@ class _Reads:
     Not watched here: hooks dicts the guards found empty (a hook registered anywhere
     makes a hook handle, whose count is watched instead) and a module's submodules,
     parameters and buffers (registering one is what torch's hooks report). The test is
-    one generated function of C-level passes over the slots, for speed: 16.7 us per call
-    for a 2-layer tiny Llama, 35.6 us for 32 layers (docs/benchmarks.md, "Dispatch
+    one generated function of C-level passes over the slots, for speed: 17.1 us per call
+    for a 2-layer tiny Llama, 36.0 us for 32 layers (docs/benchmarks.md, "Dispatch
     overhead")."""
 
     __slots__ = ("changed", "count", "forwards", "shadows")
