@@ -494,7 +494,7 @@ class _Reads:
     for a 2-layer tiny Llama, 36.0 us for 32 layers (docs/benchmarks.md, "Dispatch
     overhead")."""
 
-    __slots__ = ("changed", "count", "forwards", "shadows")
+    __slots__ = ("changed", "forwards", "shadows")
 
     def __init__(self, guards: Sequence[Guard], roots: Roots) -> None:
         slots: dict[tuple[int, Any], tuple[Any, Any, Any]] = {}
@@ -508,7 +508,7 @@ class _Reads:
                 continue
 
         def slot(mapping: Any, key: Any) -> None:
-            slots.setdefault((id(mapping), key), (mapping, key, mapping.get(key, _MISSING)))
+            _slot(slots, mapping, key)
 
         # each module class's forward where it is defined (Dynamo guards none of them:
         # ``Sub.forward = other`` after binding would be served the traced code)
@@ -523,7 +523,6 @@ class _Reads:
         for *_, value in list(slots.values()):
             if isinstance(value, FunctionType):
                 items.setdefault((id(value), -1), (value, -1, value.__code__))
-        self.count = len(slots) + len(items) + len(lengths)
         self.changed = self._test(
             list(slots.values()), list(items.values()), list(lengths.values())
         )
@@ -582,8 +581,8 @@ class _Reads:
                lengths: dict[int, tuple[Any, int]],
                shadows: dict[tuple[int, Any], tuple[type, Any]]) -> None:  # fmt: skip
         def slot(mapping: Any, key: Any) -> None:
-            if isinstance(mapping, (dict, MappingProxyType)) and key not in _MODULE_DICTS:
-                slots.setdefault((id(mapping), key), (mapping, key, mapping.get(key, _MISSING)))
+            if key not in _MODULE_DICTS:
+                _slot(slots, mapping, key)
 
         def read(expr: Any) -> None:
             """Every read of ``expr``, the ones its value was reached through included
@@ -630,7 +629,15 @@ class _Reads:
             return  # a registration makes a hook handle: the count of those is watched
         if guard.kind in ("length", "keys", "empty") and isinstance(value, (list, dict)):
             lengths.setdefault(id(value), (value, len(value)))
+        if guard.kind in ("contains", "not_contains"):  # a key's presence ("FLAG" in environ)
+            slot(value, _decode_constant(guard.detail))
         read(expr)
+
+
+def _slot(slots: dict[tuple[int, Any], tuple[Any, Any, Any]], mapping: Any, key: Any) -> None:
+    """Watch ``mapping[key]`` (or its absence) as it is now, once per dict and key."""
+    if isinstance(mapping, (dict, MappingProxyType)):
+        slots.setdefault((id(mapping), key), (mapping, key, mapping.get(key, _MISSING)))
 
 
 def _shadowing_classes(base: Any, key: Any, roots: Roots) -> list[tuple[type, Any]]:
@@ -761,7 +768,17 @@ class BoundGuards:
 
     def _check_again(self) -> None:
         """Every guard, where a value one read was set again since the last check:
-        refused naming what differs, or (set to an equal value) watched as it is now."""
+        refused naming what differs, or (set to an equal value) watched as it is now.
+        The environment first: its variables live in ``os.environ``'s dict, watched as
+        any other, and a change there is said as one."""
+        for guard in self._environment:
+            failure = guard.failure(self.roots)
+            if failure is not None:
+                raise InputMismatchError(
+                    f"the environment changed under {self.where}: {failure}; its forward "
+                    "read it, so it holds for the traced value alone: set it back or "
+                    "compile again"
+                )
         failures = self._failures()
         if failures:
             raise InputMismatchError(
@@ -790,15 +807,13 @@ class BoundGuards:
         return "; ".join(failures[:3]) + more if failures else ""
 
     def check(self) -> bool:
-        """Per call: the training flags, the environment and the defaults the trace
-        read, every value the guards read still the one bound (``_Reads``), and a new
+        """Per call: the training flags and the defaults the trace read, every value the
+        guards read still the one bound (``_Reads``; the environment among them), and a new
         bind after a registration in a bound model since the last one (True then: what
         was resolved from the model, its weights' owners, must be resolved again)."""
         rebound = self._generation != _generation[0]
         if rebound:
             self.bind()
-        elif self._reads.changed():
-            self._check_again()
         for owner, training, guard in self._flags:
             if owner.training is not training:
                 raise InputMismatchError(
@@ -808,14 +823,8 @@ class BoundGuards:
                     expected=training,
                     got=owner.training,
                 )
-        for guard in self._environment:
-            failure = guard.failure(self.roots)
-            if failure is not None:
-                raise InputMismatchError(
-                    f"the environment changed under {self.where}: {failure}; its forward "
-                    "read it, so it holds for the traced value alone: set it back or "
-                    "compile again"
-                )
+        if not rebound and self._reads.changed():
+            self._check_again()
         for read in self._defaults:
             now = getattr(read.function, read.attribute, None)
             if now is read.seen:
