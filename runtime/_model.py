@@ -436,6 +436,22 @@ class CompiledModel:
         for piece in self.pieces.values():
             piece.check_model()
 
+    def skip_guard_eval_unsafe(self, skip: bool = True) -> CompiledModel:
+        """Stop (``skip=True``) or resume checking, per call, that every value the trace
+        read is still the one bound: attributes, class attributes and ``forward``s,
+        module globals, list items, functions' code, ``os.environ``. This is what
+        ``torch.compiler.set_stance(skip_guard_eval_unsafe=True)`` does for
+        ``torch.compile``, for a server that changes none of them: that check is most of
+        a call's host time in a deep model (docs/benchmarks.md, "Dispatch overhead").
+        Unsafe: a value changed while skipped is answered from the traced graph, a wrong
+        answer with no error. Still checked per call: the inputs and caches, the mode and
+        training flags, global state, hooks, submodules, parameters and buffers
+        registered; ``check_model()`` checks everything on demand, and resuming checks
+        against the values bound. For this model and its pieces; returns the model."""
+        for compiled in (self, *self.pieces.values()):
+            compiled._guards.reads_per_call = not skip
+        return self
+
     def set_cudagraphs(self, cudagraphs: Any, *, save: bool = False) -> CompiledModel:
         """CUDA graphs (``CudaGraphs``) in this process for this graph and every piece
         (generate's step graphs, captured under the old setting, are dropped). ``save``

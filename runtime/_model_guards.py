@@ -732,6 +732,7 @@ class BoundGuards:
             )
         self.roots = roots_of(model, forward)
         self._flags: list[tuple[Any, bool, Guard]] = []
+        self.reads_per_call = True  # False: CompiledModel.skip_guard_eval_unsafe()
         _install_registration_hooks()
         self.bind()
 
@@ -808,9 +809,10 @@ class BoundGuards:
 
     def check(self) -> bool:
         """Per call: the training flags and the defaults the trace read, every value the
-        guards read still the one bound (``_Reads``; the environment among them), and a new
-        bind after a registration in a bound model since the last one (True then: what
-        was resolved from the model, its weights' owners, must be resolved again)."""
+        guards read still the one bound (``_Reads``; the environment among them; unless
+        ``reads_per_call`` is off), and a new bind after a registration in a bound model
+        since the last one (True then: what was resolved from the model, its weights'
+        owners, must be resolved again)."""
         rebound = self._generation != _generation[0]
         if rebound:
             self.bind()
@@ -823,7 +825,7 @@ class BoundGuards:
                     expected=training,
                     got=owner.training,
                 )
-        if not rebound and self._reads.changed():
+        if not rebound and self.reads_per_call and self._reads.changed():
             self._check_again()
         for read in self._defaults:
             now = getattr(read.function, read.attribute, None)

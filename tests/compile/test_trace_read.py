@@ -228,6 +228,40 @@ def test_changes_after_binding_are_refused_at_the_next_call(compiled: dict[str, 
             torch.testing.assert_close(bound(x), model(x))
 
 
+def test_skipping_the_per_call_reads_is_explicit_and_keeps_the_other_checks(
+    compiled: dict[str, Any],
+) -> None:
+    """``skip_guard_eval_unsafe()`` (as torch.compile's stance of that name): a value the
+    trace read, changed while skipped, is answered from the traced graph (what the
+    opt-out risks), ``check_model()`` still refuses it, the mode is still checked per
+    call, and resuming refuses it at the next call."""
+    model = Configured().eval()
+    model.load_state_dict(compiled["model"].state_dict())
+    bound = precompile.load_model(model, path=compiled["path"], warmup=False)
+    x = _example()
+    with torch.no_grad():
+        traced = bound(x)
+        assert bound.skip_guard_eval_unsafe() is bound
+        model.scales[1] = 3.0  # the forward scales by it: eager answers otherwise
+        assert not torch.allclose(model(x), traced)
+        torch.testing.assert_close(bound(x), traced)  # skipped: the traced answer
+        with pytest.raises(precompile.IncompatibleArtifactError, match=r"model\.scales\[1\]"):
+            bound.check_model()
+        model.scales[1] = 2.0
+        model.train()
+        try:
+            with pytest.raises(precompile.InputMismatchError, match="train"):
+                bound(x)
+        finally:
+            model.eval()
+        model.scales[1] = 3.0
+        bound.skip_guard_eval_unsafe(False)
+        with pytest.raises(precompile.InputMismatchError, match=r"model\.scales\[1\] is 3"):
+            bound(x)
+        model.scales[1] = 2.0
+        torch.testing.assert_close(bound(x), model(x))
+
+
 SHIFT = 0.0  # a global the forward below reads
 
 
