@@ -1,6 +1,7 @@
 """Host time the runtime adds per call on the memoized path (CPU, one process).
 
     python benchmarks/dispatch.py
+    python benchmarks/dispatch.py --served cuda [--out dispatch-served-h200.json]
 
 Each graph is what Dynamo hands a backend. Its artifact runs over no-op variants, so
 what is timed is the runtime alone (read the sizes, check the inputs, look the variant
@@ -231,7 +232,69 @@ def tiny_llama(layers: int) -> torch.nn.Module:
     return transformers.LlamaForCausalLM(config).eval()
 
 
+def _ms_per_call(compiled: Any, ids: torch.Tensor, calls: int = 200) -> float:
+    compiled(ids)
+    if ids.is_cuda:
+        torch.cuda.synchronize()
+    began = time.perf_counter_ns()
+    for _ in range(calls):
+        compiled(ids)
+    if ids.is_cuda:
+        torch.cuda.synchronize()
+    return (time.perf_counter_ns() - began) / calls / 1e6
+
+
+def served_calls(device: str, out: str) -> None:
+    """What the per-call check costs a served call: the docs' Llama shape at 4 layers
+    (hidden 2048, bf16) compiled with CUDA graphs, ms per call (back to back, one
+    synchronize per round; interleaved rounds, medians) at 1 and 8 tokens, checked as by
+    default and with ``skip_guard_eval_unsafe()``."""
+    import transformers
+
+    from _common import environment, table, write_json
+
+    config = transformers.LlamaConfig(
+        hidden_size=2048, intermediate_size=8192, num_hidden_layers=4,
+        num_attention_heads=32, num_key_value_heads=8, vocab_size=32000, use_cache=False,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config).to(device, torch.bfloat16).eval()
+    rows = []
+    with torch.no_grad():
+        began = time.perf_counter()
+        compiled = precompile.compile_model(
+            model, (torch.randint(0, 32000, (1, 16), device=device),),
+            dynamic={0: [1]}, hints=[16], cudagraphs=device == "cuda",
+        )  # fmt: skip
+        print(f"built in {time.perf_counter() - began:.1f} s")
+        for tokens in (1, 8):
+            ids = torch.randint(0, 32000, (1, tokens), device=device)
+            torch.testing.assert_close(compiled(ids).logits, model(ids).logits,
+                                       rtol=0.05, atol=0.05)  # fmt: skip
+            checked, skipped = [], []
+            for _ in range(ROUNDS):
+                checked.append(_ms_per_call(compiled.skip_guard_eval_unsafe(False), ids))
+                skipped.append(_ms_per_call(compiled.skip_guard_eval_unsafe(True), ids))
+            compiled.skip_guard_eval_unsafe(False)
+            on, off = statistics.median(checked), statistics.median(skipped)
+            rows.append([tokens, on, off, (on - off) * 1e3, on / off])
+    headers = ["tokens", "checked ms", "skip_guard_eval_unsafe() ms", "difference us", "ratio"]
+    print(table(headers, rows))
+    document = {
+        **environment(device),
+        "what": "ms per served call of the docs' Llama (4 layers, bf16, CUDA graphs), "
+        "medians of interleaved rounds of 200",
+        "rows": [dict(zip(headers, row, strict=True)) for row in rows],
+    }
+    print(f"wrote {write_json(out, document)}")
+
+
 def main() -> None:
+    if "--served" in sys.argv:  # [--out NAME.json], under benchmarks/results
+        device = sys.argv[sys.argv.index("--served") + 1]
+        out = sys.argv[sys.argv.index("--out") + 1] if "--out" in sys.argv else None
+        served_calls(device, out or f"dispatch-served-{device}.json")
+        return
     from demo import MLP
 
     from _common import environment, table, write_json
