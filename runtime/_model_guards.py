@@ -29,11 +29,11 @@ import math
 import sys
 import threading
 import weakref
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from operator import attrgetter, getitem, is_not
 from operator import contains as _contains
-from types import FunctionType, MappingProxyType
+from types import CellType, FunctionType, MappingProxyType
 from typing import Any
 
 import torch
@@ -396,17 +396,42 @@ def traced_forward(model: torch.nn.Module) -> Any:
     return type(model).forward
 
 
+class ClosureCells(Mapping[str, Any]):
+    """A function's closure by name, read live: a cell set again after binding
+    (``nonlocal scale; scale = 3.0``) is what a guard reads next, not the value the
+    cell held at the bind. Empty cells are absent."""
+
+    def __init__(self, function: Any) -> None:
+        code = getattr(function, "__code__", None)
+        cells = getattr(function, "__closure__", None) or ()
+        names = code.co_freevars if code is not None else ()
+        self._cells: dict[str, CellType] = dict(zip(names, cells, strict=False))
+
+    def cell(self, name: str) -> CellType:
+        return self._cells[name]
+
+    def __getitem__(self, name: str) -> Any:
+        try:
+            return self._cells[name].cell_contents
+        except ValueError:  # an empty cell
+            raise KeyError(name) from None
+
+    def __iter__(self) -> Iterator[str]:
+        return (name for name in self._cells if name in self)
+
+    def __contains__(self, name: object) -> bool:
+        try:
+            self[name]  # type: ignore[index]
+        except (KeyError, TypeError):
+            return False
+        return True
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
+
+
 def roots_of(model: torch.nn.Module, forward: Any) -> Roots:
-    closure = {}
-    code = getattr(forward, "__code__", None)
-    cells = getattr(forward, "__closure__", None) or ()
-    if code is not None:
-        for name, cell in zip(code.co_freevars, cells, strict=False):
-            try:
-                closure[name] = cell.cell_contents
-            except ValueError:  # an empty cell
-                continue
-    return Roots(model, closure, getattr(forward, "__globals__", {}))
+    return Roots(model, ClosureCells(forward), getattr(forward, "__globals__", {}))
 
 
 def dict_keys(value: Any) -> list[Any]:
@@ -501,9 +526,10 @@ class _Reads:
         items: dict[tuple[int, int], tuple[Any, int, Any]] = {}
         lengths: dict[int, tuple[Any, int]] = {}
         shadows: dict[tuple[int, Any], tuple[type, Any]] = {}
+        cells: dict[int, tuple[CellType, Any]] = {}
         for guard in guards:
             try:
-                self._watch(guard, roots, slots, items, lengths, shadows)
+                self._watch(guard, roots, slots, items, lengths, shadows, cells)
             except Exception:  # nothing to watch there: the bind checked it
                 continue
 
@@ -524,15 +550,17 @@ class _Reads:
             if isinstance(value, FunctionType):
                 items.setdefault((id(value), -1), (value, -1, value.__code__))
         self.changed = self._test(
-            list(slots.values()), list(items.values()), list(lengths.values())
-        )
+            list(slots.values()), list(items.values()), list(lengths.values()),
+            list(cells.values()),
+        )  # fmt: skip
 
     @staticmethod
     def _test(slots: list[tuple[Any, Any, Any]], items: list[tuple[Any, int, Any]],
-              lengths: list[tuple[Any, int]]) -> Callable[[], bool]:  # fmt: skip
-        """``changed()``: whether any slot or list item holds another object, or any
-        container has another length (the values are the function's default arguments,
-        never source text)."""
+              lengths: list[tuple[Any, int]],
+              cells: list[tuple[CellType, Any]]) -> Callable[[], bool]:  # fmt: skip
+        """``changed()``: whether any slot, list item or closure cell holds another object,
+        or any container has another length (the values are the function's default
+        arguments, never source text; an emptied cell raises: changed)."""
         names: dict[str, Any] = {"_MISSING": _MISSING, "_handles": hook_handles_made,
                                  "_made": hook_handles_made(), "_any": any, "_map": map,
                                  "_is_not": is_not}  # fmt: skip
@@ -551,11 +579,14 @@ class _Reads:
             "_lacking": tuple(m for m, _ in lacked), "_lacked": tuple(k for _, k in lacked),
             "_functions": tuple(f for f, _ in functions),
             "_codes": tuple(c for _, c in functions),
+            "_contents": attrgetter("cell_contents"),
+            "_cells": tuple(c for c, _ in cells), "_held_by_cells": tuple(v for _, v in cells),
         })  # fmt: skip
         terms += [
             "_any(_map(_is_not, _map(_getitem, _held, _keys), _values))",
             "_any(_map(_contains, _lacking, _lacked))",
             "_any(_map(_is_not, _map(_code, _functions), _codes))",
+            "_any(_map(_is_not, _map(_contents, _cells), _held_by_cells))",
         ]
         for n, (sequence, index, value) in enumerate(listed):
             names.update({f"s{n}": sequence, f"i{n}": index, f"w{n}": value})
@@ -579,7 +610,8 @@ class _Reads:
     def _watch(guard: Guard, roots: Roots, slots: dict[tuple[int, Any], tuple[Any, Any, Any]],
                items: dict[tuple[int, int], tuple[Any, int, Any]],
                lengths: dict[int, tuple[Any, int]],
-               shadows: dict[tuple[int, Any], tuple[type, Any]]) -> None:  # fmt: skip
+               shadows: dict[tuple[int, Any], tuple[type, Any]],
+               cells: dict[int, tuple[CellType, Any]]) -> None:  # fmt: skip
         def slot(mapping: Any, key: Any) -> None:
             if key not in _MODULE_DICTS:
                 _slot(slots, mapping, key)
@@ -590,11 +622,17 @@ class _Reads:
             if not isinstance(expr, list) or not expr:
                 return
             op = expr[0]
-            if op == "G" and not str(expr[1]).startswith(("__import_", "__builtins_dict__")):
+            if op == "C" and isinstance(roots.closure, ClosureCells):  # a closure cell
+                cell = roots.closure.cell(expr[1])
+                cells.setdefault(id(cell), (cell, cell.cell_contents))
+            elif op == "G" and not str(expr[1]).startswith(("__import_", "__builtins_dict__")):
                 slot(roots.globals, expr[1])
             elif op == "attr":
                 read(expr[1])
                 owner = evaluate(expr[1], roots)
+                if isinstance(owner, CellType) and expr[2] == "cell_contents":
+                    cells.setdefault(id(owner), (owner, owner.cell_contents))
+                    return  # a cell of a function the forward calls
                 if _registered(owner, expr[2]):
                     return  # a submodule, parameter or buffer: the registration hooks
                 own = getattr(owner, "__dict__", None)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -260,6 +261,53 @@ def test_skipping_the_per_call_reads_is_explicit_and_keeps_the_other_checks(
             bound(x)
         model.scales[1] = 2.0
         torch.testing.assert_close(bound(x), model(x))
+
+
+def _closing_over(value: float) -> tuple[torch.nn.Module, Callable[[float, str], None], Any]:
+    """A model whose forward reads a closure cell, a helper whose cell it reads through
+    a call, and a setter of both cells (``nonlocal``)."""
+    scale = value
+    factor = value
+
+    def helper(x: torch.Tensor) -> torch.Tensor:
+        return x * factor
+
+    class Closing(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x * scale + helper(x)
+
+    def set_cells(new: float, which: str) -> None:
+        nonlocal scale, factor
+        if which == "scale":
+            scale = new
+        else:
+            factor = new
+
+    return Closing(), set_cells, helper
+
+
+def test_a_closure_cell_set_again_after_binding_is_refused() -> None:
+    """A cell of the forward's closure, or of a function it calls, set again after
+    binding (``nonlocal``): refused at the next call and by ``check_model()`` (the bind
+    had kept a copy of the forward's cells, so both served the traced value), served
+    again once set back."""
+    model, set_cells, _ = _closing_over(2.0)
+    x = torch.randn(4, 8)
+    with torch.no_grad():
+        bound = precompile.compile_model(model, (x,), dynamic={0: [0]}, cache=False)
+        torch.testing.assert_close(bound(x), model(x))
+        cells = [
+            ("scale", r"closure scale> is 3\.0"),
+            ("factor", r"helper>?\.__closure__\[0\]\.cell_contents is 3\.0"),
+        ]
+        for which, said in cells:
+            set_cells(3.0, which)
+            with pytest.raises(precompile.InputMismatchError, match=said):
+                bound(x)
+            with pytest.raises(precompile.IncompatibleArtifactError, match=said):
+                bound.check_model()
+            set_cells(2.0, which)
+            torch.testing.assert_close(bound(x), model(x))
 
 
 SHIFT = 0.0  # a global the forward below reads
