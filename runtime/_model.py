@@ -445,9 +445,14 @@ class CompiledModel:
         a call's host time in a deep model (docs/benchmarks.md, "Dispatch overhead").
         Unsafe: a value changed while skipped is answered from the traced graph, a wrong
         answer with no error. Still checked per call: the inputs and caches, the mode and
-        training flags, global state, hooks, submodules, parameters and buffers
-        registered; ``check_model()`` checks everything on demand, and resuming checks
-        against the values bound. For this model and its pieces; returns the model."""
+        training flags, global state, a hook registered anywhere, submodules, parameters
+        and buffers registered; ``check_model()`` checks everything once (the skip
+        stays), and resuming checks against the values bound. For this model and its
+        pieces; returns the model."""
+        if not isinstance(skip, bool):
+            raise InvalidOptionError(
+                f"skip_guard_eval_unsafe takes True or False, not {skip!r} ({type(skip).__name__})"
+            )
         for compiled in (self, *self.pieces.values()):
             compiled._guards.reads_per_call = not skip
         return self
@@ -744,7 +749,15 @@ class CompiledModel:
                 flat.append(getattr(leaves[leaf].layers[layer], name))
             else:
                 table, name = self._weights[index]
-                flat.append(table[name])
+                try:
+                    flat.append(table[name])
+                except KeyError:  # ``del module.weight`` after binding (no hook sees it)
+                    raise InputMismatchError(
+                        f"{kind} {target} was deleted from the model after it was bound; "
+                        "the compiled graph reads it: register it again or compile the "
+                        "model again",
+                        input_name=str(target),
+                    ) from None
         return flat
 
     # -- the decode loop ---------------------------------------------------------------

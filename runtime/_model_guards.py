@@ -31,7 +31,7 @@ import threading
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from operator import attrgetter, getitem, is_not
+from operator import attrgetter, getitem, is_not, ne
 from operator import contains as _contains
 from types import CellType, FunctionType, MappingProxyType
 from typing import Any
@@ -324,6 +324,8 @@ class Guard:
         except Unencodable as exc:  # a value of a type the trace's value did not have
             return f"{readable(self.expr)} is {exc}, compiled with {said(self.expected)}"
         except Exception as exc:  # a missing attribute or key: the model differs there
+            if self.expr[:1] == ["C"] and isinstance(exc, KeyError):
+                return f"{readable(self.expr)} is an empty cell (deleted), compiled with a value"
             return f"{readable(self.expr)} cannot be read ({type(exc).__name__}: {exc})"
         if now == self.expected:
             return None
@@ -519,7 +521,7 @@ class _Reads:
     for a 2-layer tiny Llama, 36.0 us for 32 layers (docs/benchmarks.md, "Dispatch
     overhead")."""
 
-    __slots__ = ("changed", "forwards", "shadows")
+    __slots__ = ("changed", "forwards", "made", "modules", "shadows")
 
     def __init__(self, guards: Sequence[Guard], roots: Roots) -> None:
         slots: dict[tuple[int, Any], tuple[Any, Any, Any]] = {}
@@ -527,9 +529,10 @@ class _Reads:
         lengths: dict[int, tuple[Any, int]] = {}
         shadows: dict[tuple[int, Any], tuple[type, Any]] = {}
         cells: dict[int, tuple[CellType, Any]] = {}
+        orders: dict[int, tuple[dict[Any, Any], tuple[Any, ...]]] = {}
         for guard in guards:
             try:
-                self._watch(guard, roots, slots, items, lengths, shadows, cells)
+                self._watch(guard, roots, slots, items, lengths, shadows, cells, orders)
             except Exception:  # nothing to watch there: the bind checked it
                 continue
 
@@ -549,20 +552,33 @@ class _Reads:
         for *_, value in list(slots.values()):
             if isinstance(value, FunctionType):
                 items.setdefault((id(value), -1), (value, -1, value.__code__))
+        # modules the forward reads from outside the model (a closure cell's, a global's):
+        # a registration in one of them binds the model again, as one in the model does
+        held = [*(v for *_, v in slots.values()), *(v for _, v in cells.values()),
+                *(v for *_, v in items.values())]  # fmt: skip
+        self.modules = tuple(v for v in held if isinstance(v, torch.nn.Module))
+        self.made = hook_handles_made()
         self.changed = self._test(
             list(slots.values()), list(items.values()), list(lengths.values()),
-            list(cells.values()),
+            list(cells.values()), list(orders.values()), self.made,
         )  # fmt: skip
+
+    def hooked(self) -> bool:
+        """Whether a hook was registered anywhere since (the one read kept per call by
+        ``skip_guard_eval_unsafe()``)."""
+        return hook_handles_made() != self.made
 
     @staticmethod
     def _test(slots: list[tuple[Any, Any, Any]], items: list[tuple[Any, int, Any]],
-              lengths: list[tuple[Any, int]],
-              cells: list[tuple[CellType, Any]]) -> Callable[[], bool]:  # fmt: skip
+              lengths: list[tuple[Any, int]], cells: list[tuple[CellType, Any]],
+              orders: list[tuple[dict[Any, Any], tuple[Any, ...]]],
+              made: int) -> Callable[[], bool]:  # fmt: skip
         """``changed()``: whether any slot, list item or closure cell holds another object,
-        or any container has another length (the values are the function's default
-        arguments, never source text; an emptied cell raises: changed)."""
+        any container has another length, or any dict the forward iterated has its keys in
+        another order (the values are the function's default arguments, never source text;
+        an emptied cell raises: changed)."""
         names: dict[str, Any] = {"_MISSING": _MISSING, "_handles": hook_handles_made,
-                                 "_made": hook_handles_made(), "_any": any, "_map": map,
+                                 "_made": made, "_any": any, "_map": map,
                                  "_is_not": is_not}  # fmt: skip
         terms = ["_handles() != _made"]  # a hook registered anywhere since
         # C-level passes, no bytecode per slot: the keys each dict held, read (a key gone
@@ -581,12 +597,15 @@ class _Reads:
             "_codes": tuple(c for _, c in functions),
             "_contents": attrgetter("cell_contents"),
             "_cells": tuple(c for c, _ in cells), "_held_by_cells": tuple(v for _, v in cells),
+            "_ne": ne, "_tuple": tuple, "_ordered": tuple(d for d, _ in orders),
+            "_orders": tuple(keys for _, keys in orders),
         })  # fmt: skip
         terms += [
             "_any(_map(_is_not, _map(_getitem, _held, _keys), _values))",
             "_any(_map(_contains, _lacking, _lacked))",
             "_any(_map(_is_not, _map(_code, _functions), _codes))",
             "_any(_map(_is_not, _map(_contents, _cells), _held_by_cells))",
+            "_any(_map(_ne, _map(_tuple, _ordered), _orders))",
         ]
         for n, (sequence, index, value) in enumerate(listed):
             names.update({f"s{n}": sequence, f"i{n}": index, f"w{n}": value})
@@ -611,7 +630,8 @@ class _Reads:
                items: dict[tuple[int, int], tuple[Any, int, Any]],
                lengths: dict[int, tuple[Any, int]],
                shadows: dict[tuple[int, Any], tuple[type, Any]],
-               cells: dict[int, tuple[CellType, Any]]) -> None:  # fmt: skip
+               cells: dict[int, tuple[CellType, Any]],
+               orders: dict[int, tuple[dict[Any, Any], tuple[Any, ...]]]) -> None:  # fmt: skip
         def slot(mapping: Any, key: Any) -> None:
             if key not in _MODULE_DICTS:
                 _slot(slots, mapping, key)
@@ -667,6 +687,8 @@ class _Reads:
             return  # a registration makes a hook handle: the count of those is watched
         if guard.kind in ("length", "keys", "empty") and isinstance(value, (list, dict)):
             lengths.setdefault(id(value), (value, len(value)))
+        if guard.kind == "keys" and isinstance(value, dict):  # iterated: its order too
+            orders.setdefault(id(value), (value, tuple(value)))
         if guard.kind in ("contains", "not_contains"):  # a key's presence ("FLAG" in environ)
             slot(value, _decode_constant(guard.detail))
         read(expr)
@@ -802,7 +824,13 @@ class BoundGuards:
                 defaults[key].guards.append(guard)
         self._defaults = list(defaults.values())
         self._reads = _Reads(self.read.guards, self.roots)
+        self._track()
+
+    def _track(self) -> None:
+        """The registration hooks' watch: the model's modules and those it reads."""
         _tracked.update(self.model.modules())
+        for held in self._reads.modules:
+            _tracked.update(held.modules())
         self._generation = _generation[0]
 
     def _check_again(self) -> None:
@@ -838,6 +866,7 @@ class BoundGuards:
                 "compile the model again"
             )
         self._reads = _Reads(self.read.guards, self.roots)
+        _tracked.update(m for held in self._reads.modules for m in held.modules())
 
     def _failures(self) -> str:
         """The first three guards that fail now, said ("" where every one holds)."""
@@ -863,7 +892,8 @@ class BoundGuards:
                     expected=training,
                     got=owner.training,
                 )
-        if not rebound and self.reads_per_call and self._reads.changed():
+        reads = self._reads
+        if not rebound and (reads.changed() if self.reads_per_call else reads.hooked()):
             self._check_again()
         for read in self._defaults:
             now = getattr(read.function, read.attribute, None)

@@ -234,8 +234,8 @@ def test_skipping_the_per_call_reads_is_explicit_and_keeps_the_other_checks(
 ) -> None:
     """``skip_guard_eval_unsafe()`` (as torch.compile's stance of that name): a value the
     trace read, changed while skipped, is answered from the traced graph (what the
-    opt-out risks), ``check_model()`` still refuses it, the mode is still checked per
-    call, and resuming refuses it at the next call."""
+    opt-out risks), ``check_model()`` still refuses it, the mode and a hook registered on
+    a submodule are still checked per call, and resuming refuses it at the next call."""
     model = Configured().eval()
     model.load_state_dict(compiled["model"].state_dict())
     bound = precompile.load_model(model, path=compiled["path"], warmup=False)
@@ -255,6 +255,13 @@ def test_skipping_the_per_call_reads_is_explicit_and_keeps_the_other_checks(
                 bound(x)
         finally:
             model.eval()
+        hook = model.proj.register_forward_hook(lambda m, a, o: o * 0)  # still refused
+        try:
+            with pytest.raises(precompile.InputMismatchError, match=r"_forward_hooks"):
+                bound(x)
+        finally:
+            hook.remove()
+        torch.testing.assert_close(bound(x), model(x))
         model.scales[1] = 3.0
         bound.skip_guard_eval_unsafe(False)
         with pytest.raises(precompile.InputMismatchError, match=r"model\.scales\[1\] is 3"):
@@ -308,6 +315,62 @@ def test_a_closure_cell_set_again_after_binding_is_refused() -> None:
                 bound.check_model()
             set_cells(2.0, which)
             torch.testing.assert_close(bound(x), model(x))
+
+
+def _iterating_and_holding() -> tuple[torch.nn.Module, dict[str, float], torch.nn.Module]:
+    """A forward that iterates a dict of its closure and one of its own, and calls a
+    module its closure holds (outside the model), beside a buffer of its own."""
+    weights = {"a": 2.0, "b": 3.0}
+    block = torch.nn.Sequential(torch.nn.LeakyReLU(0.1))
+
+    class Iterating(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 4)
+            self.own = {"a": 2.0, "b": 3.0}
+            self.register_buffer("shift", torch.ones(4))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            y = block(self.lin(x))
+            for v in weights.values():
+                y = y * v + 1.0
+            for v in self.own.values():
+                y = y * v + 1.0
+            return y + self.shift
+
+    return Iterating().eval(), weights, block
+
+
+def test_what_a_second_trial_found_served_after_binding_is_refused() -> None:
+    """A client trial of the per-call check found these answered from the traced graph
+    (or a bare KeyError): a dict the forward iterated, reordered with the same keys and
+    values (Dynamo guards its key order); a child replaced in a module the forward's
+    closure holds (no registration hook watched it); a buffer deleted. Each is refused
+    now, and served again once undone."""
+    model, weights, block = _iterating_and_holding()
+    x = torch.randn(3, 4)
+    with torch.no_grad():
+        bound = precompile.compile_model(model, (x,), dynamic={0: [0]}, cache=False)
+        torch.testing.assert_close(bound(x), model(x))
+        for dictionary in (weights, model.own):
+            dictionary["a"] = dictionary.pop("a")  # keys now b, a: eager multiplies otherwise
+            with pytest.raises(precompile.InputMismatchError, match=r"has keys \['b', 'a'\]"):
+                bound(x)
+            dictionary["b"] = dictionary.pop("b")
+            torch.testing.assert_close(bound(x), model(x))
+        leaky, block[0] = block[0], torch.nn.ReLU()
+        with pytest.raises(precompile.IncompatibleArtifactError, match=r"block>\.0 is a .*ReLU"):
+            bound(x)
+        block[0] = leaky
+        torch.testing.assert_close(bound(x), model(x))
+        shift = model.shift
+        del model.shift
+        with pytest.raises(precompile.InputMismatchError, match="buffer shift was deleted"):
+            bound(x)
+        model.register_buffer("shift", shift)
+        torch.testing.assert_close(bound(x), model(x))
+        with pytest.raises(precompile.InvalidOptionError, match="True or False"):
+            bound.skip_guard_eval_unsafe("False")  # type: ignore[arg-type]
 
 
 SHIFT = 0.0  # a global the forward below reads
