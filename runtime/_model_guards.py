@@ -510,15 +510,16 @@ def _registered(owner: Any, name: Any) -> bool:
 class _Reads:
     """Where the guards' values live, as bound: per call each slot must still hold the
     object bound there (a guard that read ``layer.eps`` watches ``vars(layer)["eps"]``),
-    each container its length, and each instance dict the guards found without a key
+    each closure cell read its object, each container its length (and a dict the forward
+    iterated its key order), and each instance dict the guards found without a key
     (no ``forward`` set on the instance) must still lack it. A difference is no failure
     by itself (an equal value set again): it sends the guards to be checked again.
 
     Not watched here: hooks dicts the guards found empty (a hook registered anywhere
     makes a hook handle, whose count is watched instead) and a module's submodules,
     parameters and buffers (registering one is what torch's hooks report). The test is
-    one generated function of C-level passes over the slots, for speed: 17.1 us per call
-    for a 2-layer tiny Llama, 36.0 us for 32 layers (docs/benchmarks.md, "Dispatch
+    one generated function of C-level passes over the slots, for speed: 19.9 us per call
+    for a 2-layer tiny Llama, 39.0 us for 32 layers (docs/benchmarks.md, "Dispatch
     overhead")."""
 
     __slots__ = ("changed", "forwards", "made", "modules", "shadows")
