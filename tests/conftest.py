@@ -43,12 +43,6 @@ from demo import MLP  # noqa: E402  (the demo's model doubles as the test MLP)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    # pytest-xdist's loadgroup (make test): each file's tests stay in one worker, so its
-    # module-scoped compiles are made once; a test marked ``spread`` (a fresh process that
-    # shares nothing with its file) may go to any worker, which keeps the workers even
-    for item in items:
-        if "spread" not in item.keywords:
-            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::", 1)[0]))
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")

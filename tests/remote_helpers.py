@@ -30,10 +30,12 @@ class S3Server:
             "key": "testing",
             "secret": "testing",
             "client_kwargs": {"endpoint_url": self.endpoint, "region_name": "us-east-1"},
-            # a vanished server must answer fast: one attempt, short timeouts
+            # one attempt: a vanished server refuses the connection at once. The timeouts
+            # leave a loaded 2-core machine room (1 s to connect and 5 s to read timed out
+            # an upload to this server while the other xdist worker compiled)
             "config_kwargs": {
-                "connect_timeout": 1,
-                "read_timeout": 5,
+                "connect_timeout": 5,
+                "read_timeout": 20,
                 "retries": {"max_attempts": 1},
             },
             "skip_instance_cache": True,

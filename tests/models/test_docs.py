@@ -124,7 +124,6 @@ def test_every_marker_names_a_prelude_and_precedes_a_block() -> None:
             assert block.prelude is None or block.prelude in PRELUDES, (page.name, block)
 
 
-@pytest.mark.spread
 @pytest.mark.parametrize("page", RUNNABLE, ids=[p.name for p in RUNNABLE])
 def test_page_code_runs_as_written(
     page: Path, tmp_path: Path, tmp_path_factory: pytest.TempPathFactory
@@ -163,7 +162,6 @@ def test_every_relative_link_resolves() -> None:
 
 
 @pytest.mark.subprocess
-@pytest.mark.spread
 def test_the_docs_site_builds_strict(tmp_path: Path) -> None:
     """``mkdocs build --strict``: every page in the nav, every link and anchor, the
     benchmark plots, and the API reference generated from the docstrings (a name it
