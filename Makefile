@@ -18,7 +18,8 @@ demo: $(STAMP)
 
 # Two pytest-xdist workers (CI has 2 cores), each test file kept in one worker so its
 # module-scoped compiles are made once. (Grouping by file but spreading the docs pages,
-# --dist loadgroup, took 19.2 min against 15.7 and 30.6 CPU-minutes against 24.1.)
+# --dist loadgroup, was tried: 19.2 min for a fresh clone's CI, against 18.4 with
+# loadfile on the same day's slower machine; one run each.)
 PYTEST_WORKERS ?= 2
 
 test: $(STAMP)
