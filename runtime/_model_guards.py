@@ -867,7 +867,7 @@ class BoundGuards:
                 "compile the model again"
             )
         self._reads = _Reads(self.read.guards, self.roots)
-        _tracked.update(m for held in self._reads.modules for m in held.modules())
+        self._track()
 
     def _failures(self) -> str:
         """The first three guards that fail now, said ("" where every one holds)."""
