@@ -43,7 +43,8 @@ import torch  # noqa: E402
 
 SIZES = [1, 8, 64, 128, 512]
 ALL_ROWS = "eager,torch.compile,reduce-overhead,ours,ours+cudagraphs"
-ROWS = os.environ.get("TP_ROWS", ALL_ROWS).split(",")
+# eager is always a row: every other row is checked against it
+ROWS = ["eager", *(r for r in os.environ.get("TP_ROWS", ALL_ROWS).split(",") if r != "eager")]
 FIRST = 128  # the warm start's first call
 
 
@@ -153,13 +154,34 @@ def worker(phase: str, out: str, smoke: bool) -> None:
     # their hint alone (s == 16, s == 256), so a dynamic variant would serve no other S.
     options = {"dynamic": {0: [1]}, "sizes": SIZES, "warmup": False}
     if phase in ("warm", "single-warm", "single-cold"):
+        if distributed:
+            # NCCL makes its communicator at a group's first collective (eager pays it
+            # too): timed apart, before the call, as a server that warms its group would
+            sync()
+            started = time.perf_counter()
+            dist.barrier()
+            sync()
+            report["first_collective_s"] = time.perf_counter() - started
+        profile = None
+        if os.environ.get("TP_PROFILE") and rank == 0:
+            import cProfile
+
+            profile = cProfile.Profile()
+            profile.enable()
         sync()
         started = time.perf_counter()
         compiled = precompile.compile_model(model, (ids_of(FIRST, vocab, device),), **options)
+        sync()
+        report["load_s"] = time.perf_counter() - started
         with torch.no_grad():
             compiled(ids_of(FIRST, vocab, device))
         sync()
         report["call_to_first_output_s"] = time.perf_counter() - started
+        if profile is not None:
+            import pstats
+
+            profile.disable()
+            pstats.Stats(profile).sort_stats("cumulative").print_stats(45)
         report["compiles"], report["frames"] = len(compiles), len(frames)
         if phase == "warm" and cuda:  # CUDA graphs on ranks, from the same entry
             graphed = precompile.compile_model(
