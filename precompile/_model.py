@@ -269,6 +269,14 @@ def compile_model(
     return _finish(compiled, cudagraphs, warmup)
 
 
+def _builds_cpu_kernels(model: torch.nn.Module, call: ExampleCall) -> bool:
+    """Whether a compile of this call will build C++ kernels: a CPU tensor among the
+    call's leaves or the model's first parameter."""
+    first = next(model.parameters(), None)
+    tensors = [leaf for leaf in call.leaves if isinstance(leaf, torch.Tensor)]
+    return any(t.device.type == "cpu" for t in (*tensors, *([first] if first is not None else [])))
+
+
 def _compiled_model(
     model: torch.nn.Module,
     call: ExampleCall,
@@ -297,7 +305,11 @@ def _compiled_model(
     blocks: list[str] = []
 
     def build(store: ArtifactCache | None) -> CompiledModel:
+        from . import _vec_isa_probe as vec_isa_probe
         from ._repeated_blocks import recording
+
+        if _builds_cpu_kernels(model, call):
+            vec_isa_probe.start()  # overlaps the trace; joined before the first compile
 
         with recording() as found:
             compiled = _trace_with_pieces(

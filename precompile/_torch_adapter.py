@@ -19,6 +19,7 @@ import os
 import pickle
 import re
 import shutil
+import sys
 import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -704,6 +705,31 @@ def serialize_variant(compiled: Any) -> bytes:
 def vec_isa() -> tuple[str, str]:
     """The vector ISA inductor builds C++ kernels for here, and its compiler flags."""
     return runtime_adapter.vec_isa()
+
+
+def vec_isa_candidates() -> list[Any]:
+    """The vector ISAs inductor's probe tries on this machine, as its ``valid_vec_isa_list``
+    picks them (x86: those whose CPU flags the machine has; ``bool()`` of one compiles and
+    loads a test program, once per process); none where it picks otherwise or this torch
+    names them otherwise (its own probe then runs as it always does)."""
+    import platform
+
+    try:
+        from torch._inductor import codecache, cpp_builder, cpu_vec_isa  # noqa: F401
+
+        if sys.platform not in ("linux", "win32") or platform.machine() not in (
+            "x86_64",
+            "AMD64",
+        ):
+            return []
+        flags = cpu_vec_isa.x86_isa_checker()
+        return [
+            isa
+            for isa in cpu_vec_isa.supported_vec_isa_list
+            if all(flag in flags for flag in str(isa).split())
+        ]
+    except (ImportError, AttributeError):
+        return []
 
 
 def cpp_kernel_files(calls: Sequence[tuple[Any, str]]) -> Iterator[str | None]:

@@ -23,6 +23,7 @@ from precompile.runtime import NativeKernel, PrecompileError, UnsupportedGraphEr
 from precompile.runtime.compiler_interface import build_dir
 
 from . import _torch_adapter as adapter
+from . import _vec_isa_probe as vec_isa_probe
 from ._attention_policy import attention_backends, sdpa_backends, sdpa_switches
 from ._compiled_payload import InputUse, built_cpp_kernels, input_uses, settle_triton_kernels
 from ._compiler_config import inductor_config_changes
@@ -109,12 +110,15 @@ def compiling_in_build_dir(*, cpu: bool = False) -> Iterator[None]:
     answer for the process and the programs in its cache dir. Asked here first, the
     programs land in the user's inductor cache, as a ``torch.compile`` of theirs would
     leave them, and the next process finds them, instead of in a build dir that dies
-    with this one (measured: 7.1 s in a process with an empty cache dir, 1.2 s next)."""
+    with this one (measured: 7.1 s in a process with an empty cache dir, 1.2 s next;
+    ``_vec_isa_probe`` now probes the candidates in parallel, from before the trace)."""
     if _in_build_dir.active:
         yield
         return
     if cpu:
-        adapter.vec_isa()
+        vec_isa_probe.vec_isa()
+    else:
+        vec_isa_probe.wait()  # a CPU trace's probes, started before it, finish outside
     with adapter.inductor_cache_dir(build_dir()):
         _in_build_dir.active = True
         try:

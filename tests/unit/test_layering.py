@@ -324,7 +324,7 @@ INTERNAL_SUBJECTS = {
     },
     # what a variant compile scope changes in torch, and that it is put back
     "tests/unit/test_compile_scope.py": {
-        "precompile._torch_adapter", "precompile._variant_compile",
+        "precompile._torch_adapter", "precompile._variant_compile", "precompile._vec_isa_probe",
     },
     "tests/compile/test_trace_read.py": {"precompile._torch_adapter", "precompile._trace_read"},
     "tests/unit/test_triton_launch.py": {
