@@ -32,6 +32,7 @@ import struct
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, ExitStack, contextmanager, suppress
@@ -157,14 +158,17 @@ class _Worker:
             return "back", f"the worker's answer could not be read ({type(exc).__name__})"
         return str(kind), value
 
-    def close(self) -> None:
+    def release(self) -> None:
         """An idle worker ends on its closed stdin; one still compiling (the build
         stopped early: an error, an interrupt) is killed, its variant unwanted."""
-        if self.process.stdin is not None:
+        if self.process.stdin is not None and not self.process.stdin.closed:
             with suppress(OSError):
                 self.process.stdin.close()
         if self.job is not None:
             self.process.kill()
+
+    def reap(self) -> None:
+        """Wait for the released worker to end (killed after 5 s of shutting down)."""
         try:
             self.process.wait(timeout=5)
         except subprocess.TimeoutExpired:
@@ -251,6 +255,8 @@ class VariantWorkers:
             job = self._pending.pop(0)
             if worker.give(job):
                 self._by_key[_job_key(job.request)] = worker
+        else:  # nothing left to hand out: it shuts down while the build goes on
+            worker.release()
 
     def take(self, request: VariantRequest, number: int) -> variant_compile.CompiledVariant | None:
         """The variant a worker compiled for ``request``; None where this process is to
@@ -270,8 +276,16 @@ class VariantWorkers:
         return None
 
     def close(self) -> None:
+        """Release every worker; they are reaped by a thread of their own. An idle
+        worker's interpreter shutdown took seconds (its inductor, its CUDA context): the
+        build waited for each in turn before it went on."""
         for worker in self._workers:
-            worker.close()
+            worker.release()
+        threading.Thread(
+            target=lambda: [worker.reap() for worker in self._workers],
+            name="precompile-worker-reaper",
+            daemon=True,
+        ).start()
         with suppress(OSError):
             os.unlink(self._context)
 
