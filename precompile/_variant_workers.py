@@ -281,13 +281,13 @@ class VariantWorkers:
         build waited for each in turn before it went on."""
         for worker in self._workers:
             worker.release()
-        threading.Thread(
-            target=lambda: [worker.reap() for worker in self._workers],
-            name="precompile-worker-reaper",
-            daemon=True,
-        ).start()
+        threading.Thread(target=self._reap, name="precompile-worker-reaper", daemon=True).start()
         with suppress(OSError):
             os.unlink(self._context)
+
+    def _reap(self) -> None:
+        for worker in self._workers:
+            worker.reap()
 
 
 @contextmanager
