@@ -664,6 +664,11 @@ class _Reads:
                 base = expr[1]
                 if isinstance(base, list) and base[:1] == ["attr"] and base[2] in _REGISTERED:
                     read(base[1])
+                    if base[2] == "_modules":
+                        # what the registration hooks do not see: a submodule deleted
+                        # (``del m.act``) or set in the registry itself (torch's own
+                        # quantization ``convert`` does ``m._modules[k] = v``)
+                        _slot(slots, evaluate(base, roots), _decode_constant(expr[2][1]))
                     return  # a module's registry: the registration hooks see its entries
                 if isinstance(base, list) and base[:2] == ["call", "dict"] and len(base[2]) == 1:
                     base = base[2][0]  # dict(type(m).__dict__)[k]: the class's own dict
@@ -871,7 +876,9 @@ class BoundGuards:
 
     def _failures(self) -> str:
         """The first three guards that fail now, said ("" where every one holds)."""
-        failures = [f for g in self.read.guards if (f := g.failure(self.roots)) is not None]
+        failures = list(  # one read said once, whichever guards it failed
+            dict.fromkeys(f for g in self.read.guards if (f := g.failure(self.roots)) is not None)
+        )
         more = f" (and {len(failures) - 3} more)" if len(failures) > 3 else ""
         return "; ".join(failures[:3]) + more if failures else ""
 
@@ -896,6 +903,7 @@ class BoundGuards:
         reads = self._reads
         if not rebound and (reads.changed() if self.reads_per_call else reads.hooked()):
             self._check_again()
+            rebound = True  # a submodule set in its registry: its weights resolved again
         for read in self._defaults:
             now = getattr(read.function, read.attribute, None)
             if now is read.seen:

@@ -317,6 +317,40 @@ def test_a_closure_cell_set_again_after_binding_is_refused() -> None:
             torch.testing.assert_close(bound(x), model(x))
 
 
+def test_a_submodule_deleted_or_set_in_its_registry_after_binding_is_refused_or_served() -> None:
+    """No registration hook sees ``del m.act`` or ``m._modules[k] = v`` (torch's own
+    quantization ``convert`` sets its swapped modules so): the bound model had answered
+    with the modules it bound (1.41 from eager's output with a Tanh set in a ReLU's
+    place, 0.88 with another Linear). Now a submodule set there is served with its own
+    weights where every guard the trace read still holds, refused naming it where one
+    does not, and a deleted one is refused as eager fails."""
+
+    class Small(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 4)
+            self.act = torch.nn.ReLU()
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.act(self.lin(x))
+
+    torch.manual_seed(0)
+    model, x = Small().eval(), torch.randn(2, 4)
+    with torch.no_grad():
+        bound = precompile.compile_model(model, (x,), cache=False, warmup=False)
+        torch.testing.assert_close(bound(x), model(x))
+        model._modules["lin"] = torch.nn.Linear(4, 4)
+        torch.testing.assert_close(bound(x), model(x))
+        model._modules["act"] = torch.nn.Tanh()
+        with pytest.raises(precompile.InputMismatchError, match=r"model\.act is a torch\.nn.*Tanh"):
+            bound(x)
+        model._modules["act"] = torch.nn.ReLU()
+        torch.testing.assert_close(bound(x), model(x))
+        del model.act
+        with pytest.raises(precompile.InputMismatchError, match=r"model\.act cannot be read"):
+            bound(x)
+
+
 def _iterating_and_holding() -> tuple[torch.nn.Module, dict[str, float], torch.nn.Module]:
     """A forward that iterates a dict of its closure and one of its own, and calls a
     module its closure holds (outside the model), beside a buffer of its own."""
