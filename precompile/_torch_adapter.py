@@ -715,6 +715,7 @@ def vec_isa_candidates() -> list[Any]:
     import platform
 
     try:
+        # imported here, in the calling thread: the probing threads then import nothing
         from torch._inductor import codecache, cpp_builder, cpu_vec_isa  # noqa: F401
 
         if sys.platform not in ("linux", "win32") or platform.machine() not in (

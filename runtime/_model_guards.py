@@ -886,8 +886,9 @@ class BoundGuards:
         """Per call: the training flags and the defaults the trace read, every value the
         guards read still the one bound (``_Reads``; the environment among them; unless
         ``reads_per_call`` is off), and a new bind after a registration in a bound model
-        since the last one (True then: what was resolved from the model, its weights'
-        owners, must be resolved again)."""
+        since the last one. True after that bind, or after a value read changed and every
+        guard held again (a submodule set in its registry): what was resolved from the
+        model, its weights' owners, must be resolved again."""
         rebound = self._generation != _generation[0]
         if rebound:
             self.bind()
@@ -903,7 +904,7 @@ class BoundGuards:
         reads = self._reads
         if not rebound and (reads.changed() if self.reads_per_call else reads.hooked()):
             self._check_again()
-            rebound = True  # a submodule set in its registry: its weights resolved again
+            rebound = True  # a submodule set in its registry, say: resolve again
         for read in self._defaults:
             now = getattr(read.function, read.attribute, None)
             if now is read.seen:
