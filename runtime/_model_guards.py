@@ -515,14 +515,16 @@ class _Reads:
     (no ``forward`` set on the instance) must still lack it. A difference is no failure
     by itself (an equal value set again): it sends the guards to be checked again.
 
-    Not watched here: hooks dicts the guards found empty (a hook registered anywhere
-    makes a hook handle, whose count is watched instead) and a module's submodules,
-    parameters and buffers (registering one is what torch's hooks report). The test is
-    one generated function of C-level passes over the slots, for speed: 19.9 us per call
-    for a 2-layer tiny Llama, 39.0 us for 32 layers (docs/benchmarks.md, "Dispatch
-    overhead")."""
+    A submodule the trace read is watched in its parent's registry (``_modules``): no
+    registration hook reports ``del m.act`` or ``m._modules[k] = v``. Not watched here:
+    hooks dicts the guards found empty (a hook registered anywhere makes a hook handle,
+    whose count is watched instead) and a module's parameters and buffers (registering
+    one is what torch's hooks report; a deleted one is refused where the call reads it).
+    The test is one generated function of C-level passes over the slots, for speed:
+    20.5 us per call for a 2-layer tiny Llama, 55.2 us for 32 layers
+    (docs/benchmarks.md, "Dispatch overhead")."""
 
-    __slots__ = ("changed", "forwards", "made", "modules", "shadows")
+    __slots__ = ("changed", "forwards", "made", "modules", "shadows", "submodules")
 
     def __init__(self, guards: Sequence[Guard], roots: Roots) -> None:
         slots: dict[tuple[int, Any], tuple[Any, Any, Any]] = {}
@@ -558,6 +560,9 @@ class _Reads:
         held = [*(v for *_, v in slots.values()), *(v for _, v in cells.values()),
                 *(v for *_, v in items.values())]  # fmt: skip
         self.modules = tuple(v for v in held if isinstance(v, torch.nn.Module))
+        # the modules the slots hold, in order: another one there (a submodule set in its
+        # registry) means the model's weights are resolved again
+        self.submodules = tuple(v for *_, v in slots.values() if isinstance(v, torch.nn.Module))
         self.made = hook_handles_made()
         self.changed = self._test(
             list(slots.values()), list(items.values()), list(lengths.values()),
@@ -886,9 +891,9 @@ class BoundGuards:
         """Per call: the training flags and the defaults the trace read, every value the
         guards read still the one bound (``_Reads``; the environment among them; unless
         ``reads_per_call`` is off), and a new bind after a registration in a bound model
-        since the last one. True after that bind, or after a value read changed and every
-        guard held again (a submodule set in its registry): what was resolved from the
-        model, its weights' owners, must be resolved again."""
+        since the last one. True after that bind, or after every guard held again with
+        another submodule where one was read (set in its registry): what was resolved
+        from the model, its weights' owners, must be resolved again."""
         rebound = self._generation != _generation[0]
         if rebound:
             self.bind()
@@ -904,7 +909,8 @@ class BoundGuards:
         reads = self._reads
         if not rebound and (reads.changed() if self.reads_per_call else reads.hooked()):
             self._check_again()
-            rebound = True  # a submodule set in its registry, say: resolve again
+            held = self._reads.submodules
+            rebound = len(held) != len(reads.submodules) or any(map(is_not, held, reads.submodules))
         for read in self._defaults:
             now = getattr(read.function, read.attribute, None)
             if now is read.seen:
