@@ -524,7 +524,7 @@ class _Reads:
     20.5 us per call for a 2-layer tiny Llama, 55.2 us for 32 layers
     (docs/benchmarks.md, "Dispatch overhead")."""
 
-    __slots__ = ("changed", "forwards", "made", "modules", "shadows", "submodules")
+    __slots__ = ("changed", "forwards", "functions", "made", "modules", "shadows", "submodules")
 
     def __init__(self, guards: Sequence[Guard], roots: Roots) -> None:
         slots: dict[tuple[int, Any], tuple[Any, Any, Any]] = {}
@@ -555,6 +555,14 @@ class _Reads:
         for *_, value in list(slots.values()):
             if isinstance(value, FunctionType):
                 items.setdefault((id(value), -1), (value, -1, value.__code__))
+        # where a function was read (a slot, a closure cell): another function set there
+        # passes a ``named`` guard when it has the same name and line (two lambdas of one
+        # line), so a check again compares its code with the one bound
+        self.functions = tuple(
+            (place, key, value)
+            for place, key, value in (*slots.values(), *((c, None, v) for c, v in cells.values()))
+            if isinstance(value, FunctionType)
+        )
         # modules the forward reads from outside the model (a closure cell's, a global's):
         # a registration in one of them binds the model again, as one in the model does
         held = [*(v for *_, v in slots.values()), *(v for _, v in cells.values()),
@@ -705,6 +713,15 @@ class _Reads:
         read(expr)
 
 
+def _held_at(place: Any, key: Any) -> Any:
+    """What a function slot holds now: ``place[key]``, or a closure cell's contents
+    (``key`` None); ``_MISSING`` where it is gone."""
+    try:
+        return place.cell_contents if key is None else place[key]
+    except (KeyError, ValueError, TypeError):
+        return _MISSING
+
+
 def _slot(slots: dict[tuple[int, Any], tuple[Any, Any, Any]], mapping: Any, key: Any) -> None:
     """Watch ``mapping[key]`` (or its absence) as it is now, once per dict and key."""
     if isinstance(mapping, (dict, MappingProxyType)):
@@ -815,6 +832,9 @@ class BoundGuards:
                 f"{self.where} does not fit this model: its trace read {failures}. Load it "
                 "with the model it was compiled from, or compile this one"
             )
+        swapped = self._swapped_functions()
+        if swapped:
+            raise IncompatibleArtifactError(swapped)
         flags = []
         for guard in self.read.guards:
             if _is_training_flag(guard):
@@ -863,6 +883,9 @@ class BoundGuards:
                 f"the model changed under {self.where} after it was bound: its trace read "
                 f"{failures}; set it back or compile the model again"
             )
+        swapped = self._swapped_functions()
+        if swapped:
+            raise InputMismatchError(swapped)
         replaced = [f"{qualified_name(cls)}.forward" for cls, forward in self._reads.forwards
                     if getattr(cls, "forward", None) is not forward]  # fmt: skip
         replaced += [
@@ -878,6 +901,26 @@ class BoundGuards:
             )
         self._reads = _Reads(self.read.guards, self.roots)
         self._track()
+
+    def _swapped_functions(self) -> str:
+        """Functions set since the last bind where the trace read one, with the same name
+        and line (which is all a ``named`` guard compares) but other code, said; "" where
+        none is."""
+        reads: _Reads | None = getattr(self, "_reads", None)
+        swapped = [
+            f"{key!r} (now {qualified_name(now)})" if key is not None else qualified_name(now)
+            for place, key, bound in (reads.functions if reads is not None else ())
+            if isinstance(now := _held_at(place, key), FunctionType)
+            and now is not bound
+            and now.__code__ != bound.__code__
+        ]
+        if not swapped:
+            return ""
+        return (
+            f"a function {self.where} traced was replaced after binding by one of the same "
+            f"name and line with other code: {', '.join(swapped)}; its graph runs what it "
+            "traced, so set it back or compile the model again"
+        )
 
     def _failures(self) -> str:
         """The first three guards that fail now, said ("" where every one holds)."""

@@ -351,6 +351,48 @@ def test_a_submodule_deleted_or_set_in_its_registry_after_binding_is_refused_or_
             bound(x)
 
 
+SAME_LINE = [lambda x: x * 2.0, lambda x: x * 3.0]  # one name, one line, other code
+
+
+def test_a_function_swapped_for_one_of_the_same_name_and_line_is_refused() -> None:
+    """A ``named`` guard compares a function by name and line, which two lambdas of one
+    line share: the bound model had answered with the traced one's code (1.77 off
+    eager). Set after binding, another code is refused at the next call and by
+    ``check_model()``; the same function set back, or a function made again with the
+    same code and closure, is served."""
+
+    def make(k: float) -> Any:
+        def scaled(x: torch.Tensor) -> torch.Tensor:
+            return x * k
+
+        return scaled
+
+    class Holding(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 4)
+            self.fn, self.scale = SAME_LINE[0], make(2.0)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.scale(self.fn(self.lin(x)))
+
+    torch.manual_seed(0)
+    model, x = Holding().eval(), torch.randn(2, 4)
+    with torch.no_grad():
+        bound = precompile.compile_model(model, (x,), cache=False, warmup=False)
+        torch.testing.assert_close(bound(x), model(x))
+        model.fn = SAME_LINE[1]
+        said = r"replaced after binding by one of the same name and line with other code: 'fn'"
+        with pytest.raises(precompile.InputMismatchError, match=said):
+            bound(x)
+        with pytest.raises(precompile.IncompatibleArtifactError, match=said):
+            bound.check_model()
+        model.fn = SAME_LINE[0]
+        torch.testing.assert_close(bound(x), model(x))
+        model.scale = make(2.0)  # made again: the same code, an equal closure
+        torch.testing.assert_close(bound(x), model(x))
+
+
 def _iterating_and_holding() -> tuple[torch.nn.Module, dict[str, float], torch.nn.Module]:
     """A forward that iterates a dict of its closure and one of its own, and calls a
     module its closure holds (outside the model), beside a buffer of its own."""
