@@ -515,8 +515,9 @@ class _Reads:
     (no ``forward`` set on the instance) must still lack it. A difference is no failure
     by itself (an equal value set again): it sends the guards to be checked again.
 
-    A submodule the trace read is watched in its parent's registry (``_modules``): no
-    registration hook reports ``del m.act`` or ``m._modules[k] = v``. Not watched here:
+    A submodule the trace read is watched in its parent's registry (``_modules``), and
+    the registry in its owner: no registration hook reports ``del m.act``,
+    ``m._modules[k] = v`` or a registry replaced. Not watched here:
     hooks dicts the guards found empty (a hook registered anywhere makes a hook handle,
     whose count is watched instead) and a module's parameters and buffers (registering
     one is what torch's hooks report; a deleted one is refused where the call reads it).
@@ -524,7 +525,7 @@ class _Reads:
     20.5 us per call for a 2-layer tiny Llama, 55.2 us for 32 layers
     (docs/benchmarks.md, "Dispatch overhead")."""
 
-    __slots__ = ("changed", "forwards", "functions", "made", "modules", "shadows", "submodules")
+    __slots__ = ("changed", "forwards", "functions", "made", "modules", "shadows")
 
     def __init__(self, guards: Sequence[Guard], roots: Roots) -> None:
         slots: dict[tuple[int, Any], tuple[Any, Any, Any]] = {}
@@ -568,9 +569,6 @@ class _Reads:
         held = [*(v for *_, v in slots.values()), *(v for _, v in cells.values()),
                 *(v for *_, v in items.values())]  # fmt: skip
         self.modules = tuple(v for v in held if isinstance(v, torch.nn.Module))
-        # the modules the slots hold, in order: another one there (a submodule set in its
-        # registry) means the model's weights are resolved again
-        self.submodules = tuple(v for *_, v in slots.values() if isinstance(v, torch.nn.Module))
         self.made = hook_handles_made()
         self.changed = self._test(
             list(slots.values()), list(items.values()), list(lengths.values()),
@@ -680,7 +678,10 @@ class _Reads:
                     if base[2] == "_modules":
                         # what the registration hooks do not see: a submodule deleted
                         # (``del m.act``) or set in the registry itself (torch's own
-                        # quantization ``convert`` does ``m._modules[k] = v``)
+                        # quantization ``convert`` does ``m._modules[k] = v``), or the
+                        # registry replaced (``ModuleList.__delitem__`` makes a new one)
+                        owner = evaluate(base[1], roots)
+                        _slot(slots, getattr(owner, "__dict__", None), "_modules")
                         _slot(slots, evaluate(base, roots), _decode_constant(expr[2][1]))
                     return  # a module's registry: the registration hooks see its entries
                 if isinstance(base, list) and base[:2] == ["call", "dict"] and len(base[2]) == 1:
@@ -924,9 +925,13 @@ class BoundGuards:
 
     def _failures(self) -> str:
         """The first three guards that fail now, said ("" where every one holds)."""
-        failures = list(  # one read said once, whichever guards it failed
-            dict.fromkeys(f for g in self.read.guards if (f := g.failure(self.roots)) is not None)
-        )
+        said: dict[str, str] = {}  # one failure per cause: a path that cannot be read is
+        for guard in self.read.guards:  # said once, not again for every path below it
+            failure = guard.failure(self.roots)
+            if failure is not None:
+                cause = failure.partition(" cannot be read ")[2] or failure
+                said.setdefault(cause, failure)
+        failures = list(said.values())
         more = f" (and {len(failures) - 3} more)" if len(failures) > 3 else ""
         return "; ".join(failures[:3]) + more if failures else ""
 
@@ -934,8 +939,8 @@ class BoundGuards:
         """Per call: the training flags and the defaults the trace read, every value the
         guards read still the one bound (``_Reads``; the environment among them; unless
         ``reads_per_call`` is off), and a new bind after a registration in a bound model
-        since the last one. True after that bind, or after every guard held again with
-        another submodule where one was read (set in its registry): what was resolved
+        since the last one. True after that bind, or after a value read changed and every
+        guard held again (another submodule set in its registry, say): what was resolved
         from the model, its weights' owners, must be resolved again."""
         rebound = self._generation != _generation[0]
         if rebound:
@@ -952,8 +957,7 @@ class BoundGuards:
         reads = self._reads
         if not rebound and (reads.changed() if self.reads_per_call else reads.hooked()):
             self._check_again()
-            held = self._reads.submodules
-            rebound = len(held) != len(reads.submodules) or any(map(is_not, held, reads.submodules))
+            rebound = True  # a submodule set in its registry, say: resolve the weights again
         for read in self._defaults:
             now = getattr(read.function, read.attribute, None)
             if now is read.seen:

@@ -318,28 +318,37 @@ def test_a_closure_cell_set_again_after_binding_is_refused() -> None:
 
 
 def test_a_submodule_deleted_or_set_in_its_registry_after_binding_is_refused_or_served() -> None:
-    """No registration hook sees ``del m.act`` or ``m._modules[k] = v`` (torch's own
-    quantization ``convert`` sets its swapped modules so): the bound model had answered
-    with the modules it bound (1.41 from eager's output with a Tanh set in a ReLU's
-    place, 0.88 with another Linear). Now a submodule set there is served with its own
-    weights where every guard the trace read still holds, refused naming it where one
-    does not, and a deleted one is refused as eager fails."""
+    """No registration hook sees ``del m.act``, ``m._modules[k] = v`` (torch's own
+    quantization ``convert`` sets its swapped modules so) or a registry replaced whole
+    (``ModuleList.__delitem__`` makes a new one): the bound model had answered with the
+    modules it bound (1.41 from eager's output with a Tanh set in a ReLU's place, 0.88
+    with another Linear, 0.67 with a ModuleList's layers reordered). Now a submodule set
+    there is served with its own weights where every guard the trace read still holds,
+    refused naming it where one does not, and a deleted one is refused, said once."""
 
     class Small(torch.nn.Module):
         def __init__(self) -> None:
             super().__init__()
-            self.lin = torch.nn.Linear(4, 4)
+            self.layers = torch.nn.ModuleList([torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)])
             self.act = torch.nn.ReLU()
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return self.act(self.lin(x))
+            for layer in self.layers:
+                x = layer(x)
+            return self.act(x)
 
     torch.manual_seed(0)
     model, x = Small().eval(), torch.randn(2, 4)
     with torch.no_grad():
         bound = precompile.compile_model(model, (x,), cache=False, warmup=False)
         torch.testing.assert_close(bound(x), model(x))
-        model._modules["lin"] = torch.nn.Linear(4, 4)
+        model.layers._modules["0"] = torch.nn.Linear(4, 4)
+        torch.testing.assert_close(bound(x), model(x))
+        registry = model.layers._modules
+        model.layers._modules = {"0": registry["1"], "1": registry["0"]}  # reordered
+        torch.testing.assert_close(bound(x), model(x))
+        bound.check_model()
+        model.layers._modules = registry  # back as bound: watched as checked last
         torch.testing.assert_close(bound(x), model(x))
         model._modules["act"] = torch.nn.Tanh()
         with pytest.raises(precompile.InputMismatchError, match=r"model\.act is a torch\.nn.*Tanh"):
@@ -347,8 +356,9 @@ def test_a_submodule_deleted_or_set_in_its_registry_after_binding_is_refused_or_
         model._modules["act"] = torch.nn.ReLU()
         torch.testing.assert_close(bound(x), model(x))
         del model.act
-        with pytest.raises(precompile.InputMismatchError, match=r"model\.act cannot be read"):
+        with pytest.raises(precompile.InputMismatchError, match=r"model\.act cannot be read") as e:
             bound(x)
+        assert str(e.value).count("cannot be read") == 1
 
 
 SAME_LINE = [lambda x: x * 2.0, lambda x: x * 3.0]  # one name, one line, other code
