@@ -30,6 +30,7 @@ import sys
 import threading
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from operator import attrgetter, getitem, is_not, ne
 from operator import contains as _contains
@@ -192,8 +193,47 @@ def global_value(name: str, module_globals: Mapping[str, Any]) -> Any:
     return module_globals[name]
 
 
+class _Memo(threading.local):
+    """Values of expressions already evaluated in this thread's bind, by the identity of
+    the expression object: a guard's path is evaluated from the model down by its
+    failure check, and again, level by level, by the watch of its reads
+    (``_memoized``)."""
+
+    table: dict[int, Any] | None = None
+    held: dict[int, Any] = {}  # noqa: RUF012 (per thread: set with the table)
+
+
+_memo = _Memo()
+
+
+@contextmanager
+def _memoized() -> Iterator[None]:
+    """Evaluate each expression object once while the model is not changed: one bind,
+    one check again. Nested, the outer table serves."""
+    if _memo.table is not None:
+        yield
+        return
+    _memo.table, _memo.held = {}, {}
+    try:
+        yield
+    finally:
+        _memo.table, _memo.held = None, {}
+
+
 def evaluate(expr: Any, roots: Roots, depth: int = 0) -> Any:
     """The value of an expression (raises on anything malformed or missing)."""
+    values = _memo.table
+    if values is None:
+        return _evaluate(expr, roots, depth)
+    key, held = id(expr), _memo.held
+    if held.get(key) is expr:  # the same object, kept alive by ``held``
+        return values[key]
+    value = _evaluate(expr, roots, depth)
+    values[key], held[key] = value, expr  # two dicts: no tuple per entry for the GC
+    return value
+
+
+def _evaluate(expr: Any, roots: Roots, depth: int) -> Any:
     if depth > MAX_DEPTH or not isinstance(expr, list) or not expr:
         raise CorruptArtifactError(f"guard expression {str(expr)[:80]} is malformed")
     op = expr[0]
@@ -819,6 +859,16 @@ class BoundGuards:
             raise IncompatibleArtifactError(
                 f"{where} traced {read.forward}, but this model's forward is {name}"
             )
+        # what each guard's expression reads of the environment and of defaults, found
+        # once (its repr, a walk in C, says which expressions to walk in Python)
+        self._environment: list[Guard] = []
+        self._defaults_reads: list[tuple[Guard, list[Any]]] = []
+        for guard in read.guards:
+            text = repr(guard.expr)
+            if "'environ'" in text and _reads_environ(guard.expr):
+                self._environment.append(guard)
+            if "defaults__'" in text and (reads := _defaults_read(guard.expr)):
+                self._defaults_reads.append((guard, reads))
         self.roots = roots_of(model, forward)
         self._flags: list[tuple[Any, bool, Guard]] = []
         self.reads_per_call = True  # False: CompiledModel.skip_guard_eval_unsafe()
@@ -827,6 +877,10 @@ class BoundGuards:
 
     def bind(self) -> None:
         """Check every guard against the model now; refuse with the first failures."""
+        with _memoized():
+            self._bind()
+
+    def _bind(self) -> None:
         failures = self._failures()
         if failures:
             raise IncompatibleArtifactError(
@@ -842,10 +896,9 @@ class BoundGuards:
                 owner = evaluate(guard.expr[1], self.roots)
                 flags.append((owner, guard.expected == ["bool", True], guard))
         self._flags = flags
-        self._environment = [g for g in self.read.guards if _reads_environ(g.expr)]
         defaults: dict[tuple[int, str], _DefaultsSeen] = {}
-        for guard in self.read.guards:
-            for read in _defaults_read(guard.expr):
+        for guard, reads in self._defaults_reads:
+            for read in reads:
                 try:
                     function = evaluate(read[1], self.roots)
                 except Exception:  # nothing to watch per call: the bind checked it
@@ -956,7 +1009,8 @@ class BoundGuards:
                 )
         reads = self._reads
         if not rebound and (reads.changed() if self.reads_per_call else reads.hooked()):
-            self._check_again()
+            with _memoized():
+                self._check_again()
             rebound = True  # a submodule set in its registry, say: resolve the weights again
         for read in self._defaults:
             now = getattr(read.function, read.attribute, None)
