@@ -562,7 +562,7 @@ class _Reads:
     whose count is watched instead) and a module's parameters and buffers (registering
     one is what torch's hooks report; a deleted one is refused where the call reads it).
     The test is one generated function of C-level passes over the slots, for speed:
-    20.5 us per call for a 2-layer tiny Llama, 55.2 us for 32 layers
+    20.8 us per call for a 2-layer tiny Llama, 58.8 us for 32 layers
     (docs/benchmarks.md, "Dispatch overhead")."""
 
     __slots__ = ("changed", "forwards", "functions", "made", "modules", "shadows")
@@ -978,13 +978,18 @@ class BoundGuards:
 
     def _failures(self) -> str:
         """The first three guards that fail now, said ("" where every one holds)."""
-        said: dict[str, str] = {}  # one failure per cause: a path that cannot be read is
-        for guard in self.read.guards:  # said once, not again for every path below it
+        failures: list[str] = []
+        unreadable: list[tuple[str, str]] = []  # (path, why): said once, not again for
+        for guard in self.read.guards:  # every path through it that fails the same way
             failure = guard.failure(self.roots)
-            if failure is not None:
-                cause = failure.partition(" cannot be read ")[2] or failure
-                said.setdefault(cause, failure)
-        failures = list(said.values())
+            if failure is None or failure in failures:
+                continue
+            path, _, why = failure.partition(" cannot be read ")
+            if why:
+                if any(p in path and w == why for p, w in unreadable):  # type(p).forward
+                    continue
+                unreadable.append((path, why))
+            failures.append(failure)
         more = f" (and {len(failures) - 3} more)" if len(failures) > 3 else ""
         return "; ".join(failures[:3]) + more if failures else ""
 
