@@ -27,7 +27,7 @@ tokens - time of 1) / 64, prefill excluded);
 ``generate`` on compiled models with CUDA graphs; batch 1, per token as for generate);
 ``ours generate, loop=True + cudagraphs`` (``serve_generate(loop=True)``: transformers'
 ``generate`` answered by the compiled decode loop; the same, with no EOS token instead of
-``min_new_tokens``, which the loop leaves to transformers).
+``min_new_tokens``, which the loop leaves to transformers; batch 1 and 8, a process each).
 
 Decode ms/token: the 64 steps' wall time / 64 (median of ``--rounds`` interleaved rounds).
 Prefill ms at 128 and 1024 tokens (batch 1, median of 5). Also: GPU memory in CUDA-graph
@@ -83,8 +83,9 @@ CUDNN_OFF = "ours + cudagraphs, cuDNN off in hint variants"
 CUBLAS = "ours CompiledModel.generate + cudagraphs, cuBLAS GEMMs"
 CUBLAS_OPTIONS = {"config_patches": {"max_autotune_gemm_backends": "ATEN"}}
 LOOP = "ours generate, loop=True + cudagraphs"
-BATCH_ONE_ONLY = {"precompile.backend", "transformers generate", "ours generate + cudagraphs",
-                  LOOP}  # fmt: skip
+BATCH_ONE_ONLY = {"precompile.backend", "transformers generate", "ours generate + cudagraphs"}
+# the loop row runs at batch 1 and the largest batch, a child process each (the issue's
+# goal: batch 1 and 8 against ``CompiledModel.generate``)
 # transformers' own compiled generate runs in a child process of its own: in one run its
 # reduce-overhead graphs hit a device-side assert (an index past the cache), which
 # poisons the CUDA context of every row beside it. serve_generate, the row it is compared
@@ -382,22 +383,25 @@ def run_children(args: argparse.Namespace, cache_dir: str, decode: dict[str, Any
     """The rows run in fresh processes of their own, into ``decode``: serve_generate's
     profile, the host's time in a served generate."""
     host_generate = ""
-    for name in (SERVE, LOOP, "transformers generate"):
+    largest = 4 if args.smoke else 8
+    for name, batch in ((SERVE, 1), (LOOP, 1), (LOOP, largest), ("transformers generate", 1)):
         if name not in ROWS:
             continue
         generate = generate_child(args.smoke, args.cache_len, args.rounds,
                                   cache_dir if name in (SERVE, LOOP) else None,
-                                  loop=name == LOOP)  # fmt: skip
+                                  loop=name == LOOP, batch=batch)  # fmt: skip
         if "ms_per_token" in generate:
-            ready_s[name] = generate.pop("ready_s")
+            ready_s[name if batch == 1 else f"{name}, batch {batch}"] = generate.pop("ready_s")
             profile = generate.pop("profile", None)  # served per forward: serve_generate's
             host_generate = (profile if name == SERVE else None) or host_generate
             if "captured" in generate and name == SERVE:
                 captured["serve_generate"] = generate.pop("captured")
                 warned.messages.extend(generate.pop("warnings"))
-            decode[name]["1"] = generate
-        else:
+            decode[name][str(batch)] = generate
+        elif batch == 1:
             decode[name]["error"] = generate
+        else:
+            decode[name][f"error at batch {batch}"] = generate
     return host_generate
 
 
@@ -421,7 +425,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         profile = run_children(args, cache_dir, decode, ready_s, captured, warned)
         return {"environment": environment("cuda"), "transformers": transformers.__version__,
                 "model": "smoke" if args.smoke else "llama-2048x4", "cache_len": args.cache_len,
-                "prompt": PROMPT, "steps": STEPS, "batches": [1], "rounds": args.rounds,
+                "prompt": PROMPT, "steps": STEPS, "batches": batches, "rounds": args.rounds,
                 "decode": decode, "ready_s": ready_s, "captured_sizes": captured,
                 "host_profile_ours_generate": profile,
                 "precompile_warnings": warned.messages}  # fmt: skip
@@ -587,7 +591,8 @@ model = build({smoke})
 cache = transformers.StaticCache(config=model.config, max_cache_len={cache_len})
 if {new_caches}:
     cache = {cache_len}  # a new static cache per generate call, transformers' default
-prompt = torch.randint(0, model.config.vocab_size, (1, PROMPT), device="cuda")
+# no pad token (0) in the prompt: transformers would mask it, a padded batch to it
+prompt = torch.randint(1, model.config.vocab_size, ({batch}, PROMPT), device="cuda")
 served, found, serve_cache = None, {{}}, {serve_cache!r}
 if serve_cache is not None:  # transformers' generate under our serve_generate
     import precompile
@@ -609,27 +614,30 @@ with torch.no_grad():
                 for piece in (compiled, *compiled.pieces.values())]
             for key, compiled in served.compiled.items()}}
         found["warnings"] = warned.messages
+    if served is not None and hasattr(served, "stats"):
+        found["stats"] = served.stats  # loop_generates, fallbacks: the route each call took
 ms = statistics.median(rounds)
-found.update({{"ms_per_token": ms, "tokens_per_s": 1e3 / ms, "rounds": rounds,
+found.update({{"ms_per_token": ms, "tokens_per_s": {batch} * 1e3 / ms, "rounds": rounds,
                "ready_s": ready, "transformers": transformers.__version__}})
 print("RESULT", found)
 """
 
 
 def generate_child(smoke: bool, cache_len: int, rounds: int, serve_cache: str | None = None,
-                   loop: bool = False) -> dict[str, Any]:  # fmt: skip
-    """transformers' ``generate`` in a fresh process, batch 1, on a cache it is passed:
+                   loop: bool = False, batch: int = 1) -> dict[str, Any]:  # fmt: skip
+    """transformers' ``generate`` in a fresh process, at ``batch``, on a cache it is passed:
     its own (it compiles the decode steps itself), or under ``serve_generate`` on our
     artifact cache ``serve_cache`` (then with its profile and captured sizes; ``loop``:
     ``serve_generate(loop=True)``, no EOS instead of ``min_new_tokens``); the error where
     it fails."""
     failures: dict[str, Any] = {}
     label = LOOP if loop else SERVE if serve_cache is not None else "transformers generate"
+    label += f", batch {batch}"
     for new_caches in (False, True):
         how = "a new cache per call" if new_caches else "a cache it is passed, reset per call"
         code = GENERATE.format(here=HERE, root=ROOT, smoke=smoke, cache_len=cache_len,
                                rounds=rounds, new_caches=new_caches,
-                               serve_cache=serve_cache, loop=loop)  # fmt: skip
+                               serve_cache=serve_cache, loop=loop, batch=batch)  # fmt: skip
         try:
             out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                                  timeout=240)  # fmt: skip

@@ -234,14 +234,14 @@ class _OnThisInstance:
 class GenerateServer:
     """The router ``serve_generate`` installs: one compiled model per call structure.
     ``calls``: forward calls served by compiled models; ``compiled``: per structure;
-    ``stats``: with ``loop=True``, which loop answered each ``generate`` and why."""
+    ``stats``: which loop answered each ``generate`` and why."""
 
     def __init__(
         self,
         model: torch.nn.Module,
         dynamic_batch: bool,
         options: Mapping[str, Any],
-        loop: bool = False,
+        loop: bool = True,
     ) -> None:
         self.model = model
         self.dynamic_batch = dynamic_batch
@@ -502,6 +502,14 @@ class GenerateServer:
 
     # -- generate on the compiled loop (loop=True) --------------------------------------
     def _generate(self, *args: Any, **kwargs: Any) -> Any:
+        """A ``generate`` on the compiled loop where it implements the call's settings,
+        else on transformers' loop. Under ``no_grad``, as transformers' ``generate`` is
+        (its decorator): the loop, which writes its KV cache, is then compiled whatever
+        the caller's grad mode."""
+        with torch.no_grad():
+            return self._generate_without_grad(args, kwargs)
+
+    def _generate_without_grad(self, args: Any, kwargs: Mapping[str, Any]) -> Any:
         assert self.loops is not None
         request = loop_request(self.model, args, kwargs)
         if isinstance(request, str):
@@ -681,23 +689,24 @@ _OPTIONS = frozenset(
 
 
 def serve_generate(
-    model: torch.nn.Module, *, dynamic_batch: bool = False, loop: bool = False, **options: Any
+    model: torch.nn.Module, *, dynamic_batch: bool = False, loop: bool = True, **options: Any
 ) -> GenerateServer:
-    """A context manager under which ``model.generate(...)`` runs every forward call on
-    compiled models (``compile_model`` per call structure, with ``options``: ``hints``,
-    ``sizes``, ``cache``, ``cudagraphs``, ``compile``, ``warmup``...). Use a static KV cache:
-    ``model.generate(ids, cache_implementation="static")`` or
-    ``past_key_values=StaticCache(...)`` (a fixed ``max_cache_len`` keeps one compile for
-    every length of prompt and output)::
+    """A context manager under which ``model.generate(...)`` runs on compiled models
+    (with ``options``: ``hints``, ``sizes``, ``cache``, ``cudagraphs``, ``compile``,
+    ``warmup``...). Use a static KV cache: ``model.generate(ids,
+    cache_implementation="static")`` or ``past_key_values=StaticCache(...)``::
 
         with precompile.serve_generate(model, hints=[16, 256]) as served:
             out = model.generate(ids, max_new_tokens=32, cache_implementation="static")
 
-    ``loop=True``: a ``generate`` whose settings the compiled decode loop implements
-    (greedy or sampling with temperature/top-k/top-p, EOS and padding, one prompt length
-    per batch, a static KV cache) runs on it, ``CompiledModel.generate``, with no
-    transformers Python per step; any other runs as above, its reason counted in
-    ``served.stats`` (docs/decode.md).
+    A ``generate`` whose settings the compiled decode loop implements (greedy or sampling
+    with temperature/top-k/top-p, EOS, one prompt length per batch, a static KV cache)
+    runs on it, ``CompiledModel.generate``, with no transformers Python per step (on an
+    H200, 3.6x faster per token than the route below, and sooner ready). Any other, and
+    every one with ``loop=False``, runs transformers' loop with each forward call on a
+    ``compile_model`` per call structure (a fixed ``max_cache_len`` keeps one compile for
+    every length of prompt and output); why is counted in ``served.stats``
+    (docs/decode.md).
     """
     if not isinstance(model, torch.nn.Module):
         raise InvalidOptionError(

@@ -37,6 +37,7 @@ from typing import Any
 
 import torch
 
+from precompile.runtime import UnsupportedGraphError
 from precompile.runtime.compiler_interface import is_kv_cache, kv_cache_capacity
 
 # generate's own arguments the loop takes (the prompt, its mask, the config object), and
@@ -229,6 +230,13 @@ class DecodeLoops:
                 "use_cache": True}  # fmt: skip
         dynamic: dict[int | str, list[int]] = {"input_ids": [0, 1] if self.dynamic_batch else [1]}
         compiled = compile_model(self.model, (), call, dynamic=dynamic, **options)
+        if "input_ids dim 1" in compiled.refused_at_one():
+            # no decode step: OPT's, whose positions come from the mask's cumulative sum,
+            # could not be traced at one token (a data-dependent length)
+            raise UnsupportedGraphError(
+                "the model could not be traced at one token (the decode step); "
+                "compile_model logged why"
+            )
         self.compiled[key] = compiled
         return compiled
 

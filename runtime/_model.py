@@ -414,6 +414,16 @@ class CompiledModel:
         leaf, dim = self._lengths[index]
         return f"{self._names[leaf]} dim {dim}"
 
+    def refused_at_one(self) -> list[str]:
+        """The dynamic lengths (``"input_ids dim 1"``) that no trace serves at 1 alone:
+        a call with that length at 1 is refused (``NoVariantError``), since the model's
+        forward refused such a call or could not be traced there when it was compiled."""
+        return [
+            self._length_name(index)
+            for index in range(len(self._lengths))
+            if frozenset({index}) not in self.pieces
+        ]
+
     def __repr__(self) -> str:
         graphs = self.artifact.cudagraphs is not None
         pieces = "".join(

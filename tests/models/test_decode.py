@@ -227,7 +227,9 @@ def test_generate_is_served_by_compiled_models(arch: str, cache_dir: str) -> Non
     with torch.no_grad():
         eager = model.generate(prompt, **options)
         eager_calls = len(inner)
-        with precompile.serve_generate(model, hints=[8], cache=cache_dir) as served:
+        # transformers' loop, each forward on a compiled model (the compiled loop, the
+        # default, is tests/models/test_generate_loop.py's)
+        with precompile.serve_generate(model, hints=[8], cache=cache_dir, loop=False) as served:
             first = model.generate(prompt, **options)  # compiles each call structure once
             inner.clear()
             torch.manual_seed(5)
@@ -284,7 +286,7 @@ def test_a_prepared_server_compiles_nothing_in_front_of_a_request(cache_dir: str
 
         state = torch.random.get_rng_state()
         with (
-            precompile.serve_generate(model, hints=[8], cache=cache_dir) as served,
+            precompile.serve_generate(model, hints=[8], cache=cache_dir, loop=False) as served,
             pytest.MonkeyPatch.context() as patch,
         ):
             patch.setattr(_variant_compile, "compile_variant", counted)
@@ -374,7 +376,10 @@ def test_serve_generate_checks_its_options_before_any_call(
 
     monkeypatch.setattr(_generate, "compile_model", refuses)
     prompt = torch.randint(0, VOCAB, (2, 4))
-    with torch.no_grad(), precompile.serve_generate(model, dynamic_batch=True, hints=[8]):
+    with (
+        torch.no_grad(),
+        precompile.serve_generate(model, dynamic_batch=True, hints=[8], loop=False),
+    ):
         for _ in range(2):
             with pytest.raises(precompile.UnsupportedGraphError) as refused:
                 model.generate(prompt, max_new_tokens=2, cache_implementation="static",
@@ -552,7 +557,7 @@ def test_generate_with_cudagraphs_matches_without(
     outputs = []
     with torch.no_grad():
         for graphs in (False, True):
-            with precompile.serve_generate(model, hints=[8], cache=cache_dir,
+            with precompile.serve_generate(model, hints=[8], cache=cache_dir, loop=False,
                                            cudagraphs=graphs) as served:  # fmt: skip
                 outputs.append(model.generate(prompt, **options))
             assert served.calls == STEPS

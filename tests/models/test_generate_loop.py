@@ -1,8 +1,8 @@
-"""``serve_generate(loop=True)``: ``model.generate()`` answered by the compiled decode loop,
-tokens identical to transformers' own ``generate`` (greedy with rows stopping at EOS,
-sampled with torch's default generator seeded alike), no forward of transformers' loop
-run, one compile per KV cache length bucket; what the loop does not implement runs on
-transformers' loop, its reason counted."""
+"""``serve_generate`` (``loop=True``, the default): ``model.generate()`` answered by the
+compiled decode loop, tokens identical to transformers' own ``generate`` (greedy with rows
+stopping at EOS, sampled with torch's default generator seeded alike), in any grad mode,
+no forward of transformers' loop run, one compile per KV cache length bucket; what the
+loop does not implement runs on transformers' loop, its reason counted."""
 
 from __future__ import annotations
 
@@ -31,8 +31,12 @@ def test_generate_runs_on_the_compiled_loop_with_transformers_tokens(tmp_path: A
         want_greedy = model.generate(prompt, **greedy)
         torch.manual_seed(5)
         want_sampled = model.generate(shorter, **sampled)
-        with precompile.serve_generate(model, hints=[8], cache=str(tmp_path), loop=True) as served:
+        # the compiled loop: serve_generate's default
+        with precompile.serve_generate(model, hints=[8], cache=str(tmp_path)) as served:
             got_greedy = model.generate(prompt, **greedy)
+            with torch.enable_grad():  # transformers' generate runs under no_grad: so does the loop
+                got_with_grad = model.generate(prompt, **greedy)
+                assert torch.is_grad_enabled()  # the caller's mode, as it was
             torch.manual_seed(5)
             got_sampled = model.generate(shorter, **sampled)  # the same cache length bucket
             passed = transformers.StaticCache(config=model.config, max_cache_len=64)
@@ -43,7 +47,8 @@ def test_generate_runs_on_the_compiled_loop_with_transformers_tokens(tmp_path: A
         stats = served.stats
     assert torch.equal(got_greedy, want_greedy) and (got_greedy[0, 11:] == 0).all()
     assert torch.equal(got_sampled, want_sampled) and torch.equal(got_passed, want_greedy)
-    assert stats["loop_generates"] == 3 and stats["calls"] == 0  # no forward of the router
+    assert torch.equal(got_with_grad, want_greedy)
+    assert stats["loop_generates"] == 4 and stats["calls"] == 0  # no forward of the router
     assert len(served.loops.compiled) == 1  # one bucket (64), batch 3
     (why,) = stats["fallbacks"]
     assert "not static" in why and stats["fallbacks"][why] == 1

@@ -25,6 +25,10 @@ def test_opt_is_served_with_transformers_tokens() -> None:
         vars(model).pop("_previous_max_cache_length", None)
         with precompile.serve_generate(model, hints=[8]) as served:
             got = [model.generate(p, **options) for p in prompts]
+    # the compiled loop's model could not be traced at one token (its decode step):
+    # refused when compiled, before any request ran on it (it raised NoVariantError at the
+    # first step), and transformers' loop serves the calls on compiled forwards
+    assert served.stats["fallbacks"] == {"the decode loop could not be compiled": 2}
     assert served.stats["calls"] > 0 and len(served.compiled) >= 2  # prefill and decode
     for tokens, reference in zip(got, expected, strict=True):
         assert torch.equal(tokens, reference)
