@@ -1,5 +1,6 @@
-"""``serve_generate(..., loop=True)``: a ``model.generate()`` call the compiled decode loop
-can answer runs on it (``CompiledModel.generate``) instead of transformers' loop.
+"""``serve_generate``'s compiled loop (``loop=True``, its default): a ``model.generate()``
+call the compiled decode loop can answer runs on it (``CompiledModel.generate``) instead of
+transformers' loop.
 
 transformers' ``generate`` spends its time per step in Python around the forward (input
 preparation, mask building, logits processors, stopping criteria): served per forward,
