@@ -1,5 +1,6 @@
 """The tiny random-initialized ``transformers`` models the tests build (from small
-configs, nothing downloaded): Llama, GPT-2, BERT and OPT."""
+configs, nothing downloaded): Llama, GPT-2, BERT, OPT, the decoder kinds of the model
+kinds table and the encoder-decoders."""
 
 from __future__ import annotations
 
@@ -81,3 +82,35 @@ def tiny_encoder_decoders() -> dict[str, torch.nn.Module]:
         "bart": transformers.BartForConditionalGeneration(bart).eval(),
         "t5": transformers.T5ForConditionalGeneration(t5).eval(),
     }
+
+
+# one layer each, the Llama's sizes; the kinds with a sliding window have a window shorter
+# than the cache generate makes, so their caches have sliding-window layers
+_DECODERS: dict[str, tuple[str, dict[str, Any]]] = {
+    "qwen3": ("Qwen3Config", {"head_dim": 16}),
+    "phi3": ("Phi3Config", {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}),
+    "gpt_neox": ("GPTNeoXConfig", {}),
+    "falcon": ("FalconConfig", {"new_decoder_architecture": True, "num_kv_heads": 1}),
+    "mistral": ("MistralConfig", {"sliding_window": 4}),
+    "gemma2": ("Gemma2Config", {"head_dim": 16, "sliding_window": 4}),
+    "gemma3": ("Gemma3TextConfig", {"head_dim": 16, "sliding_window": 4}),
+}
+
+
+def tiny_decoder(kind: str) -> torch.nn.Module:
+    """A causal LM of ``kind`` (a key of ``_DECODERS``), built with ``AutoModelForCausalLM``."""
+    torch.manual_seed(0)
+    name, own = _DECODERS[kind]
+    config = getattr(transformers, name)(
+        **{
+            "hidden_size": 32,
+            "intermediate_size": 64,
+            "num_hidden_layers": 1,
+            "num_attention_heads": 2,
+            "num_key_value_heads": 1,
+            "vocab_size": VOCAB,
+            "max_position_embeddings": 256,
+            **own,
+        }
+    )
+    return transformers.AutoModelForCausalLM.from_config(config).eval()
