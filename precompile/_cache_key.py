@@ -23,6 +23,7 @@ from precompile.runtime.compiler_interface import (
     current_environment,
     dtype_name,
     is_kv_cache,
+    kv_cache_kind,
     model_identity,
     this_rank,
     trace_state,
@@ -31,7 +32,6 @@ from precompile.runtime.compiler_interface import (
 from precompile.runtime.compiler_interface import canonical_digest as _digest
 from precompile.runtime.compiler_interface import describe_global_state as describe_state
 from precompile.runtime.compiler_interface import describe_kv_cache as describe_cache
-from precompile.runtime.compiler_interface import kv_cache_tensors as cache_tensors
 from precompile.runtime.compiler_interface import registered_process_groups as registered_groups
 
 from ._compiler_config import codegen_config_digest
@@ -183,9 +183,10 @@ def _keyed(value: Any) -> Any:
 
 def _describe_cache_leaf(cache: Any, dynamic_batch: bool) -> list[Any]:
     rows: list[Any] = [describe_cache(cache, "cache").to_json()]
-    for _, field, tensor in cache_tensors(cache):
+    kind = kv_cache_kind(cache)
+    for _, field, tensor in kind.tensors(cache):
         shape = [int(s) for s in tensor.shape]
-        if dynamic_batch and field != "cumulative_length":
+        if dynamic_batch and field in kind.rows:
             shape[0] = -1
         rows.append([field, dtype_name(tensor.dtype), str(tensor.device), shape])
     return rows

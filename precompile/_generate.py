@@ -49,6 +49,7 @@ from precompile.runtime import (
 from precompile.runtime.compiler_interface import (
     cudagraph_options,
     is_kv_cache,
+    kv_cache_capacities,
     kv_cache_capacity,
     tree_flatten,
 )
@@ -149,8 +150,7 @@ def _static_sizes(kwargs: Mapping[str, Any], dynamic_batch: bool) -> tuple[Any, 
     sizes: list[Any] = []
     for name, value in sorted(kwargs.items()):
         if is_kv_cache(value):
-            layers = getattr(value, "layers", None) or []
-            sizes.append((name, tuple(getattr(layer, "max_cache_len", None) for layer in layers)))
+            sizes.append((name, kv_cache_capacities(value)))
             continue
         dynamic = set(dims.get(name, ()))
         leaves = tree_flatten(value, is_leaf=is_kv_cache)[0]  # a dict of masks: each one
@@ -180,9 +180,7 @@ def _call_signature(kwargs: Mapping[str, Any]) -> tuple[Any, ...] | None:
             parts.append((name, dict, tuple((k, v.shape, v.dtype, v.device)
                                             for k, v in value.items())))  # fmt: skip
         elif is_kv_cache(value):
-            layers = getattr(value, "layers", None) or ()
-            lengths = tuple(getattr(layer, "max_cache_len", None) for layer in layers)
-            parts.append((name, type(value), lengths))
+            parts.append((name, type(value), kv_cache_capacities(value)))
         elif isinstance(value, _PLAIN):
             parts.append((name, type(value), value))
         else:
@@ -199,8 +197,7 @@ def _pad_mask_to_kv_cache(kwargs: dict[str, Any]) -> None:
     kv_cache = kwargs.get("past_key_values")
     if not (isinstance(mask, torch.Tensor) and mask.dim() == 2 and is_kv_cache(kv_cache)):
         return
-    layers = getattr(kv_cache, "layers", None) or []
-    lengths = {getattr(layer, "max_cache_len", None) for layer in layers}
+    lengths = set(kv_cache_capacities(kv_cache))
     if len(lengths) != 1:
         return
     (length,) = lengths

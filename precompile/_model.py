@@ -13,7 +13,6 @@ trace read are unchanged and runs the plan: no Dynamo frame, no compile, no comp
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import inspect
 import logging
@@ -47,6 +46,7 @@ from precompile.runtime.compiler_interface import (
     is_kv_cache,
     kv_cache_capacity,
     kv_cache_counter_values,
+    kv_cache_kind,
     kv_cache_tensors,
     load_cached_model,
     store_model,
@@ -134,10 +134,8 @@ def _kv_cache_batch_follows_call(call: ExampleCall, dims: dict[int, set[int]]) -
         if isinstance(leaves[i], torch.Tensor) and 0 in wanted
     }
     for index, kv_cache in call.kv_caches().items():
-        if index not in dims:
-            keys = kv_cache.layers[0].keys
-            if int(keys.shape[0]) in dynamic_batches:
-                dims[index] = {0}
+        if index not in dims and kv_cache_kind(kv_cache).batch(kv_cache) in dynamic_batches:
+            dims[index] = {0}
 
 
 def _cuda_indices(values: Sequence[Any]) -> list[int]:
@@ -167,7 +165,7 @@ def _prepare_kv_caches(
     for index, kv_cache in kv_caches.items():
         describe_kv_cache(kv_cache, call.argument_name(index), initialized=False)
     _refuse_grad_into_kv_caches(model, call)
-    if not all(layer.is_initialized for c in kv_caches.values() for layer in c.layers):
+    if not all(kv_cache_kind(c).initialized(c) for c in kv_caches.values()):
         log.info("initializing the example call's KV cache with one eager run")
         state.keep_all()
         try:  # its random draws (dropout in training) from forked generators
@@ -179,9 +177,9 @@ def _prepare_kv_caches(
             for _, _, tensor in kv_cache_tensors(kv_cache):
                 tensor.zero_()
     for index, kv_cache in kv_caches.items():
-        for layer, field, tensor in kv_cache_tensors(kv_cache):
-            name = f"{call.argument_name(index)}.layers[{layer}].{field}"
-            state.watch(name, tensor, "cache")
+        kind = kv_cache_kind(kv_cache)
+        for layer, field, tensor in kind.tensors(kv_cache):
+            state.watch(kind.place(call.argument_name(index), layer, field), tensor, "cache")
     return {i: describe_kv_cache(c, call.argument_name(i)) for i, c in kv_caches.items()}
 
 
@@ -589,8 +587,9 @@ def _trace_and_compile(
     for index, wanted in dims.items():
         for dim in wanted:
             if is_kv_cache(leaves[index]):
-                for _, field, tensor in kv_cache_tensors(leaves[index]):
-                    if field != "cumulative_length":
+                kind = kv_cache_kind(leaves[index])
+                for _, field, tensor in kind.tensors(leaves[index]):
+                    if field in kind.rows:
                         adapter.maybe_mark_dynamic(tensor, dim)
             else:
                 adapter.maybe_mark_dynamic(leaves[index], dim)
@@ -631,7 +630,7 @@ def _trace_and_compile(
     capacity = min(
         (n for c in kv_caches.values() if (n := kv_cache_capacity(c)) is not None), default=None
     )
-    before = {i: kv_cache_counter_values([layer.cumulative_length for layer in c.layers])
+    before = {i: kv_cache_counter_values(kv_cache_kind(c).counters(c))
               for i, c in kv_caches.items()}  # fmt: skip
     python_state = state.python_state(model)
     try:
@@ -648,7 +647,7 @@ def _trace_and_compile(
             )
         advanced = {
             i: [b - a for a, b in zip(before[i], kv_cache_counter_values(
-                [layer.cumulative_length for layer in c.layers]), strict=True)]
+                kv_cache_kind(c).counters(c)), strict=True)]
             for i, c in kv_caches.items()
         }  # fmt: skip
     finally:
@@ -824,7 +823,7 @@ def _lengths(
                 places.append((target, src.dim))
             elif kind == "cache":
                 leaf, _, field = target
-                other |= src.dim != 0 or field == "cumulative_length"
+                other |= src.dim != 0 or field not in kv_cache_kind(leaves[leaf]).rows
                 kv_caches.add(leaf)
         if places and not other and all(int(leaves[leaf].shape[dim]) >= 2 for leaf, dim in places):
             found.append((symbol.name, places, sorted(kv_caches)))
@@ -832,23 +831,12 @@ def _lengths(
 
 
 def _batch_of_one(kv_cache: Any) -> Any:
-    """A copy of a StaticCache whose layers hold the first row of its keys and values:
-    the KV cache a trace at batch 1 takes (the example's own is never written)."""
+    """A copy of a KV cache holding its first row, its tensors marked static as the
+    example's are: the KV cache a trace at batch 1 takes (the example's own is never
+    written)."""
     from ._torch_adapter import with_static_mark
 
-    narrowed = copy.copy(kv_cache)
-    narrowed.layers = []
-    for layer in kv_cache.layers:
-        row = copy.copy(layer)
-        for field in ("keys", "values"):
-            original = getattr(layer, field)
-            setattr(row, field, with_static_mark(original, original[:1].clone()))
-        counter = layer.cumulative_length
-        row.cumulative_length = with_static_mark(counter, counter.clone())
-        if hasattr(row, "batch_size"):
-            row.batch_size = 1
-        narrowed.layers.append(row)
-    return narrowed
+    return kv_cache_kind(kv_cache).batch_of_one(kv_cache, with_static_mark)
 
 
 def _at_least_two(sizes: Sizes) -> Sizes:
@@ -896,7 +884,7 @@ def _check_dynamic(
         if kind == "leaf":
             for dim, size in enumerate(getattr(spec, "shape", ())):
                 bound[(target, dim)] = size
-        elif kind == "cache" and target[2] != "cumulative_length":
+        elif kind == "cache" and target[2] in kv_cache_kind(call.leaves[target[0]]).rows:
             bound.setdefault((target[0], 0), getattr(spec, "shape", (None,))[0])
     for leaf, wanted in dims.items():
         for dim in sorted(wanted):

@@ -17,7 +17,6 @@ import torch
 
 from precompile.runtime import UnsupportedGraphError
 from precompile.runtime.compiler_interface import (
-    KV_CACHE_FIELDS,
     KVCacheLayout,
     ModelPlan,
     UnboundTensor,
@@ -25,6 +24,7 @@ from precompile.runtime.compiler_interface import (
     describe_kv_cache,
     file_digest,
     is_kv_cache,
+    kv_cache_kind,
     kv_cache_tensors,
     model_identity,
     this_rank,
@@ -110,7 +110,8 @@ def build_plan(
     for leaf in kv_caches:
         bound = {(t[1], t[2]) for kind, t in bindings if kind == "cache" and t[0] == leaf}
         missing = [(layer, f) for layer in range(len(kv_caches[leaf].layer_classes))
-                   for f in KV_CACHE_FIELDS[:2] if (layer, f) not in bound]  # fmt: skip
+                   for f in kv_cache_kind(call.leaves[leaf]).rows
+                   if (layer, f) not in bound]  # fmt: skip
         if missing:
             raise UnsupportedGraphError(
                 f"the graph does not take the cache tensors {missing[:3]} of "

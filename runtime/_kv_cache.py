@@ -2,6 +2,10 @@
 tensors a compiled graph reads and writes in place, checked before every call, and its
 length tracked on the host.
 
+**Kinds** (``KVCacheKind``): what this module knows of a cache kind, its layers' class
+and the fields a graph takes, is one entry of ``KINDS``; the compile side asks the kind
+(``kv_cache_kind``) instead of naming fields. ``StaticCache`` is the one kind served.
+
 **Flattening** (the one order, documented in docs/decode.md): a ``StaticCache`` of N layers
 is, per layer i, ``layers[i].keys`` and ``layers[i].values`` (``[batch, kv_heads,
 max_cache_len, head_dim]``) and ``layers[i].cumulative_length`` (a 0-d int64 tensor: the
@@ -29,6 +33,7 @@ version means the counters are read again (one synchronization).
 
 from __future__ import annotations
 
+import copy
 import weakref
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -40,7 +45,6 @@ from ._dtypes import dtype_name, dtype_of
 from ._errors import CorruptArtifactError, InputMismatchError, UnsupportedGraphError
 from ._manifest import TensorInput
 
-CACHE_FIELDS = ("keys", "values", "cumulative_length")
 STATIC_LAYER = "transformers.cache_utils.StaticLayer"
 _IS_CACHE: dict[type, bool] = {}
 
@@ -50,11 +54,17 @@ def class_path(value: Any) -> str:
     return f"{cls.__module__}.{cls.__qualname__}"
 
 
+def kv_cache_capacities(cache: Any) -> tuple[int | None, ...]:
+    """Each layer's ``max_cache_len`` (None where a layer says none): what a KV cache of
+    any kind can hold, per layer."""
+    layers = getattr(cache, "layers", None) or ()
+    return tuple(getattr(layer, "max_cache_len", None) for layer in layers)
+
+
 def kv_cache_capacity(cache: Any) -> int | None:
     """The tokens ``cache`` can hold: its layers' smallest ``max_cache_len`` (None where
     no layer says one)."""
-    lengths = (getattr(layer, "max_cache_len", None) for layer in getattr(cache, "layers", ()))
-    return min((n for n in lengths if isinstance(n, int)), default=None)
+    return min((n for n in kv_cache_capacities(cache) if isinstance(n, int)), default=None)
 
 
 def is_kv_cache(value: Any) -> bool:
@@ -95,36 +105,115 @@ class CacheLayout:
         return CacheLayout(value["class"], tuple(layers))
 
 
+@dataclass(frozen=True)
+class KVCacheKind:
+    """One kind of ``transformers`` KV cache as compiled calls take it: the one place
+    that names its layers' fields. The compile side asks it (which tensors a graph
+    takes, which of them have a batch, which counts tokens, a copy at batch 1); the
+    runtime checks and tracks calls through the same names. A new kind is one more
+    entry of ``KINDS``."""
+
+    name: str
+    layer_class: str  # every layer of the cache is of this class
+    fields: tuple[str, ...]  # each layer's tensors a graph takes, in the flattening order
+    rows: tuple[str, ...]  # those whose dim 0 is the batch
+    counter: str  # the 0-d tensor counting the tokens a layer holds
+
+    def matches(self, cache: Any) -> bool:
+        layers = getattr(cache, "layers", None) or []
+        return bool(layers) and all(class_path(layer) == self.layer_class for layer in layers)
+
+    def tensors(self, cache: Any) -> list[tuple[int, str, torch.Tensor]]:
+        """(layer, field, tensor) in the flattening order."""
+        return [
+            (index, field, getattr(layer, field))
+            for index, layer in enumerate(cache.layers)
+            for field in self.fields
+        ]
+
+    def counters(self, cache: Any) -> list[torch.Tensor]:
+        return [getattr(layer, self.counter) for layer in cache.layers]
+
+    def batch(self, cache: Any) -> int:
+        """The batch its tensors hold (dim 0 of the first layer's first row field)."""
+        return int(getattr(cache.layers[0], self.rows[0]).shape[0])
+
+    def initialized(self, cache: Any) -> bool:
+        """Whether every layer holds its tensors (a fresh cache makes them at its first
+        write, shaped by it)."""
+        return all(layer.is_initialized for layer in cache.layers)
+
+    @staticmethod
+    def place(argument: str, layer: int, field: str) -> str:
+        """How a message names one of its tensors (``past_key_values.layers[0].keys``)."""
+        return f"{argument}.layers[{layer}].{field}"
+
+    def batch_of_one(
+        self, cache: Any, mark: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    ) -> Any:
+        """A copy of ``cache`` whose layers hold the first row of its row fields and a copy
+        of its counter, each new tensor passed through ``mark(original, new)`` (which marks
+        it as the original is marked); ``cache`` itself is never written."""
+        narrowed = copy.copy(cache)
+        narrowed.layers = []
+        for layer in cache.layers:
+            row = copy.copy(layer)
+            for field in self.rows:
+                original = getattr(layer, field)
+                setattr(row, field, mark(original, original[:1].clone()))
+            counter = getattr(layer, self.counter)
+            setattr(row, self.counter, mark(counter, counter.clone()))
+            if hasattr(row, "batch_size"):
+                row.batch_size = 1
+            narrowed.layers.append(row)
+        return narrowed
+
+
+STATIC_CACHE = KVCacheKind(
+    name="StaticCache",
+    layer_class=STATIC_LAYER,
+    fields=("keys", "values", "cumulative_length"),
+    rows=("keys", "values"),
+    counter="cumulative_length",
+)
+KINDS = (STATIC_CACHE,)
+CACHE_FIELDS = tuple(dict.fromkeys(f for kind in KINDS for f in kind.fields))
+
+
+def kv_cache_kind(cache: Any, name: str = "the KV cache") -> KVCacheKind:
+    """The kind of ``cache``; ``UnsupportedGraphError`` for one no graph can take, saying
+    why (``name``: the argument it is)."""
+    for kind in KINDS:
+        if kind.matches(cache):
+            return kind
+    layers = list(getattr(cache, "layers", None) or [])
+    kinds = sorted({type(layer).__name__ for layer in layers})
+    raise UnsupportedGraphError(
+        f"{name} is a {type(cache).__name__} (layers: {', '.join(kinds) or 'none'}); "
+        "compile_model takes a transformers StaticCache whose layers are all StaticLayer "
+        "(StaticCache(config=model.config, max_cache_len=N)): a DynamicCache replaces its "
+        "tensors every call, and a sliding-window layer keeps its length in a Python int "
+        "that a graph would be specialized to"
+    )
+
+
 def describe_cache(cache: Any, name: str, *, initialized: bool = True) -> CacheLayout:
     """The layout of a cache a model is compiled with; ``UnsupportedGraphError`` for a
     cache whose tensors a graph cannot take as inputs (``initialized=False``: its layers'
     tensors, which a fresh cache does not have yet, are not looked at)."""
-    layers = list(getattr(cache, "layers", None) or [])
-    kinds = sorted({type(layer).__name__ for layer in layers})
-    if not layers or any(class_path(layer) != STATIC_LAYER for layer in layers):
-        raise UnsupportedGraphError(
-            f"{name} is a {type(cache).__name__} (layers: {', '.join(kinds) or 'none'}); "
-            "compile_model takes a transformers StaticCache whose layers are all StaticLayer "
-            "(StaticCache(config=model.config, max_cache_len=N)): a DynamicCache replaces its "
-            "tensors every call, and a sliding-window layer keeps its length in a Python int "
-            "that a graph would be specialized to"
-        )
-    for index, layer in enumerate(layers if initialized else ()):
-        for field in CACHE_FIELDS:
+    kind = kv_cache_kind(cache, name)
+    for index, layer in enumerate(cache.layers if initialized else ()):
+        for field in kind.fields:
             if not isinstance(getattr(layer, field, None), torch.Tensor):
                 raise UnsupportedGraphError(
                     f"{name} layer {index} has no tensor {field!r}; it cannot be a graph input"
                 )
-    return CacheLayout(class_path(cache), tuple(class_path(layer) for layer in layers))
+    return CacheLayout(class_path(cache), tuple(class_path(layer) for layer in cache.layers))
 
 
 def cache_tensors(cache: Any) -> list[tuple[int, str, torch.Tensor]]:
-    """(layer, field, tensor) in the flattening order."""
-    return [
-        (index, field, getattr(layer, field))
-        for index, layer in enumerate(cache.layers)
-        for field in CACHE_FIELDS
-    ]
+    """(layer, field, tensor) in the flattening order of the cache's kind."""
+    return kv_cache_kind(cache).tensors(cache)
 
 
 def counter_values(counters: Sequence[torch.Tensor]) -> list[int]:

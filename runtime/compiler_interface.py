@@ -30,12 +30,17 @@ if TYPE_CHECKING:
     from ._environment import current_environment
     from ._global_state import describe as describe_global_state
     from ._global_state import trace_state
-    from ._kv_cache import CACHE_FIELDS as KV_CACHE_FIELDS
     from ._kv_cache import CacheLayout as KVCacheLayout
+    from ._kv_cache import (
+        KVCacheKind,
+        is_kv_cache,
+        kv_cache_capacities,
+        kv_cache_capacity,
+        kv_cache_kind,
+    )
     from ._kv_cache import cache_tensors as kv_cache_tensors
     from ._kv_cache import counter_values as kv_cache_counter_values
     from ._kv_cache import describe_cache as describe_kv_cache
-    from ._kv_cache import is_kv_cache, kv_cache_capacity
     from ._lean import load_lean
     from ._manifest import (
         FORMAT_VERSION,
@@ -78,7 +83,9 @@ _LAZY = {
     "InputSpec": "._manifest",
     "IntInput": "._manifest",
     "KVCacheLayout": "._kv_cache:CacheLayout",
-    "KV_CACHE_FIELDS": "._kv_cache:CACHE_FIELDS",
+    "KVCacheKind": "._kv_cache",
+    "kv_cache_capacities": "._kv_cache",
+    "kv_cache_kind": "._kv_cache",
     "MemoryPayloads": "._payloads",
     "ModelPlan": "._model",
     "ProcessGroupSpec": "._manifest",
@@ -148,8 +155,8 @@ __all__ = [
     "GuardRoots",
     "InputSpec",
     "IntInput",
+    "KVCacheKind",
     "KVCacheLayout",
-    "KV_CACHE_FIELDS",
     "MemoryPayloads",
     "ModelPlan",
     "ProcessGroupSpec",
@@ -177,8 +184,10 @@ __all__ = [
     "guarded_dict_keys",
     "hooks_on",
     "is_kv_cache",
+    "kv_cache_capacities",
     "kv_cache_capacity",
     "kv_cache_counter_values",
+    "kv_cache_kind",
     "kv_cache_tensors",
     "load_cached_artifact",
     "load_cached_model",
