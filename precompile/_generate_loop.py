@@ -149,8 +149,9 @@ def loop_request(
     new = None if config.max_length is None else int(config.max_length) - int(ids.shape[1])
     if not isinstance(new, int) or new < 1:
         return "max_new_tokens below 1"
-    if kv_cache is not None and int(kv_cache_capacity(kv_cache)) < int(ids.shape[1]) + new:  # type: ignore[arg-type]
-        return "a KV cache shorter than the prompt and the new tokens"
+    # the last new token is never fed back: prompt + new - 1 positions, as in eager
+    if kv_cache is not None and int(kv_cache_capacity(kv_cache)) < int(ids.shape[1]) + new - 1:  # type: ignore[arg-type]
+        return "a KV cache shorter than the prompt and the new tokens (less the last)"
     eos = config.eos_token_id
     if isinstance(eos, torch.Tensor):
         eos = eos.tolist()

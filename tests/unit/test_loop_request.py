@@ -114,12 +114,17 @@ def test_kept_caches_follow_the_batch_a_dynamic_batch_model_serves(model: Any) -
 
 
 def test_a_passed_cache_too_short_is_left_to_transformers(model: Any) -> None:
+    """The last new token is never fed back, so prompt + new - 1 positions are enough, as
+    in eager (a docs-only client trial: a cache of exactly that length went to
+    transformers' loop)."""
     import transformers
 
     cache = transformers.StaticCache(config=model.config, max_cache_len=8)
     ids = torch.randint(3, VOCAB, (1, 6))
     why = loop_request(model, (ids,), {"past_key_values": cache, "max_new_tokens": 4})
     assert isinstance(why, str) and "shorter than the prompt" in why
+    fits = loop_request(model, (ids,), {"past_key_values": cache, "max_new_tokens": 3})
+    assert isinstance(fits, LoopRequest) and fits.capacity == 8
 
 
 def test_blocks_on_one_model_do_not_nest(model: Any) -> None:
