@@ -212,8 +212,11 @@ def describe_cache(cache: Any, name: str, *, initialized: bool = True) -> CacheL
 
 
 def cache_tensors(cache: Any) -> list[tuple[int, str, torch.Tensor]]:
-    """(layer, field, tensor) in the flattening order of the cache's kind."""
-    return kv_cache_kind(cache).tensors(cache)
+    """(layer, field, tensor) in the flattening order of the cache's kind; a cache of no
+    kind (one a compile refuses, or a stand-in with the fields) is read by StaticCache's
+    fields, as it is."""
+    kind = next((k for k in KINDS if k.matches(cache)), STATIC_CACHE)
+    return kind.tensors(cache)
 
 
 def counter_values(counters: Sequence[torch.Tensor]) -> list[int]:

@@ -53,3 +53,45 @@ def test_generate_runs_on_the_compiled_loop_with_transformers_tokens(tmp_path: A
     (why,) = stats["fallbacks"]
     assert "not static" in why and stats["fallbacks"][why] == 1
     assert "generate" not in vars(model) and "forward" not in vars(model)
+
+
+def test_a_prepared_server_answers_on_the_loop_and_compiles_nothing_in_front(
+    tmp_path: Any,
+) -> None:
+    """``served.prepare`` on the default route builds (or loads) the compiled loop the
+    declared shapes run; afterwards such a request compiles nothing (counted), runs on
+    the loop with transformers' tokens, and an undeclared batch is refused with
+    ``compile_others=False``; the caller's generator is left alone."""
+    from precompile import _variant_compile
+
+    model = build("llama")
+    options = {"max_new_tokens": 6, "do_sample": False, "cache_implementation": "static",
+               "pad_token_id": 0}  # fmt: skip
+    torch.manual_seed(8)
+    prompt = torch.randint(3, VOCAB, (2, 5))
+    compiles: list[int] = []
+    real = _variant_compile.compile_variant
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        compiles.append(1)
+        return real(*args, **kwargs)
+
+    with torch.no_grad():
+        want = model.generate(prompt, **options)
+        vars(model).pop("_previous_max_cache_length", None)
+        state = torch.random.get_rng_state()
+        with (
+            precompile.serve_generate(model, hints=[8], cache=str(tmp_path)) as served,
+            pytest.MonkeyPatch.context() as patch,
+        ):
+            patch.setattr(_variant_compile, "compile_variant", counted)
+            ready = served.prepare([2], [5], compile_others=False, **options)
+            assert torch.equal(torch.random.get_rng_state(), state) and ready.structures >= 1
+            compiles.clear()
+            got = model.generate(prompt, **options)
+            assert compiles == [] and served.stats["unprepared_compiles"] == 0
+            with pytest.raises(precompile.ArtifactNotFoundError, match="not among the prepared"):
+                model.generate(torch.randint(3, VOCAB, (3, 5)), **options)
+            stats = served.stats
+    assert torch.equal(got, want)
+    assert stats["loop_generates"] == 1 and stats["calls"] == 0
