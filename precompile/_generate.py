@@ -517,6 +517,8 @@ class GenerateServer:
             if compiled is None and key in self._loop_refused:
                 return self._transformers_loop(self._loop_refused[key], args, kwargs)
             if compiled is None:
+                # as the router's first request: refused before a compile it would not use
+                _tokens_in_vocabulary(self.model, {"input_ids": request.input_ids})
                 what = (f"the compiled loop of batch {int(request.input_ids.shape[0])}, KV "
                         f"cache length {request.capacity}")  # fmt: skip
                 try:
