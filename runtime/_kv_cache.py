@@ -169,6 +169,14 @@ class KVCacheKind:
         return narrowed
 
 
+# Not a kind yet: StaticSlidingWindowLayer (Mistral, Gemma2/3). Its length is a Python int
+# (``cumulative_length_int``) its update branches on and moves in Python. Measured
+# (torch 2.13, transformers 5.24): with ``torch.compiler.config.dynamic_sources`` naming
+# that int, Dynamo takes it as a SymInt graph input and guards exactly the branch taken
+# (``<= max_cache_len - 1`` for a decode step; ``== 0`` for a prefill, whose mask code
+# branches on it), and replays the ``+=`` itself. Serving it needs an int input bound to
+# the layer, its guards checked per call, the ``+=`` replayed by the runtime, and a trace
+# of its own at 0 (as lengths at 1 have).
 STATIC_CACHE = KVCacheKind(
     name="StaticCache",
     layer_class=STATIC_LAYER,
