@@ -15,21 +15,22 @@ VOCAB = 128
 SIZES = [(1, 7), (1, 3), (1, 30), (1, 1), (2, 9), (3, 100)]
 
 
+# the tiny decoders' sizes: one layer, two heads sharing one KV head
+_TINY = {
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 1,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
+    "vocab_size": VOCAB,
+    "max_position_embeddings": 256,
+}
+
+
 def tiny_llama(**changes: Any) -> torch.nn.Module:
     """The tiny Llama; ``changes``: config fields set otherwise."""
     torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        **{
-            "hidden_size": 32,
-            "intermediate_size": 64,
-            "num_hidden_layers": 1,
-            "num_attention_heads": 2,
-            "num_key_value_heads": 1,
-            "vocab_size": VOCAB,
-            "max_position_embeddings": 256,
-            **changes,
-        }
-    )
+    config = transformers.LlamaConfig(**{**_TINY, **changes})
     return transformers.LlamaForCausalLM(config).eval()
 
 
@@ -84,7 +85,7 @@ def tiny_encoder_decoders() -> dict[str, torch.nn.Module]:
     }
 
 
-# one layer each, the Llama's sizes; the kinds with a sliding window have a window shorter
+# the Llama's sizes (``_TINY``); the kinds with a sliding window have a window shorter
 # than the cache generate makes, so their caches have sliding-window layers
 _DECODERS: dict[str, tuple[str, dict[str, Any]]] = {
     "qwen3": ("Qwen3Config", {"head_dim": 16}),
@@ -101,16 +102,5 @@ def tiny_decoder(kind: str) -> torch.nn.Module:
     """A causal LM of ``kind`` (a key of ``_DECODERS``), built with ``AutoModelForCausalLM``."""
     torch.manual_seed(0)
     name, own = _DECODERS[kind]
-    config = getattr(transformers, name)(
-        **{
-            "hidden_size": 32,
-            "intermediate_size": 64,
-            "num_hidden_layers": 1,
-            "num_attention_heads": 2,
-            "num_key_value_heads": 1,
-            "vocab_size": VOCAB,
-            "max_position_embeddings": 256,
-            **own,
-        }
-    )
+    config = getattr(transformers, name)(**{**_TINY, **own})
     return transformers.AutoModelForCausalLM.from_config(config).eval()
