@@ -232,7 +232,7 @@ class DecodeLoops:
                 "use_cache": True}  # fmt: skip
         dynamic: dict[int | str, list[int]] = {"input_ids": [0, 1] if self.dynamic_batch else [1]}
         compiled = compile_model(self.model, (), call, dynamic=dynamic, **options)
-        if "input_ids dim 1" in compiled.refused_at_one():
+        if ("input_ids", 1) in compiled.refused_at_one():
             # no decode step: OPT's, whose positions come from the mask's cumulative sum,
             # could not be traced at one token (a data-dependent length)
             raise UnsupportedGraphError(

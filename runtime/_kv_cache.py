@@ -47,11 +47,15 @@ from ._manifest import TensorInput
 
 STATIC_LAYER = "transformers.cache_utils.StaticLayer"
 _IS_CACHE: dict[type, bool] = {}
+_PATHS: dict[type, str] = {}
 
 
 def class_path(value: Any) -> str:
     cls = type(value)
-    return f"{cls.__module__}.{cls.__qualname__}"
+    path = _PATHS.get(cls)
+    if path is None:  # once per class: a cache's kind is read per generate call
+        path = _PATHS[cls] = f"{cls.__module__}.{cls.__qualname__}"
+    return path
 
 
 def kv_cache_capacities(cache: Any) -> tuple[int | None, ...]:
@@ -421,7 +425,7 @@ class CacheGuard:
                     raise InputMismatchError(
                         f"{slot.name} layer {index} {field} is on device {where}, but the model "
                         f"was compiled for {device}",
-                        input_name=f"{slot.name}.layers[{index}].{field}",
+                        input_name=KVCacheKind.place(slot.name, index, field),
                         expected=str(device),
                         got=str(where),
                     )

@@ -54,6 +54,7 @@ from ._kv_cache import (
     CacheGuard,
     CacheLayout,
     CacheSlot,
+    KVCacheKind,
     caches_from_json,
     is_kv_cache,
     kv_cache_capacity,
@@ -414,13 +415,13 @@ class CompiledModel:
         leaf, dim = self._lengths[index]
         return f"{self._names[leaf]} dim {dim}"
 
-    def refused_at_one(self) -> list[str]:
-        """The dynamic lengths (``"input_ids dim 1"``) that no trace serves at 1 alone:
-        a call with that length at 1 is refused (``NoVariantError``), since the model's
+    def refused_at_one(self) -> list[tuple[str, int]]:
+        """The dynamic lengths, as (argument, dim), that no trace serves at 1 alone: a
+        call with that length at 1 is refused (``NoVariantError``), since the model's
         forward refused such a call or could not be traced there when it was compiled."""
         return [
-            self._length_name(index)
-            for index in range(len(self._lengths))
+            (self._names[leaf], dim)
+            for index, (leaf, dim) in enumerate(self._lengths)
             if frozenset({index}) not in self.pieces
         ]
 
@@ -736,7 +737,7 @@ class CompiledModel:
             return str(self._names[target])
         if kind == "cache":
             leaf, layer, field_name = target
-            return f"{self._names[leaf]}.layers[{layer}].{field_name}"
+            return KVCacheKind.place(self._names[leaf], layer, field_name)
         if kind == "size":
             return f"size of {self._names[target[0]]} dim {target[1]}"
         return f"{kind} {target}"
