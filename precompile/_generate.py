@@ -54,7 +54,7 @@ from precompile.runtime.compiler_interface import (
     tree_flatten,
 )
 
-from ._generate_loop import DecodeLoops, loop_request
+from ._generate_loop import KEPT_CACHES, DecodeLoops, loop_request
 from ._model import compile_model
 from ._variant_plan import check_kinds
 
@@ -239,11 +239,12 @@ class GenerateServer:
         dynamic_batch: bool,
         options: Mapping[str, Any],
         loop: bool = True,
+        kept_caches: int = KEPT_CACHES,
     ) -> None:
         self.model = model
         self.dynamic_batch = dynamic_batch
         self.options = dict(options)
-        self.loops = DecodeLoops(model, dynamic_batch) if loop else None
+        self.loops = DecodeLoops(model, dynamic_batch, kept_caches) if loop else None
         self._loop_generates = 0
         self._fallbacks: collections.Counter[str] = collections.Counter()
         self._loop_refused: dict[tuple[Any, ...], str] = {}
@@ -268,11 +269,15 @@ class GenerateServer:
         """``generate`` calls answered by the compiled loop (``loop_generates``) and by
         transformers' loop (``fallbacks``: the count per reason); ``calls``: forward
         calls served by compiled models; ``unprepared_compiles``: structures compiled in
-        front of a request after ``prepare``."""
+        front of a request after ``prepare``; ``kept_caches``: the loop's free KV caches
+        kept now, ``dropped_caches``: those its bound dropped."""
         with self._lock:
+            loops = self.loops
             return {"loop_generates": self._loop_generates, "fallbacks": dict(self._fallbacks),
                     "calls": self.calls,
-                    "unprepared_compiles": self._unprepared_compiles}  # fmt: skip
+                    "unprepared_compiles": self._unprepared_compiles,
+                    "kept_caches": loops.kept() if loops else 0,
+                    "dropped_caches": loops.dropped if loops else 0}  # fmt: skip
 
     # -- the hook ----------------------------------------------------------------------
     def __enter__(self) -> GenerateServer:
@@ -547,7 +552,7 @@ class GenerateServer:
         finally:
             if kept:
                 with self._lock:
-                    self.loops.give_back(held, kv_cache)
+                    self.loops.give_back(held, kv_cache, pin=self._in_prepare())
         with self._lock:
             if not self._in_prepare():
                 self._loop_generates += 1
@@ -688,7 +693,12 @@ _OPTIONS = frozenset(
 
 
 def serve_generate(
-    model: torch.nn.Module, *, dynamic_batch: bool = False, loop: bool = True, **options: Any
+    model: torch.nn.Module,
+    *,
+    dynamic_batch: bool = False,
+    loop: bool = True,
+    kept_caches: int = KEPT_CACHES,
+    **options: Any,
 ) -> GenerateServer:
     """A context manager under which ``model.generate(...)`` runs on compiled models
     (with ``options``: ``hints``, ``sizes``, ``cache``, ``cudagraphs``, ``compile``,
@@ -705,7 +715,8 @@ def serve_generate(
     every one with ``loop=False``, runs transformers' loop with each forward call on a
     ``compile_model`` per call structure (a fixed ``max_cache_len`` keeps one compile for
     every length of prompt and output); why is counted in ``served.stats``
-    (docs/decode.md).
+    (docs/decode.md). ``kept_caches``: how many free KV caches the compiled loop keeps
+    for later requests besides those ``prepare`` made (least recently used dropped).
     """
     if not isinstance(model, torch.nn.Module):
         raise InvalidOptionError(
@@ -720,6 +731,10 @@ def serve_generate(
         raise InvalidOptionError(f"dynamic_batch must be True or False, got {dynamic_batch!r}")
     if not isinstance(loop, bool):
         raise InvalidOptionError(f"loop must be True or False, got {loop!r}")
+    if type(kept_caches) is not int or kept_caches < 0:
+        raise InvalidOptionError(
+            f"kept_caches must be a count of KV caches (0 or more), got {kept_caches!r}"
+        )
     unknown = sorted(set(options) - _OPTIONS)
     if unknown:
         raise InvalidOptionError(
@@ -728,4 +743,4 @@ def serve_generate(
         )
     check_kinds(options.get("hints"), options.get("sizes"))  # checked now, not at a call
     cudagraph_options(options.get("cudagraphs"))
-    return GenerateServer(model, dynamic_batch, options, loop)
+    return GenerateServer(model, dynamic_batch, options, loop, kept_caches)

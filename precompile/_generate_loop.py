@@ -23,8 +23,8 @@ The compiled loop model is one ``compile_model`` per KV cache length (and batch 
 unless ``dynamic_batch``): the cache is a ``StaticCache`` of prompt + new tokens rounded
 up to a power of two (at least 64), so requests of nearby lengths share a compiled model
 and a cache. Caches are kept and ``reset()`` between requests (CUDA graphs captured on a
-cache are replayed by the next request on it); a request finding its cache in use by
-another thread gets a new one.
+cache are replayed by the next request on it), at most ``kept_caches`` free ones besides
+``prepare``'s; a request finding its cache in use by another thread gets a new one.
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ import dataclasses
 import functools
 import logging
 import types
+from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -58,6 +59,12 @@ _IGNORED = frozenset({
 })  # fmt: skip
 
 log = logging.getLogger("precompile.compile")
+
+# Free KV caches a block keeps besides prepare's, by default: as many as step graphs a
+# compiled model keeps (runtime's DecodeGraphs), so a cache past the bound would have lost
+# its graph anyway. A request whose cache was dropped allocates one and captures its step
+# graph again (64-69 ms on an H200 for a first generate at a new batch; docs/decode.md).
+KEPT_CACHES = 8
 
 
 @dataclasses.dataclass(frozen=True)
@@ -196,13 +203,25 @@ def _defaults(config_type: type) -> Mapping[str, Any]:
 
 
 class DecodeLoops:
-    """The compiled loop models and KV caches of one ``serve_generate`` block."""
+    """The compiled loop models and KV caches of one ``serve_generate`` block.
 
-    def __init__(self, model: torch.nn.Module, dynamic_batch: bool):
+    Free KV caches are kept for the next request of their key, at most ``kept_caches`` of
+    them besides those ``prepare`` made (which are kept whatever the bound: a prepared
+    shape never allocates in front of a request); past the bound the least recently
+    returned is dropped, and its memory with it (a step graph captured on it is keyed by
+    its addresses and replays only on tensors at those addresses, shaped alike)."""
+
+    def __init__(
+        self, model: torch.nn.Module, dynamic_batch: bool, kept_caches: int = KEPT_CACHES
+    ) -> None:
         self.model = model
         self.dynamic_batch = dynamic_batch
+        self.kept_caches = kept_caches
         self.compiled: dict[tuple[Any, ...], Any] = {}
-        self._free: dict[tuple[Any, ...], list[Any]] = {}
+        # id(cache) -> (key, cache), least recently returned first
+        self._free: OrderedDict[int, tuple[tuple[Any, ...], Any]] = OrderedDict()
+        self._pinned: set[int] = set()  # ids of the caches prepare made
+        self.dropped = 0  # caches dropped by the bound
 
     def key(self, request: LoopRequest) -> tuple[Any, ...]:
         """The compiled loop model's key: the batch only without ``dynamic_batch``."""
@@ -243,13 +262,32 @@ class DecodeLoops:
         return compiled
 
     def take_cache(self, key: tuple[Any, ...], capacity: int) -> Any:
-        """A kept cache for ``key`` no other request holds, else a new one."""
-        free = self._free.setdefault(key, [])
-        return free.pop() if free else self._new_cache(capacity)
+        """A kept cache for ``key`` no other request holds (the one returned last), else
+        a new one."""
+        for ident, (held, cache) in reversed(self._free.items()):
+            if held == key:
+                del self._free[ident]
+                return cache
+        return self._new_cache(capacity)
 
-    def give_back(self, key: tuple[Any, ...], cache: Any) -> None:
+    def give_back(self, key: tuple[Any, ...], cache: Any, *, pin: bool = False) -> None:
+        """Keep ``cache`` (``reset()``) for the next request of ``key``; ``pin``: one
+        ``prepare`` made, kept whatever the bound."""
         cache.reset()
-        self._free.setdefault(key, []).append(cache)
+        if pin:
+            self._pinned.add(id(cache))
+        self._free[id(cache)] = (key, cache)
+        unpinned = [ident for ident in self._free if ident not in self._pinned]
+        for ident in unpinned[: max(0, len(unpinned) - self.kept_caches)]:
+            dropped_key, _ = self._free.pop(ident)
+            self.dropped += 1
+            log.info("serve_generate: a kept KV cache (batch %s, length %s) dropped: more "
+                     "than kept_caches=%d free", dropped_key[0], dropped_key[1],
+                     self.kept_caches)  # fmt: skip
+
+    def kept(self) -> int:
+        """The free KV caches kept now."""
+        return len(self._free)
 
     def _new_cache(self, capacity: int) -> Any:
         import transformers

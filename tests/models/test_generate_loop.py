@@ -61,7 +61,8 @@ def test_a_prepared_server_answers_on_the_loop_and_compiles_nothing_in_front(
     """``served.prepare`` on the default route builds (or loads) the compiled loop the
     declared shapes run; afterwards such a request compiles nothing (counted), runs on
     the loop with transformers' tokens, and an undeclared batch is refused with
-    ``compile_others=False``; the caller's generator is left alone."""
+    ``compile_others=False``; the caller's generator is left alone; the KV cache prepare
+    made is kept whatever ``kept_caches`` says."""
     from precompile import _variant_compile
 
     model = build("llama")
@@ -81,7 +82,10 @@ def test_a_prepared_server_answers_on_the_loop_and_compiles_nothing_in_front(
         vars(model).pop("_previous_max_cache_length", None)
         state = torch.random.get_rng_state()
         with (
-            precompile.serve_generate(model, hints=[8], cache=str(tmp_path)) as served,
+            # no free cache kept but prepare's: its shape never allocates in front
+            precompile.serve_generate(
+                model, hints=[8], cache=str(tmp_path), kept_caches=0
+            ) as served,
             pytest.MonkeyPatch.context() as patch,
         ):
             patch.setattr(_variant_compile, "compile_variant", counted)
@@ -95,3 +99,4 @@ def test_a_prepared_server_answers_on_the_loop_and_compiles_nothing_in_front(
             stats = served.stats
     assert torch.equal(got, want)
     assert stats["loop_generates"] == 1 and stats["calls"] == 0
+    assert stats["kept_caches"] == 1 and stats["dropped_caches"] == 0  # prepare's, pinned

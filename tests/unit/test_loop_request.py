@@ -10,6 +10,7 @@ import pytest
 import torch
 from decode_helpers import VOCAB, build
 
+import precompile
 from precompile._generate_loop import DecodeLoops, LoopRequest, loop_request
 
 pytest.importorskip("transformers")
@@ -156,3 +157,35 @@ def test_no_length_given_means_transformers_default_of_new_tokens(model: Any) ->
     assert request.max_new_tokens == reference.shape[1] - ids.shape[1] == 20
     set_total = loop_request(plain, (ids,), {**STATIC, "max_length": 20})
     assert isinstance(set_total, LoopRequest) and set_total.max_new_tokens == 12
+
+
+def test_the_loop_keeps_at_most_kept_caches_free_besides_prepares(model: Any) -> None:
+    """Free KV caches past ``kept_caches`` are dropped, least recently returned first;
+    one a ``prepare`` made is kept whatever the bound; a kept cache comes back reset,
+    to a request of its key only."""
+    loops = DecodeLoops(model, dynamic_batch=False, kept_caches=1)
+    one, two, three = ((b, 64, torch.int64, "cpu") for b in (1, 2, 3))
+    first, second = loops.take_cache(one, 64), loops.take_cache(two, 64)
+    assert first is not second and loops.kept() == 0
+    first.early_initialization(1, 2, 8, torch.float32, "cpu")
+    first.layers[0].cumulative_length.fill_(5)
+    loops.give_back(one, first)
+    assert int(first.layers[0].cumulative_length) == 0  # reset
+    loops.give_back(two, second)  # past the bound: the older one goes
+    assert (loops.kept(), loops.dropped) == (1, 1)
+    assert loops.take_cache(one, 64) is not first and loops.take_cache(two, 64) is second
+    pinned = loops.take_cache(three, 64)
+    loops.give_back(three, pinned, pin=True)
+    loops.give_back(two, second)
+    loops.give_back(one, first)  # drops second; the pinned one stays
+    assert (loops.kept(), loops.dropped) == (2, 2)
+    assert loops.take_cache(three, 64) is pinned
+    loops.give_back(three, pinned)  # returned by a request: still prepare's
+    loops.give_back(two, second)
+    assert loops.kept() == 2 and loops.take_cache(three, 64) is pinned
+
+
+@pytest.mark.parametrize("bad", [-1, True, 1.5, "8", None])
+def test_kept_caches_must_be_a_count(model: Any, bad: Any) -> None:
+    with pytest.raises(precompile.InvalidOptionError, match="kept_caches must be a count"):
+        precompile.serve_generate(model, kept_caches=bad)
