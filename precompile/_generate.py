@@ -324,6 +324,9 @@ class GenerateServer:
 
     # -- serving -----------------------------------------------------------------------
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        ids = kwargs.get("input_ids")
+        if isinstance(ids, torch.Tensor) and ids.dim() == 2 and ids.shape[1] == 0:
+            _no_new_tokens(ids, kwargs)
         _pad_mask_to_kv_cache(kwargs)
         signature = None if args else _call_signature(kwargs)
         compiled = self._by_signature.get(signature) if signature is not None else None
@@ -653,6 +656,28 @@ def _set_kept_cache_length(model: torch.nn.Module, length: Any) -> None:
         vars(model).pop(_KEPT_CACHE_LENGTH, None)
     else:
         setattr(model, _KEPT_CACHE_LENGTH, length)
+
+
+def _no_new_tokens(ids: torch.Tensor, kwargs: Mapping[str, Any]) -> None:
+    """Refuse a forward of no tokens, by name: transformers' ``generate`` passes the prompt
+    past what its KV cache holds, so a cache holding at least the prompt's tokens (one
+    left from another request) leaves none. Eager fails inside the model
+    (``cannot reshape tensor of 0 elements``); a compile of it failed in Dynamo's trace."""
+    held = max((_cache_tokens(v) for v in kwargs.values() if is_kv_cache(v)), default=0)
+    where = (
+        (
+            f"past the {held} tokens its KV cache holds: the cache continues only a prompt "
+            "that begins with those; reset() it or pass a fresh one"
+        )
+        if held
+        else "to run"
+    )
+    raise InputMismatchError(
+        f"generate passed input_ids of shape {tuple(ids.shape)}: no tokens {where}",
+        input_name="input_ids",
+        expected="at least one token",
+        got=tuple(ids.shape),
+    )  # fmt: skip
 
 
 def _cache_tokens(cache: Any) -> int:

@@ -1136,3 +1136,26 @@ def test_the_first_request_with_a_bad_token_is_refused_by_name() -> None:
                            cache_implementation="static")  # fmt: skip
         # nothing was traced for it, on the compiled loop (the default) or the router
         assert not served.compiled and served.loops is not None and not served.loops.compiled
+
+
+def test_a_cache_holding_a_longer_unrelated_prompt_is_refused_by_name() -> None:
+    """A ``StaticCache`` left holding another request's tokens: transformers' generate
+    passes the prompt past them, no tokens at all, and eager fails inside the model; the
+    router refused it only after a failed trace (a 3,400-character Dynamo error). Now it
+    is refused by name before anything is traced."""
+    from tiny_models_helpers import VOCAB, tiny_llama
+
+    model = tiny_llama().eval()
+    torch.manual_seed(3)
+    first, second = torch.randint(3, VOCAB, (1, 7)), torch.randint(3, VOCAB, (1, 5))
+    cache = transformers.StaticCache(config=model.config, max_cache_len=64)
+    options = {"past_key_values": cache, "max_new_tokens": 4, "pad_token_id": 0}
+    with torch.no_grad():
+        model.generate(first, **options)  # leaves 10 tokens in the cache
+        with pytest.raises(RuntimeError, match="0 elements"):  # eager
+            model.generate(second, **options)
+        held = r"no tokens past the 10 tokens its KV cache holds"
+        refused = pytest.raises(precompile.InputMismatchError, match=held)
+        with precompile.serve_generate(model, cache=False) as served, refused:
+            model.generate(second, **options)
+    assert not served.compiled and served.loops is not None and not served.loops.compiled

@@ -189,3 +189,19 @@ def test_the_loop_keeps_at_most_kept_caches_free_besides_prepares(model: Any) ->
 def test_kept_caches_must_be_a_count(model: Any, bad: Any) -> None:
     with pytest.raises(precompile.InvalidOptionError, match="kept_caches must be a count"):
         precompile.serve_generate(model, kept_caches=bad)
+
+
+def test_a_cache_holding_tokens_is_left_to_transformers_before_a_compile(model: Any) -> None:
+    """transformers continues a cache that holds tokens (the prompt past them): not the
+    loop's generate, which refused it only after compiling its loop model."""
+    import transformers
+
+    cache = transformers.StaticCache(config=model.config, max_cache_len=64)
+    ids = torch.randint(3, VOCAB, (1, 4))
+    with torch.no_grad():
+        model(input_ids=ids, past_key_values=cache, use_cache=True)
+    request = loop_request(model, (ids,), {"past_key_values": cache, "max_new_tokens": 2})
+    assert request == "a KV cache holding tokens"
+    cache.reset()
+    request = loop_request(model, (ids,), {"past_key_values": cache, "max_new_tokens": 2})
+    assert isinstance(request, LoopRequest)
