@@ -324,6 +324,8 @@ class GenerateServer:
 
     # -- serving -----------------------------------------------------------------------
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if kwargs.get("output_attentions") or kwargs.get("output_hidden_states"):
+            _no_output_capturing(kwargs)
         ids = kwargs.get("input_ids")
         if isinstance(ids, torch.Tensor) and ids.dim() == 2 and ids.shape[1] == 0:
             _no_new_tokens(ids, kwargs)
@@ -656,6 +658,19 @@ def _set_kept_cache_length(model: torch.nn.Module, length: Any) -> None:
         vars(model).pop(_KEPT_CACHE_LENGTH, None)
     else:
         setattr(model, _KEPT_CACHE_LENGTH, length)
+
+
+def _no_output_capturing(kwargs: Mapping[str, Any]) -> None:
+    """Refuse a forward that asks for attentions or hidden states before anything runs:
+    transformers captures them with forward hooks it installs on the model at such a
+    call and leaves installed, and the compiled models refuse a model hooked after
+    binding, so one such request sent every later one off the compiled loop."""
+    asked = [name for name in ("output_attentions", "output_hidden_states") if kwargs.get(name)]
+    raise UnsupportedGraphError(
+        f"generate asked for {' and '.join(asked)}: serve_generate serves logits only (the "
+        "model's output capturing does not trace as one graph); call generate outside the "
+        "block for them"
+    )
 
 
 def _no_new_tokens(ids: torch.Tensor, kwargs: Mapping[str, Any]) -> None:

@@ -34,6 +34,12 @@ def test_generate_runs_on_the_compiled_loop_with_transformers_tokens(tmp_path: A
         # the compiled loop: serve_generate's default
         with precompile.serve_generate(model, hints=[8], cache=str(tmp_path)) as served:
             got_greedy = model.generate(prompt, **greedy)
+            # refused before transformers hooks the model to capture them (its hooks stay,
+            # and a hooked model is refused by the compiled loop: every later request
+            # went to transformers' loop)
+            with pytest.raises(precompile.UnsupportedGraphError, match="output_attentions"):
+                model.generate(prompt, output_attentions=True, return_dict_in_generate=True,
+                               **greedy)  # fmt: skip
             with torch.enable_grad():  # transformers' generate runs under no_grad: so does the loop
                 got_with_grad = model.generate(prompt, **greedy)
                 assert torch.is_grad_enabled()  # the caller's mode, as it was
@@ -50,8 +56,10 @@ def test_generate_runs_on_the_compiled_loop_with_transformers_tokens(tmp_path: A
     assert torch.equal(got_with_grad, want_greedy)
     assert stats["loop_generates"] == 4 and stats["calls"] == 0  # no forward of the router
     assert len(served.loops.compiled) == 1  # one bucket (64), batch 3
+    assert stats["fallbacks"].pop("option 'output_attentions'") == 1
     (why,) = stats["fallbacks"]
     assert "not static" in why and stats["fallbacks"][why] == 1
+    assert not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
     assert "generate" not in vars(model) and "forward" not in vars(model)
 
 
