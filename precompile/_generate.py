@@ -261,6 +261,7 @@ class GenerateServer:
         self._compile_others = True
         self._unprepared_compiles = 0
         self._preparing = threading.local()  # set in the thread running prepare()
+        self._writing: set[int] = set()  # ids of the passed KV caches being generated into
         # transformers' kept static cache length after prepare (a refused request moved it)
         self._prepared_cache_length: Any = None
 
@@ -517,6 +518,27 @@ class GenerateServer:
             return self._generate_without_grad(args, kwargs)
 
     def _generate_without_grad(self, args: Any, kwargs: Mapping[str, Any]) -> Any:
+        passed = next((v for k, v in kwargs.items() if k in _CACHE_ARGUMENTS and is_kv_cache(v)),
+                      None)  # fmt: skip
+        if passed is None:
+            return self._route(args, kwargs)
+        # one generate per passed cache at a time, on either loop: the compiled loop refuses
+        # a second, and transformers' loop, which a refusal falls back to, would write the
+        # cache under the first (tokens of neither request; a race in a trace)
+        with self._lock:
+            if id(passed) in self._writing:
+                raise InvalidOptionError(
+                    "the KV cache passed is being written by another generate (in another "
+                    "thread): a cache serves one generate at a time; give each its own cache"
+                )
+            self._writing.add(id(passed))
+        try:
+            return self._route(args, kwargs)
+        finally:
+            with self._lock:
+                self._writing.discard(id(passed))
+
+    def _route(self, args: Any, kwargs: Mapping[str, Any]) -> Any:
         assert self.loops is not None
         request = loop_request(self.model, args, kwargs)
         if isinstance(request, str):
@@ -573,6 +595,7 @@ class GenerateServer:
 
 
 _INSTALLED = ("forward", "get_compiled_call", "generate")
+_CACHE_ARGUMENTS = ("past_key_values", "cache")  # where generate takes a KV cache
 
 
 def _tokens_in_vocabulary(model: torch.nn.Module, kwargs: Mapping[str, Any]) -> None:
@@ -602,7 +625,7 @@ def _tokens_in_vocabulary(model: torch.nn.Module, kwargs: Mapping[str, Any]) -> 
 def _refusal(kwargs: Mapping[str, Any], dynamic_batch: bool, error: Exception) -> str:
     """Which of generate's calls could not be compiled, and why."""
     message = f"serve_generate could not compile {_describe_call(kwargs)}: {error}"
-    if dynamic_batch:
+    if dynamic_batch and "dynamic dim 0 " in str(error) and "specialized" in str(error):
         message += (
             "; serve_generate(dynamic_batch=False) compiles each batch size apart, where "
             "the model's code fixes the batch"

@@ -27,6 +27,7 @@ from precompile.cache import ArtifactCache, CacheOption, get_or_build, resolve_c
 from precompile.runtime import (
     CompiledModel,
     IncompatibleArtifactError,
+    InputMismatchError,
     InvalidOptionError,
     UnsupportedGraphError,
     UntrustedArtifactError,
@@ -164,6 +165,7 @@ def _prepare_kv_caches(
         return {}
     for index, kv_cache in kv_caches.items():
         describe_kv_cache(kv_cache, call.argument_name(index), initialized=False)
+    _refuse_a_kv_cache_of_another_batch(call)
     _refuse_grad_into_kv_caches(model, call)
     if not all(kv_cache_kind(c).initialized(c) for c in kv_caches.values()):
         log.info("initializing the example call's KV cache with one eager run")
@@ -367,6 +369,30 @@ def _refuse_a_kv_cache_the_model_makes(model: torch.nn.Module, kwargs: Mapping[s
             "in its config and the call passes no cache): a DynamicCache, which compile_model "
             f"cannot serve; pass use_cache=False, or {slots[0]}=StaticCache("
             "config=model.config, max_cache_len=N)"
+        )
+
+
+def _refuse_a_kv_cache_of_another_batch(call: ExampleCall) -> None:
+    """A KV cache holds one sequence per row of the call: one of another batch (a cache
+    made, or first written, at another batch; ``reset()`` keeps its batch) is refused by
+    name before anything runs. Eager fails inside the model (``index_copy_``'s slice
+    shapes); the trace failed in Dynamo."""
+    ids = call.kwargs.get("input_ids", call.kwargs.get("inputs_embeds"))
+    if not isinstance(ids, torch.Tensor) or ids.dim() < 2:
+        return
+    batch = int(ids.shape[0])
+    for index, kv_cache in call.kv_caches().items():
+        kind = kv_cache_kind(kv_cache)
+        if not kind.initialized(kv_cache) or kind.batch(kv_cache) == batch:
+            continue
+        name = call.argument_name(index)
+        raise InputMismatchError(
+            f"{name} holds a batch of {kind.batch(kv_cache)} (dim 0 of its keys), but the "
+            f"call's batch is {batch}: a KV cache holds one sequence per row of the call "
+            f"(reset() keeps its batch); pass one made for a batch of {batch}",
+            input_name=name,
+            expected=batch,
+            got=kind.batch(kv_cache),
         )
 
 

@@ -1159,3 +1159,68 @@ def test_a_cache_holding_a_longer_unrelated_prompt_is_refused_by_name() -> None:
         with precompile.serve_generate(model, cache=False) as served, refused:
             model.generate(second, **options)
     assert not served.compiled and served.loops is not None and not served.loops.compiled
+
+
+def test_a_cache_of_another_batch_is_refused_by_name_before_anything_runs() -> None:
+    """A cache first written at batch 1 (``reset()`` keeps that batch) passed with a call
+    of batch 2: eager fails inside the model (``index_copy_``), and the compile failed in
+    Dynamo's trace with a raw ``TorchRuntimeError`` (a docs-only client trial, through
+    ``serve_generate``). Refused by name, before any trace."""
+    from tiny_models_helpers import VOCAB, tiny_llama
+
+    model = tiny_llama().eval()
+    cache = transformers.StaticCache(config=model.config, max_cache_len=32)
+    with torch.no_grad():
+        model(input_ids=torch.randint(0, VOCAB, (1, 3)), past_key_values=cache)
+    cache.reset()
+    call = {"input_ids": torch.randint(0, VOCAB, (2, 3)), "past_key_values": cache,
+            "use_cache": True}  # fmt: skip
+    with pytest.raises(precompile.InputMismatchError, match="holds a batch of 1") as refused:
+        precompile.compile_model(model, (), call, cache=False)
+    assert (refused.value.expected, refused.value.got) == (2, 1)
+
+
+def test_a_passed_cache_serves_one_generate_at_a_time_on_either_loop() -> None:
+    """Two threads generating into one passed cache: the compiled loop refused the
+    second, which then fell back to transformers' loop and wrote the cache under the
+    first (a docs-only client trial: both requests failed, and a trace under the race
+    left a refusal that stuck for the block). The second is refused, on any loop."""
+    import threading
+
+    from tiny_models_helpers import VOCAB, tiny_llama
+
+    model = tiny_llama().eval()
+    cache = transformers.StaticCache(config=model.config, max_cache_len=32)
+    entered, leave = threading.Event(), threading.Event()
+
+    class Holding:  # a streamer: transformers' loop, which shows it the prompt first
+        def put(self, value: Any) -> None:
+            entered.set()
+            leave.wait(30)
+            raise KeyboardInterrupt("the test's own stop")  # before any forward
+
+        def end(self) -> None:
+            pass
+
+    stopped: list[BaseException] = []
+
+    def first() -> None:
+        try:
+            model.generate(torch.randint(3, VOCAB, (1, 4)), past_key_values=cache,
+                           max_new_tokens=2, streamer=Holding())  # fmt: skip
+        except BaseException as exc:
+            stopped.append(exc)
+
+    with precompile.serve_generate(model, cache=False) as served, torch.no_grad():
+        thread = threading.Thread(target=first)
+        thread.start()
+        assert entered.wait(30)
+        try:
+            with pytest.raises(precompile.InvalidOptionError, match="another generate"):
+                model.generate(torch.randint(3, VOCAB, (1, 4)), past_key_values=cache,
+                               max_new_tokens=2)  # fmt: skip
+        finally:
+            leave.set()
+            thread.join(30)
+        assert [type(e) for e in stopped] == [KeyboardInterrupt]
+        assert not served.compiled and served.loops is not None and not served.loops.compiled

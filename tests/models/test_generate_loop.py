@@ -108,3 +108,33 @@ def test_a_prepared_server_answers_on_the_loop_and_compiles_nothing_in_front(
     assert torch.equal(got, want)
     assert stats["loop_generates"] == 1 and stats["calls"] == 0
     assert stats["kept_caches"] == 1 and stats["dropped_caches"] == 0  # prepare's, pinned
+
+
+@pytest.mark.gpu
+def test_dropped_caches_and_their_step_graphs_give_eager_tokens_on_the_gpu(
+    tmp_path: Any,
+) -> None:
+    """With CUDA graphs each kept cache has its step graph, keyed by the cache's
+    addresses; with ``kept_caches=1`` every other request drops one and allocates
+    another, which the allocator may place where a dropped one was (so an old graph's
+    key matches): tokens stay eager's, batch after batch."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    model = build("llama").to(device="cuda")  # float32: eager's tokens, not a rounding's
+    options = {"max_new_tokens": 12, "do_sample": False, "cache_implementation": "static",
+               "pad_token_id": 0}  # fmt: skip
+    torch.manual_seed(4)
+    prompts = [torch.randint(3, VOCAB, (b, 6), device="cuda") for b in (1, 2, 1, 2, 1)]
+    with torch.no_grad():
+        want = []
+        for prompt in prompts:
+            want.append(model.generate(prompt, **options))
+            vars(model).pop("_previous_max_cache_length", None)
+        with precompile.serve_generate(model, hints=[8], cache=str(tmp_path), cudagraphs=True,
+                                       kept_caches=1) as served:  # fmt: skip
+            got = [model.generate(prompt, **options) for prompt in prompts]
+    for expected, answer in zip(want, got, strict=True):
+        assert torch.equal(answer, expected)
+    stats = served.stats
+    assert stats["loop_generates"] == 5 and stats["fallbacks"] == {}
+    assert stats["kept_caches"] == 1 and stats["dropped_caches"] == 4
