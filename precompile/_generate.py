@@ -28,6 +28,7 @@ import contextlib
 import functools
 import inspect
 import logging
+import numbers
 import operator
 import threading
 import time
@@ -328,7 +329,7 @@ class GenerateServer:
         if kwargs.get("output_attentions") or kwargs.get("output_hidden_states"):
             _no_output_capturing(kwargs)
         ids = kwargs.get("input_ids")
-        if isinstance(ids, torch.Tensor) and ids.dim() == 2 and ids.shape[1] == 0:
+        if isinstance(ids, torch.Tensor) and ids.dim() == 2 and ids.numel() == 0:
             _no_new_tokens(ids, kwargs)
         _pad_mask_to_kv_cache(kwargs)
         signature = None if args else _call_signature(kwargs)
@@ -702,14 +703,13 @@ def _no_new_tokens(ids: torch.Tensor, kwargs: Mapping[str, Any]) -> None:
     left from another request) leaves none. Eager fails inside the model
     (``cannot reshape tensor of 0 elements``); a compile of it failed in Dynamo's trace."""
     held = max((_cache_tokens(v) for v in kwargs.values() if is_kv_cache(v)), default=0)
-    where = (
-        (
-            f"past the {held} tokens its KV cache holds: the cache continues only a prompt "
-            "that begins with those; reset() it or pass a fresh one"
-        )
-        if held
-        else "to run"
-    )
+    if ids.shape[0] == 0:
+        where = "in it: a batch of no rows"
+    elif held:
+        where = (f"past the {held} tokens its KV cache holds: the cache continues only a "
+                 "prompt that begins with those; reset() it or pass a fresh one")  # fmt: skip
+    else:
+        where = "to run"
     raise InputMismatchError(
         f"generate passed input_ids of shape {tuple(ids.shape)}: no tokens {where}",
         input_name="input_ids",
@@ -794,10 +794,15 @@ def serve_generate(
         raise InvalidOptionError(f"dynamic_batch must be True or False, got {dynamic_batch!r}")
     if not isinstance(loop, bool):
         raise InvalidOptionError(f"loop must be True or False, got {loop!r}")
-    if type(kept_caches) is not int or kept_caches < 0:
+    if (
+        isinstance(kept_caches, bool)
+        or not isinstance(kept_caches, numbers.Integral)
+        or (kept_caches < 0)
+    ):
         raise InvalidOptionError(
             f"kept_caches must be a count of KV caches (0 or more), got {kept_caches!r}"
         )
+    kept_caches = int(kept_caches)  # a numpy integer too
     unknown = sorted(set(options) - _OPTIONS)
     if unknown:
         raise InvalidOptionError(

@@ -1156,8 +1156,12 @@ def test_a_cache_holding_a_longer_unrelated_prompt_is_refused_by_name() -> None:
             model.generate(second, **options)
         held = r"no tokens past the 10 tokens its KV cache holds"
         refused = pytest.raises(precompile.InputMismatchError, match=held)
-        with precompile.serve_generate(model, cache=False) as served, refused:
-            model.generate(second, **options)
+        with precompile.serve_generate(model, cache=False) as served:
+            with refused:
+                model.generate(second, **options)
+            no_rows = torch.zeros(0, 5, dtype=torch.long)  # eager: the same reshape error
+            with pytest.raises(precompile.InputMismatchError, match="a batch of no rows"):
+                model.generate(no_rows, max_new_tokens=2, cache_implementation="static")
     assert not served.compiled and served.loops is not None and not served.loops.compiled
 
 

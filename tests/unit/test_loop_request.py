@@ -191,6 +191,13 @@ def test_kept_caches_must_be_a_count(model: Any, bad: Any) -> None:
         precompile.serve_generate(model, kept_caches=bad)
 
 
+def test_kept_caches_takes_any_integer(model: Any) -> None:
+    numpy = pytest.importorskip("numpy")
+    served = precompile.serve_generate(model, kept_caches=numpy.int64(2))
+    assert served.loops is not None and served.loops.kept_caches == 2
+    assert type(served.loops.kept_caches) is int
+
+
 def test_a_cache_holding_tokens_is_left_to_transformers_before_a_compile(model: Any) -> None:
     """transformers continues a cache that holds tokens (the prompt past them): not the
     loop's generate, which refused it only after compiling its loop model."""
