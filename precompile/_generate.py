@@ -55,7 +55,7 @@ from precompile.runtime.compiler_interface import (
     tree_flatten,
 )
 
-from ._generate_loop import KEPT_CACHES, DecodeLoops, loop_request
+from ._generate_loop import KEPT_CACHES, DecodeLoops, holds_tokens, loop_request
 from ._model import compile_model
 from ._variant_plan import check_kinds
 
@@ -552,6 +552,10 @@ class GenerateServer:
             if compiled is None:
                 # as the router's first request: refused before a compile it would not use
                 _tokens_in_vocabulary(self.model, {"input_ids": request.input_ids})
+                if request.kv_cache is not None and holds_tokens(request.kv_cache):
+                    # transformers continues it: the loop would refuse it after its compile
+                    # (checked here only before a compile: it reads the device)
+                    return self._transformers_loop("a KV cache holding tokens", args, kwargs)
                 what = (f"the compiled loop of batch {int(request.input_ids.shape[0])}, KV "
                         f"cache length {request.capacity}")  # fmt: skip
                 try:

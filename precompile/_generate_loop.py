@@ -123,10 +123,6 @@ def loop_request(
     kv_cache = kwargs.get("past_key_values", kwargs.get("cache"))
     if kv_cache is not None and not (is_kv_cache(kv_cache) and kv_cache_capacity(kv_cache)):
         return "a KV cache that is not a StaticCache"
-    if kv_cache is not None and _holds_tokens(kv_cache):
-        # transformers continues it (the prompt past what it holds): not the loop's
-        # fresh-cache generate, and refused there only after the loop's compile
-        return "a KV cache holding tokens"
     settings = {k: v for k, v in kwargs.items() if k not in _ARGUMENTS}
     given = kwargs.get("generation_config")
     # what transformers' generate asks before it fills in its defaults: a max_length set
@@ -183,7 +179,7 @@ def loop_request(
     )  # fmt: skip
 
 
-def _holds_tokens(cache: Any) -> bool:
+def holds_tokens(cache: Any) -> bool:
     """Whether a passed KV cache holds tokens (one read of its length: a device sync on
     a GPU, as the loop's own check of it makes)."""
     try:

@@ -196,19 +196,3 @@ def test_kept_caches_takes_any_integer(model: Any) -> None:
     served = precompile.serve_generate(model, kept_caches=numpy.int64(2))
     assert served.loops is not None and served.loops.kept_caches == 2
     assert type(served.loops.kept_caches) is int
-
-
-def test_a_cache_holding_tokens_is_left_to_transformers_before_a_compile(model: Any) -> None:
-    """transformers continues a cache that holds tokens (the prompt past them): not the
-    loop's generate, which refused it only after compiling its loop model."""
-    import transformers
-
-    cache = transformers.StaticCache(config=model.config, max_cache_len=64)
-    ids = torch.randint(3, VOCAB, (1, 4))
-    with torch.no_grad():
-        model(input_ids=ids, past_key_values=cache, use_cache=True)
-    request = loop_request(model, (ids,), {"past_key_values": cache, "max_new_tokens": 2})
-    assert request == "a KV cache holding tokens"
-    cache.reset()
-    request = loop_request(model, (ids,), {"past_key_values": cache, "max_new_tokens": 2})
-    assert isinstance(request, LoopRequest)
