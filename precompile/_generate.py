@@ -708,18 +708,18 @@ def _no_new_tokens(ids: torch.Tensor, kwargs: Mapping[str, Any]) -> None:
     (``cannot reshape tensor of 0 elements``); a compile of it failed in Dynamo's trace."""
     held = max((_cache_tokens(v) for v in kwargs.values() if is_kv_cache(v)), default=0)
     if ids.shape[0] == 0:
-        where = "in it: a batch of no rows"
+        why = "a batch of no rows"
     elif held:
-        where = (f"past the {held} tokens its KV cache holds: the cache continues only a "
-                 "prompt that begins with those; reset() it or pass a fresh one")  # fmt: skip
+        why = (f"no tokens past the {held} tokens its KV cache holds: the cache continues "
+               "only a prompt that begins with those; reset() it or pass a fresh one")  # fmt: skip
     else:
-        where = "to run"
+        why = "no tokens to run"
     raise InputMismatchError(
-        f"generate passed input_ids of shape {tuple(ids.shape)}: no tokens {where}",
+        f"generate passed input_ids of shape {tuple(ids.shape)}: {why}",
         input_name="input_ids",
-        expected="at least one token",
+        expected="at least one row and one token",
         got=tuple(ids.shape),
-    )  # fmt: skip
+    )
 
 
 def _cache_tokens(cache: Any) -> int:
