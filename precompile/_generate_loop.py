@@ -215,8 +215,8 @@ class DecodeLoops:
     """The compiled loop models and KV caches of one ``serve_generate`` block.
 
     Free KV caches are kept for the next request of their key, at most ``kept_caches`` of
-    them besides those ``prepare`` made (which are kept whatever the bound: a prepared
-    shape never allocates in front of a request); past the bound the least recently
+    them besides those ``prepare`` made (kept whatever the bound: a request of a prepared
+    shape finds one, unless another request holds it); past the bound the least recently
     returned is dropped, and its memory with it (a step graph captured on it is keyed by
     its addresses and replays only on tensors at those addresses, shaped alike)."""
 
