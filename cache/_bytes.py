@@ -193,11 +193,32 @@ def read_bounded(path: str, limit: int, *, follow: bool = True, dir_fd: int | No
         os.close(fd)
 
 
+_KINDS = {
+    stat.S_IFDIR: "a directory",
+    stat.S_IFCHR: "a character device",
+    stat.S_IFBLK: "a block device",
+    stat.S_IFIFO: "a FIFO",
+    stat.S_IFSOCK: "a socket",
+}
+
+
 @contextmanager
 def atomic_file(path: str, mode: int = 0o600) -> Iterator[IO[bytes]]:
     """Write ``path`` through a temp file in the same directory and ``os.replace``; on
     any failure (a full disk among them) the temp file is removed and ``path`` is as
     it was."""
+    if not path:
+        raise InvalidOptionError("the path to write is empty; name a file")
+    try:
+        kind = stat.S_IFMT(os.stat(path).st_mode)
+    except (FileNotFoundError, NotADirectoryError):
+        kind = stat.S_IFREG  # nothing there yet
+    if kind != stat.S_IFREG:
+        # os.replace would put a file in place of a device, a FIFO or a socket (/dev/null)
+        raise InvalidOptionError(
+            f"{path!r} exists and is not a regular file ({_KINDS.get(kind, 'a special file')});"
+            " a file is written there only in place of a file: choose another path"
+        )
     directory = os.path.dirname(os.path.abspath(path)) or "."
     os.makedirs(directory, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=".precompile-", suffix=".tmp", dir=directory)

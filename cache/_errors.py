@@ -56,8 +56,9 @@ class UnsafeCacheError(PrecompileError, PermissionError):
 
 
 class CacheWriteError(PrecompileError, OSError):
-    """The cache could not store an entry (a full or read-only disk, say); nothing partial
-    was left behind, and what was being stored is still returned to the caller."""
+    """Bytes could not be written (a full or read-only disk, say): the cache could not
+    store an entry, and what was being stored is still returned to the caller, or
+    ``save`` could not write an artifact. Nothing partial is left behind."""
 
 
 class ArtifactAccessError(PrecompileError, PermissionError):

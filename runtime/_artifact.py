@@ -52,10 +52,12 @@ from ._dispatch import Dispatcher, Explanation
 from ._environment import check_compatible, current_environment
 from ._errors import (
     ArtifactNotFoundError,
+    CacheWriteError,
     CorruptArtifactError,
     IncompatibleArtifactError,
     IndexOutOfRangeError,
     InvalidOptionError,
+    PrecompileError,
 )
 from ._execution import DirectExecutor, Executor
 from ._lean import lean_enabled, load_lean
@@ -755,10 +757,18 @@ class CompiledArtifact:
         ``trusted_keys`` accept it."""
         _check_format(format)
         target = os.fspath(path)
-        if format == "binary":
-            write_binary(target, self._manifest, self._payloads, signing_key)
-        else:
-            write_unpacked(target, self._manifest, self._payloads, signing_key)
+        try:
+            if format == "binary":
+                write_binary(target, self._manifest, self._payloads, signing_key)
+            else:
+                write_unpacked(target, self._manifest, self._payloads, signing_key)
+        except PrecompileError:
+            raise
+        except OSError as exc:  # nothing was written in its place (atomic writes)
+            raise CacheWriteError(
+                exc.errno or 0,
+                f"could not save the artifact to {target!r} ({exc.strerror or exc})",
+            ) from exc
         log.info("saved %s artifact to %s%s", format, target, " (signed)" if signing_key else "")
 
     @staticmethod

@@ -59,8 +59,15 @@ _MAX_CODE = 64 << 20
 def write_unpacked(
     path: str, manifest: Manifest, payloads: PayloadStore, signing_key: Any = None
 ) -> None:
+    if not path:
+        raise InvalidOptionError("the path to write is empty; name a directory")
     if os.path.isfile(path):
         raise InvalidOptionError(f"path {path!r} is a file; format='unpacked' writes a directory")
+    if os.path.exists(path) and not os.path.isdir(path):  # a device, a FIFO, a socket
+        raise InvalidOptionError(
+            f"path {path!r} exists and is neither a directory nor a file; format='unpacked' "
+            "writes a directory: choose another path"
+        )
     parent = os.path.dirname(os.path.abspath(path))
     os.makedirs(parent, exist_ok=True)
     staging = tempfile.mkdtemp(prefix=".precompile-", dir=parent)

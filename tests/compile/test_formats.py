@@ -6,6 +6,7 @@ import dataclasses
 import logging
 import os
 import re
+from typing import Any
 
 import pytest
 import torch
@@ -285,3 +286,26 @@ def test_a_moved_manifest_is_format_6_and_runs_its_lean_variants_only(
         monkeypatch.setenv("PRECOMPILE_LEAN", "0")
         with pytest.raises(precompile.IncompatibleArtifactError, match="lean variants only"):
             precompile.CompiledArtifact(moved, payloads)
+
+
+@pytest.mark.parametrize("fmt", ["binary", "unpacked"])
+def test_save_never_replaces_what_is_not_an_artifact_and_names_failures(
+    mlp: Compiled, tmp_path: Any, fmt: str
+) -> None:
+    """``save`` renames its output into place: over a FIFO or a device it replaced the
+    node by a regular file (a docs-only client trial, running as root, turned
+    ``/dev/null`` into an artifact). Such a path is refused, as an empty path is; an
+    OS failure to write is the library's ``CacheWriteError`` naming the path."""
+    import stat as stat_module
+
+    fifo = str(tmp_path / "fifo")
+    os.mkfifo(fifo)
+    with pytest.raises(precompile.InvalidOptionError, match="fifo"):
+        mlp.artifact.save(path=fifo, format=fmt)  # type: ignore[arg-type]
+    assert stat_module.S_ISFIFO(os.lstat(fifo).st_mode)
+    with pytest.raises(precompile.InvalidOptionError, match="empty"):
+        mlp.artifact.save(path="", format=fmt)  # type: ignore[arg-type]
+    if os.path.isdir("/proc/self"):  # a directory no file can be made in
+        with pytest.raises(precompile.CacheWriteError, match="could not save the artifact"):
+            mlp.artifact.save(path="/proc/self/no-artifact", format=fmt)  # type: ignore[arg-type]
+    assert [p for p in os.listdir(tmp_path) if p.startswith(".precompile-")] == []
