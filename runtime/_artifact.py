@@ -223,14 +223,35 @@ class CompiledArtifact:
         function = self._memo.get(key)
         if function is None:
             return self._first_call(key, args)
-        result = function(*args)
+        try:
+            result = function(*args)
+        except AssertionError as exc:
+            raise self._refused_by_code(key, exc) from exc
         return result if self._unflatten is None else self._unflatten(result)
+
+    def _refused_by_code(self, key: tuple[int, ...], exc: AssertionError) -> CorruptArtifactError:
+        """Inductor's code checks its inputs' sizes and strides (``assert_size_stride``):
+        a call it refuses passed the artifact's guards for the variant they chose, so the
+        guards admit what the code was not compiled for (a manifest edited, with its
+        digests recomputed: a client trial widened a variant's guards)."""
+        try:
+            where = f"variant {self._dispatcher.choose(key)}"
+        except Exception:
+            where = "the variant"
+        return CorruptArtifactError(
+            f"{where}'s compiled code refused this call's inputs ({exc}), which the "
+            "artifact's guards admit: its manifest does not describe its code"
+        )
 
     def _first_call(self, key: tuple[int, ...], args: Sequence[Any]) -> Any:
         """A call at sizes not seen yet: it may load its variant and pays first-run costs,
         so a background warm-up gives way (between its steps) until it is done."""
         with self._warm_up.foreground():
-            result = self._resolve(key)(*args)
+            function = self._resolve(key)
+            try:
+                result = function(*args)
+            except AssertionError as exc:
+                raise self._refused_by_code(key, exc) from exc
         self._warm_up.called.set()
         return result if self._unflatten is None else self._unflatten(result)
 
@@ -241,7 +262,10 @@ class CompiledArtifact:
         if function is None:
             with self._warm_up.foreground():
                 function = self._resolve(prepared.key)
-        result = function(*prepared.args)
+        try:
+            result = function(*prepared.args)
+        except AssertionError as exc:
+            raise self._refused_by_code(prepared.key, exc) from exc
         if not self._warm_up.called.is_set():
             self._warm_up.called.set()
         for target, source in prepared.writebacks:
@@ -257,6 +281,7 @@ class CompiledArtifact:
         trusted_key = self._contract.trusted_key
         memo = self._memo
         first_call = self._first_call
+        refused_by_code = self._refused_by_code
         unflatten = self._unflatten
 
         def call_trusted(*args: Any) -> Any:
@@ -264,7 +289,10 @@ class CompiledArtifact:
             function = memo.get(key)
             if function is None:
                 return first_call(key, args)
-            result = function(*args)
+            try:
+                result = function(*args)
+            except AssertionError as exc:
+                raise refused_by_code(key, exc) from exc
             return result if unflatten is None else unflatten(result)
 
         call_trusted.artifact = self  # type: ignore[attr-defined]

@@ -483,3 +483,36 @@ def test_a_version_2_file_still_loads_and_its_empty_slot_is_checked(
         handle.write(old)
     with pytest.raises(precompile.CorruptArtifactError, match="signature slot is not empty"):
         precompile.CompiledArtifact.load(path=target)
+
+
+def test_guards_widened_by_hand_are_refused_by_the_code_by_name(
+    mlp: Compiled, saved: dict[str, str], tmp_path: Any
+) -> None:
+    """A manifest is checked for what can be checked without its code; a guard widened
+    to admit every size (``s >= 0``) is a well-formed expression (a client trial). The
+    code of the variant it lets in checks its inputs' sizes, and that refusal is a
+    ``CorruptArtifactError`` saying so (it was inductor's bare ``AssertionError``);
+    every call answers as eager or is refused."""
+    target = _copy(saved, tmp_path, "widened")
+    path = os.path.join(target, "manifest.json")
+    with open(path) as handle:
+        document = json.load(handle)
+    for variant in document["variants"]:
+        if variant["guards"]:
+            name = next(s["name"] for s in document["symbols"])
+            variant["guards"] = [f"{name} >= 0"]
+    with open(path, "w") as handle:
+        json.dump(document, handle)
+    loaded = precompile.CompiledArtifact.load(path=target, format="unpacked")
+    refused = 0
+    with torch.no_grad():
+        for batch in (1, 2, 3, 5, 16, 40):
+            x = torch.randn(batch, 32)
+            try:
+                out = loaded(*mlp.captured.flat(x))
+            except precompile.CorruptArtifactError as exc:
+                assert "refused this call's inputs" in str(exc)
+                refused += 1
+                continue
+            assert_close(out, mlp.captured.model(x))
+    assert refused > 0
