@@ -57,6 +57,7 @@ from ._signing import (
     check_signature,
     generate_signing_key,
     key_id,
+    private_key,
     resolve_trusted_keys,
     sign_digest,
 )
@@ -79,6 +80,7 @@ __all__ = [
     "env_flag",
     "generate_signing_key",
     "key_id",
+    "private_key",
     "read_bounded",
     "resolve_trusted_keys",
     "sha256_hex",

@@ -636,9 +636,11 @@ class ArtifactCache:
     ) -> PrunePlan:
         """Evict least recently used entries until the cache fits ``size_limit``, and drop
         blobs no entry references and temp files of writers that died. ``keep`` is never
-        evicted (the entry just written). ``dry_run``: only say what would go."""
+        evicted (the entry just written). ``dry_run``: only say what would go (on a
+        read-only cache too, which no writer can change under the plan: no lock)."""
         limit = self.size_limit if size_limit is None else size_limit
-        with self._gc_lock(exclusive=True):
+        planning_only = dry_run and not self.writable
+        with contextlib.nullcontext() if planning_only else self._gc_lock(exclusive=True):
             scan = self.scan()
             before = self.total_size()
             blob_sizes = self._all_blobs()

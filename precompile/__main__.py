@@ -29,13 +29,16 @@ from typing import Any, NoReturn
 from precompile.cache import (
     ArtifactCache,
     CacheEntry,
+    CorruptArtifactError,
     RemoteStore,
+    UntrustedArtifactError,
     generate_signing_key,
     key_id,
+    private_key,
     resolve_root,
     resolve_trusted_keys,
 )
-from precompile.runtime import PrecompileError
+from precompile.runtime import IncompatibleArtifactError, PrecompileError
 from precompile.runtime.compiler_interface import EntrySummary, summarize_entry
 
 
@@ -334,10 +337,13 @@ def _cache_command(args: argparse.Namespace) -> int:
     dry = args.action in ("prune", "clear") and (
         args.dry_run or not args.yes if args.action == "clear" else args.dry_run
     )
+    signing_key = private_key(args.key) if args.action == "sign" else None  # readable first
     if (args.action in _READS or dry) and not remote and not os.path.lexists(root):
         if args.action == "clear" and not args.yes and not args.dry_run:
             _fail("'cache clear' deletes every entry; add --yes")
         return _no_cache(args, root)
+    if args.action == "sign" and not remote and not os.path.lexists(root):
+        _fail(f"no cache at {root}: nothing to sign")
     store_remote, remote_options = _remote(remote, getattr(args, "remote_options", None))
     store = ArtifactCache(
         args.root,
@@ -357,7 +363,7 @@ def _cache_command(args: argparse.Namespace) -> int:
             keys, args.json, "\n".join(k[:12] for k in keys) + f"\n{len(keys)} entries in {remote}"
         )
         return 0
-    if not store.writable and args.action in ("prune", "clear", "sign"):
+    if not store.writable and args.action in ("prune", "clear", "sign") and not dry:
         raise SystemExit(
             f"precompile: cache {store.root} is read-only: cannot {args.action} it "
             "(entries can still be listed, verified and loaded)"
@@ -437,7 +443,7 @@ def _cache_command(args: argparse.Namespace) -> int:
             _find(store, prefix).key for prefix in args.keys
         ]  # fmt: skip
         for key in keys:
-            store.sign(key, args.key)
+            store.sign(key, signing_key)
         _emit({"signed": keys}, args.json, f"signed {len(keys)} entries")
     return 0
 
@@ -448,9 +454,8 @@ def _sign_command(args: argparse.Namespace) -> int:
     from precompile.runtime.compiler_interface import sign_binary, sign_unpacked
 
     path = args.path
-    signature = (
-        sign_unpacked(path, args.key) if os.path.isdir(path) else sign_binary(path, args.key)
-    )
+    key = private_key(args.key)
+    signature = sign_unpacked(path, key) if os.path.isdir(path) else sign_binary(path, key)
     print(f"signed {path} with key {signature.key_id}")
     return 0
 
@@ -579,6 +584,10 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+# What ``verify`` finds wrong with an artifact (exit 1), not a failure to check it.
+_CHECK_FAILED = (CorruptArtifactError, UntrustedArtifactError, IncompatibleArtifactError)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     handlers = {
@@ -590,9 +599,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return handlers[args.command](args)
     except (PrecompileError, OSError) as exc:
-        # A check that failed is an answer (exit 1); anything else is an error (exit 2).
+        # A check that failed is an answer (exit 1); anything else (a key file that cannot
+        # be read, say) is an error (exit 2).
         print(f"precompile: {type(exc).__name__}: {exc}", file=sys.stderr)
-        return 1 if args.command == "verify" else 2
+        return 1 if args.command == "verify" and isinstance(exc, _CHECK_FAILED) else 2
 
 
 if __name__ == "__main__":

@@ -545,6 +545,18 @@ def test_cli_exit_codes_and_reads_that_change_nothing(tmp_path: object) -> None:
     )  # fmt: skip
     assert files.returncode == 2 and "no artifact at" in files.stderr
     assert "Errno" not in files.stderr
+    # a key file that cannot be read is an error (2), not a failed check (1); signing
+    # reads it before anything else, and finds no cache where there is none
+    no_key = os.path.join(str(tmp_path), "no-such.pem")
+    unread = subprocess.run(
+        [sys.executable, "-m", "precompile", "verify", "--key", no_key, "x.pt2c"],
+        cwd=ROOT, capture_output=True, text=True,
+    )  # fmt: skip
+    assert unread.returncode == 2 and "cannot read key file" in unread.stderr, unread
+    for where in (missing, root):
+        signed = cache_cli("--root", where, "sign", "--key", no_key)
+        assert signed.returncode == 2 and "cannot read key file" in signed.stderr, signed
+    assert not os.path.exists(missing)
     blobs = os.path.join(root, "v2", "blobs")
     blob = next(os.path.join(d, f) for d, _, fs in os.walk(blobs) for f in fs)
     with open(blob, "r+b") as handle:

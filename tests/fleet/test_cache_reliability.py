@@ -156,10 +156,12 @@ def test_a_read_only_cache_serves_hits(tmp_path: Any) -> None:
         assert line in out, out
     cli = """
 import subprocess, sys
-for args in (["ls"], ["verify"], ["stats"], ["prune"], ["clear", "--yes"]):
+for args in (["ls"], ["verify"], ["stats"], ["prune"], ["clear", "--yes"],
+             ["plan", "prune", "--max-size", "0", "--dry-run"]):
+    name, args = (args[0], args[1:]) if args[0] == "plan" else (args[0], args)
     r = subprocess.run([sys.executable, "-m", "precompile", "cache", "--root", sys.argv[1], *args],
                        capture_output=True, text=True)
-    print(args[0], r.returncode, "Traceback" in r.stderr, (r.stdout + r.stderr).strip()[-90:])
+    print(name, r.returncode, "Traceback" in r.stderr, (r.stdout + r.stderr).strip()[-90:])
 """
     out = _in_namespace(mount, cli, root)
     lines = {line.split()[0]: line for line in out.strip().splitlines()}
@@ -169,6 +171,8 @@ for args in (["ls"], ["verify"], ["stats"], ["prune"], ["clear", "--yes"]):
     for action in ("prune", "clear"):
         assert lines[action].startswith(f"{action} 1 False"), lines[action]
         assert "read-only" in lines[action]
+    # a dry run only reads: it plans on a read-only cache too (it was refused, exit 1)
+    assert lines["plan"].startswith("plan 0 False") and "(limit 0 B)" in lines["plan"]
 
 
 FULL_DISK = """
