@@ -11,11 +11,14 @@ if __name__ != "precompile.cache":
     raise ImportError(f"import precompile.cache, not {__name__}: cache/ is that package's folder")
 
 from ._bytes import (
+    TEMP_PREFIX,
     atomic_file,
     check_payload_size,
     compress,
     decompress,
+    hold,
     read_bounded,
+    remove_abandoned_temps,
     sha256_hex,
     symlink_refused,
 )
@@ -70,7 +73,10 @@ __all__ = [
     "SIGNATURE_BYTES",
     "Signature",
     "TrustedKeysOption",
+    "TEMP_PREFIX",
     "atomic_file",
+    "hold",
+    "remove_abandoned_temps",
     "check_payload_size",
     "check_own_signature",
     "check_signature",

@@ -15,13 +15,21 @@ import errno
 import hashlib
 import io
 import os
+import re
+import shutil
 import stat
 import tempfile
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import IO
 
 import zstandard
+
+try:
+    import fcntl
+except ImportError:  # pragma: no cover - not POSIX: abandoned temps are not told apart
+    fcntl = None  # type: ignore[assignment]
 
 from ._errors import (
     ArtifactAccessError,
@@ -221,15 +229,72 @@ def atomic_file(path: str, mode: int = 0o600) -> Iterator[IO[bytes]]:
         )
     directory = os.path.dirname(os.path.abspath(path)) or "."
     os.makedirs(directory, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".precompile-", suffix=".tmp", dir=directory)
+    fd, tmp = tempfile.mkstemp(prefix=TEMP_PREFIX, suffix=".tmp", dir=directory)
     try:
         os.fchmod(fd, mode)
         with os.fdopen(fd, "wb") as handle:
+            hold(handle.fileno())  # in use: see remove_abandoned_temps
             yield handle
             handle.flush()
             os.fsync(handle.fileno())
-        os.replace(tmp, path)
+            os.replace(tmp, path)  # still locked: no cleanup takes it from under the rename
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
         raise
+
+
+def hold(fd: int) -> None:
+    """Mark a temp file or staging dir (its descriptor) as a write in progress, until the
+    descriptor is closed (or its process dies)."""
+    if fcntl is not None:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+
+
+TEMP_PREFIX = ".precompile-"  # the temp files and staging dirs of writes in progress
+_TEMP_NAME = re.compile(r"\.precompile-[A-Za-z0-9_]{8}(\.tmp)?")  # mkstemp's and mkdtemp's
+_TEMP_GRACE_S = 60.0  # younger: its writer may not hold its lock yet
+
+
+def remove_abandoned_temps(directory: str) -> list[str]:
+    """Remove the temp files and staging dirs in ``directory`` whose writer died (a save
+    killed part way): each writer holds a lock on its own while it writes, so one that
+    can be locked is abandoned. Those younger than a minute are left (their writer may
+    not have locked them yet), and so is anything else. Returns what went."""
+    removed: list[str] = []
+    if fcntl is None:
+        return removed
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return removed
+    for name in names:
+        if not _TEMP_NAME.fullmatch(name):
+            continue
+        path = os.path.join(directory, name)
+        try:
+            info = os.lstat(path)
+            if time.time() - info.st_mtime < _TEMP_GRACE_S or not (
+                stat.S_ISREG(info.st_mode) or stat.S_ISDIR(info.st_mode)
+            ):
+                continue
+            flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+            fd = os.open(path, flags | (os.O_DIRECTORY if stat.S_ISDIR(info.st_mode) else 0))
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            os.close(fd)
+            continue  # its writer holds it
+        try:
+            if stat.S_ISDIR(info.st_mode):
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                os.unlink(path)
+            removed.append(path)
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
+    return removed

@@ -16,6 +16,7 @@ from precompile.cache import (
     StoredEntry,
     TrustedKeysOption,
     cache_to_read,
+    remove_abandoned_temps,
     resolve_trusted_keys,
     sha256_hex,
 )
@@ -797,6 +798,9 @@ class CompiledArtifact:
                 exc.errno or 0,
                 f"could not save the artifact to {target!r} ({exc.strerror or exc})",
             ) from exc
+        # what saves killed part way left beside it (their targets were left whole)
+        for left in remove_abandoned_temps(os.path.dirname(os.path.abspath(target))):
+            log.info("removed %s, left by a save that did not finish", left)
         log.info("saved %s artifact to %s%s", format, target, " (signed)" if signing_key else "")
 
     @staticmethod

@@ -27,10 +27,12 @@ import tempfile
 from typing import Any
 
 from precompile.cache import (
+    TEMP_PREFIX,
     Signature,
     check_payload_size,
     check_signature,
     decode_json,
+    hold,
     read_bounded,
     sha256_hex,
     sign_digest,
@@ -70,8 +72,10 @@ def write_unpacked(
         )
     parent = os.path.dirname(os.path.abspath(path))
     os.makedirs(parent, exist_ok=True)
-    staging = tempfile.mkdtemp(prefix=".precompile-", dir=parent)
+    staging = tempfile.mkdtemp(prefix=TEMP_PREFIX, dir=parent)
+    held = os.open(staging, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
     try:
+        hold(held)  # in use until swapped into place (see remove_abandoned_temps)
         files: dict[str, dict[str, object]] = {}
         sources = _lean_sources(manifest)
         for digest in manifest.graph_digests:
@@ -106,6 +110,8 @@ def write_unpacked(
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
+    finally:
+        os.close(held)
 
 
 def _binary_digests(manifest: Manifest) -> tuple[str, ...]:

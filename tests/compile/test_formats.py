@@ -309,3 +309,45 @@ def test_save_never_replaces_what_is_not_an_artifact_and_names_failures(
         with pytest.raises(precompile.CacheWriteError, match="could not save the artifact"):
             mlp.artifact.save(path="/proc/self/no-artifact", format=fmt)  # type: ignore[arg-type]
     assert [p for p in os.listdir(tmp_path) if p.startswith(".precompile-")] == []
+
+
+def test_a_save_removes_what_saves_killed_part_way_left(mlp: Compiled, tmp_path: Any) -> None:
+    """A save killed part way leaves its temp file (binary) or staging dir (unpacked)
+    beside its target, the target untouched (a client trial: 25 kills, 25 left). The
+    next save there removes those whose writer is gone (each writer locks its own while
+    it writes); one a live writer holds, one younger than a minute and the previous
+    version of an unpacked artifact (``.precompile-old-*``) stay."""
+    import fcntl
+    import time as time_module
+
+    def made(name: str, directory: bool, age: float) -> str:
+        path = str(tmp_path / name)
+        if directory:
+            os.mkdir(path)
+            with open(os.path.join(path, "payload.bin"), "wb") as handle:
+                handle.write(b"x")
+        else:
+            with open(path, "wb") as handle:
+                handle.write(b"partial")
+        then = time_module.time() - age
+        os.utime(path, (then, then))
+        return path
+
+    abandoned = [made(".precompile-aaaaaaaa.tmp", False, 120),
+                 made(".precompile-bbbbbbbb", True, 120)]  # fmt: skip
+    held = made(".precompile-cccccccc.tmp", False, 120)
+    young = made(".precompile-dddddddd.tmp", False, 0)
+    previous = made(".precompile-old-eeeeeeee", True, 120)
+    other = made("notes.tmp", False, 120)
+    writer = os.open(held, os.O_RDONLY)
+    fcntl.flock(writer, fcntl.LOCK_EX)  # a save in progress, in another "process"
+    try:
+        mlp.artifact.save(path=str(tmp_path / "mlp.pt2c"))
+    finally:
+        os.close(writer)
+    assert not any(os.path.exists(p) for p in abandoned)
+    assert all(os.path.exists(p) for p in (held, young, previous, other))
+    mlp.artifact.save(path=str(tmp_path / "mlp_dir"), format="unpacked")  # type: ignore[arg-type]
+    assert not os.path.exists(held)  # its writer let go
+    loaded = precompile.CompiledArtifact.load(path=str(tmp_path / "mlp.pt2c"))
+    assert loaded.variants == mlp.artifact.variants
