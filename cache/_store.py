@@ -529,14 +529,18 @@ class ArtifactCache:
         return key, None
 
     def tagged(self, name: str) -> str | None:
-        """The key a tag names (here, else on the remote), or None."""
+        """The key a tag names (here, else on the remote), or None where no tag has the
+        name; ``CorruptArtifactError`` for a tag whose file holds no cache key."""
         key = self._tags.get(name)
         if key is None and self._tier is not None:
             self._tags._path(name)  # validates the name before it goes into a remote path
             key = self._tier.tagged(name)
         if key is not None and not is_digest(key):
-            log.warning("tag %r names %r, which is not a cache key; ignoring it", name, key)
-            return None
+            shown = key if len(key) <= 80 and key.isprintable() else f"{len(key)} characters"
+            raise CorruptArtifactError(
+                f"tag {name!r} in {self.root} holds {shown!r}, which is not a cache key (a "
+                "sha256 hex digest): the tag is damaged; tag the entry again"
+            )
         return key
 
     # -- maintenance -------------------------------------------------------------------

@@ -742,6 +742,13 @@ def test_tags_name_entries_for_servers(tmp_path: object) -> None:
         store.tag("model", "not-a-key")
     out = cache_cli("--root", str(tmp_path), "tags", "--json").stdout
     assert json.loads(out) == {"model": key_of(2)}
+    # a tag file damaged on disk is said to be, not "no entry is tagged" (a client trial)
+    tag_file = os.path.join(str(tmp_path), "v2", "tags", "model")
+    for damage in ("\x00garbage", key_of(1)[:12]):
+        with open(tag_file, "w") as handle:
+            handle.write(damage)
+        with pytest.raises(precompile.CorruptArtifactError, match=r"tag 'model' .* damaged"):
+            precompile.CompiledArtifact.load(tag="model", cache=store)
 
 
 @pytest.mark.parametrize("damage", ["fifo", "directory", "symlink", "oversized"])
