@@ -564,9 +564,12 @@ class ArtifactCache:
         found: list[CacheEntry] = []
         unreadable: list[tuple[str, str]] = []
         for name in files.listing(self._dirs["entries"]):
-            if not name.endswith(".json") or not is_digest(name[:-5]):
-                continue
+            if not name.endswith(".json"):
+                continue  # a writer's temp file, say
             path = os.path.join(self._dirs["entries"], name)
+            if not is_digest(name[:-5]):  # put there by hand: said, never read
+                unreadable.append((path, "its name is not a cache key (a sha256 hex digest)"))
+                continue
             try:
                 raw = files.read_checked(path, MAX_ENTRY_BYTES, self.trust_foreign)
                 document = decode_json(raw, path)

@@ -853,3 +853,19 @@ def test_a_captured_graph_is_named_after_its_model() -> None:
     gm, _ = precompile.capture_graph(scaled, torch.randn(2, 4))
     assert _graph_name.graph_name(gm).startswith("test_a_captured_graph_is_named_after_its")
     assert "(test_cache.py:" in _graph_name.graph_name(gm)
+
+
+def test_verify_counts_an_entry_file_that_is_no_entry(tmp_path: object) -> None:
+    """``verify`` counts every entry file it found (docs/cache.md): a ``.json`` file put
+    in ``entries/`` by hand, named by no cache key, was skipped without a word (a client
+    trial). It is reported as unreadable, and never read."""
+    store = ArtifactCache(str(tmp_path))
+    put(store, key_of(1), fake_artifact(1), {"graph": "g"})
+    stray = os.path.join(str(tmp_path), "v2", "entries", "notakey.json")
+    with open(stray, "w") as handle:
+        handle.write("{}")
+    report = store.verify()
+    assert report.checked == 2 and report.intact == 1 and report.corrupt == ()
+    assert [path for path, _ in report.unreadable] == [stray]
+    assert "not a cache key" in report.unreadable[0][1]
+    assert [e.key for e in store.entries()] == [key_of(1)]
