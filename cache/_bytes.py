@@ -248,7 +248,8 @@ def hold(fd: int) -> None:
     """Mark a temp file or staging dir (its descriptor) as a write in progress, until the
     descriptor is closed (or its process dies)."""
     if fcntl is not None:
-        fcntl.flock(fd, fcntl.LOCK_EX)
+        with contextlib.suppress(OSError):  # a file system without locks (some NFS): the
+            fcntl.flock(fd, fcntl.LOCK_EX)  # cleanup cannot lock it either, so leaves it
 
 
 TEMP_PREFIX = ".precompile-"  # the temp files and staging dirs of writes in progress
