@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import logging
+import math
 import os
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -259,6 +260,7 @@ def compile_model(
         )
     kwargs = dict(sorted((example_kwargs or {}).items()))  # a call's kwargs, sorted by name
     call = ExampleCall.of(example_args, kwargs)
+    _refuse_unrecordable_values(call)
     call, dynamic = with_distinct_tensors(call, dynamic)
     with CallerState(model, call.named_leaves()) as state:
         compiled = _compiled_model(
@@ -370,6 +372,19 @@ def _refuse_a_kv_cache_the_model_makes(model: torch.nn.Module, kwargs: Mapping[s
             f"cannot serve; pass use_cache=False, or {slots[0]}=StaticCache("
             "config=model.config, max_cache_len=N)"
         )
+
+
+def _refuse_unrecordable_values(call: ExampleCall) -> None:
+    """A plain argument is recorded in the plan (JSON) and checked against each call: a
+    float that is not finite has no JSON number (it failed in the writer, a bare
+    ``ValueError``) and a nan equals no call's. Refused by name before anything runs."""
+    for index, leaf in enumerate(call.leaves):
+        if isinstance(leaf, float) and not math.isfinite(leaf):
+            raise UnsupportedGraphError(
+                f"argument {call.argument_name(index)!r} is {leaf}: a plain float argument is "
+                "recorded and checked against each call, finite values only; pass it as a "
+                "tensor (torch.tensor(...)) to compile the model for it"
+            )
 
 
 def _refuse_a_kv_cache_of_another_batch(call: ExampleCall) -> None:

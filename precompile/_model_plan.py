@@ -129,6 +129,14 @@ def build_plan(
                 "arguments"
             )
         constants[index] = leaf
+    if trace.size_outputs:
+        raise UnsupportedGraphError(
+            f"the forward returns a value computed from a dynamic size (graph outputs "
+            f"{list(trace.size_outputs)[:4]}: x.shape[0], x.size(0) * 2 or x.shape, say); "
+            "compile_model rebuilds plain values as traced, so it would not "
+            "follow the call's sizes: return it as a tensor, or compute it from the inputs' "
+            "shapes outside the model"
+        )
     out_leaves, out_spec = tree_flatten(trace.result, is_leaf=is_kv_cache)
     produced = {id(t): i for i, t in enumerate(trace.graph_outputs) if isinstance(t, torch.Tensor)}
     passed = {id(leaves[i]): i for i in kv_caches}
@@ -140,6 +148,14 @@ def build_plan(
             outputs.append(("cache", passed[id(leaf)]))
         elif isinstance(leaf, (bool, int, float, str, type(None))):
             outputs.append(("constant", leaf))
+        elif isinstance(leaf, torch.Tensor) and (id(leaf) in leaf_of or id(leaf) in names):
+            what = "an argument" if id(leaf) in leaf_of else f"the model's {names[id(leaf)][0]}"
+            raise UnsupportedGraphError(
+                f"output leaf {index} is {what} returned as it is ({type(leaf).__name__}), "
+                "which the graph does not compute; compile_model rebuilds outputs the graph "
+                "computes, plain values and the KV caches it was passed: return a result "
+                "computed from it (x.clone(), say), or take it from your own call"
+            )
         else:
             raise UnsupportedGraphError(
                 f"output leaf {index} is a {type(leaf).__name__} that the graph does not "

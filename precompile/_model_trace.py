@@ -34,6 +34,8 @@ class ModelTrace:
     # Dynamo's own function around the model, where it traced that as the top frame in
     # place of the forward (torch.nn's own modules: ``adapter.top_frame_wrapper``)
     wrapper: Any = None
+    # graph outputs that are sizes (SymInt, SymFloat, SymBool: ``x.shape[0]``), by name
+    size_outputs: tuple[str, ...] = ()
 
 
 def trace_model(
@@ -65,6 +67,7 @@ def trace_model(
             "files": {c.co_filename for c in codes if os.path.isfile(c.co_filename)},
             "artifact": compile_graph(gm, list(example_inputs)),
             "outputs": None,
+            "size_outputs": tuple(_size_outputs(gm)),
         }
         seen.append(record)
 
@@ -116,4 +119,23 @@ def trace_model(
         guards=guards,
         traced_code=record["code"],
         wrapper=wrapper,
+        size_outputs=record["size_outputs"],
     )
+
+
+def _size_outputs(gm: torch.fx.GraphModule) -> list[str]:
+    """The graph's outputs that are symbolic sizes, not tensors: a forward that returns
+    ``x.shape[0]`` of a dynamic dim (or a shape), or stores it in an attribute, makes
+    Dynamo return it from the graph."""
+    found: list[str] = []
+    sizes = (torch.SymInt, torch.SymFloat, torch.SymBool)
+
+    def look(node: torch.fx.Node) -> torch.fx.Node:
+        if isinstance(node.meta.get("example_value"), sizes):
+            found.append(node.name)
+        return node
+
+    for node in gm.graph.nodes:
+        if node.op == "output":
+            torch.fx.node.map_arg(node.args, look)
+    return found

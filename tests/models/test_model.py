@@ -671,3 +671,56 @@ def test_a_refused_point_prints_no_traceback(capfd: pytest.CaptureFixture[str]) 
     with pytest.raises(precompile.UnsupportedGraphError, match="IndexError"):
         _graph_ops_accept(gm, [torch.randn(4, 2), torch.tensor([7])], set())
     assert "Traceback" not in capfd.readouterr().err
+
+
+class _ReturnsItsBatch(torch.nn.Module):
+    def __init__(self, store: bool = False) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+        self.store = store
+        self.seen = 0
+
+    def forward(self, x: torch.Tensor) -> Any:
+        if self.store:
+            self.seen = x.shape[0]  # a size kept in an attribute: Dynamo replays it
+            return self.lin(x)
+        return self.lin(x), x.shape[0], x.size(0) * 2
+
+
+def test_a_size_returned_or_stored_as_a_python_value_is_refused_where_it_is_dynamic() -> None:
+    """A forward returning ``x.shape[0]`` of a dynamic dim was answered with the traced
+    example's value at every size (a docs-only client trial: batch 8 gave 3 and 6, in a
+    fresh process too): the plan kept plain output values as traced. Dynamo returns such
+    a size from the graph, which is now refused at compile time (a size stored in an
+    attribute was already: the forward's Python state)."""
+    example = torch.randn(3, 4)
+    for store, said in ((False, "dynamic size"), (True, r"writes its Python state \(model.seen")):
+        model = _ReturnsItsBatch(store).eval()
+        with torch.no_grad(), pytest.raises(precompile.UnsupportedGraphError, match=said):
+            precompile.compile_model(model, (example,), dynamic={0: [0]}, cache=False)
+
+
+class _Clamp(torch.nn.Module):
+    def forward(self, x: torch.Tensor, limit: float) -> torch.Tensor:
+        return x.clamp(max=limit)
+
+
+class _ReturnsItsInput(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.ones(4))
+
+    def forward(self, x: torch.Tensor) -> Any:
+        return x * self.weight, x
+
+
+def test_a_nan_argument_and_an_input_returned_as_it_is_are_refused_by_name() -> None:
+    """A client trial: a float argument of nan or inf failed in the plan's JSON writer (a
+    bare ValueError, after the whole compile); an argument returned as it is was refused
+    with a message about KV caches."""
+    for value in (float("nan"), float("inf")):
+        with pytest.raises(precompile.UnsupportedGraphError, match=r"'limit' is .*finite"):
+            precompile.compile_model(_Clamp(), (torch.randn(3, 4),), {"limit": value},
+                                     cache=False)  # fmt: skip
+    with torch.no_grad(), pytest.raises(precompile.UnsupportedGraphError, match="an argument"):
+        precompile.compile_model(_ReturnsItsInput(), (torch.randn(3, 4),), cache=False)
