@@ -373,7 +373,11 @@ class Guard:
         if self.kind in ("equals", "named"):
             return f"{path} is {said(now)}, compiled with {said(self.expected)}"
         if self.kind == "type":
-            return f"{path} is a {now}, compiled with a {self.expected}"
+            why = ""
+            if path.endswith("._modules"):  # torch rebuilds it so on ``del layers[i]``
+                why = (" (a ModuleList or Sequential rebuilds its registry so when an item is "
+                       "deleted: compile the model again after such an edit)")  # fmt: skip
+            return f"{path} is a {now}, compiled with a {self.expected}{why}"
         if self.kind == "length":
             return f"{path} is a {now[0]} of length {now[1]}, compiled with " \
                 f"a {self.expected[0]} of length {self.expected[1]}"  # fmt: skip

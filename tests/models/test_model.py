@@ -724,3 +724,28 @@ def test_a_nan_argument_and_an_input_returned_as_it_is_are_refused_by_name() -> 
                                      cache=False)  # fmt: skip
     with torch.no_grad(), pytest.raises(precompile.UnsupportedGraphError, match="an argument"):
         precompile.compile_model(_ReturnsItsInput(), (torch.randn(3, 4),), cache=False)
+
+
+class _Blocks(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = torch.nn.ModuleList([torch.nn.Linear(4, 4) for _ in range(2)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def test_a_module_list_edited_by_del_is_refused_saying_what_to_do() -> None:
+    """``del layers[i]`` makes torch rebuild the list's registry as an ``OrderedDict``,
+    which the trace read as a ``dict``: the refusal (a client trial: permanent, though
+    the modules were the same again) says why and what to do."""
+    model = _Blocks().eval()
+    with torch.no_grad():
+        compiled = precompile.compile_model(model, (torch.randn(3, 4),), dynamic={0: [0]},
+                                            cache=False)  # fmt: skip
+        model.blocks.append(torch.nn.Linear(4, 4))
+        del model.blocks[2]
+        with pytest.raises(precompile.IncompatibleArtifactError, match="compile the model again"):
+            compiled(torch.randn(5, 4))
