@@ -33,15 +33,22 @@ def capture_graph(
         box["gm"], box["inputs"] = gm, list(example_inputs)
         return gm.forward
 
-    if isinstance(dynamic, Mapping):
-        for position, dims in dynamic.items():
-            for dim in dims:
-                adapter.mark_dynamic(args[position], dim)
-    torch.compiler.reset()
-    with torch.no_grad():
-        torch.compile(model, backend=keep, fullgraph=True, dynamic=dynamic is True or None)(
-            *args, **dict(kwargs or {})
-        )
+    # the marks are this trace's: the caller's tensors get back the ones they had
+    marked = [args[p] for p in dynamic] if isinstance(dynamic, Mapping) else []
+    before = [(tensor, adapter.dynamo_marks(tensor)) for tensor in marked]
+    try:
+        if isinstance(dynamic, Mapping):
+            for position, dims in dynamic.items():
+                for dim in dims:
+                    adapter.mark_dynamic(args[position], dim)
+        torch.compiler.reset()
+        with torch.no_grad():
+            torch.compile(model, backend=keep, fullgraph=True, dynamic=dynamic is True or None)(
+                *args, **dict(kwargs or {})
+            )
+    finally:
+        for tensor, marks in before:
+            adapter.restore_dynamo_marks(tensor, marks)
     return box["gm"], box["inputs"]
 
 

@@ -625,15 +625,19 @@ def _trace_and_compile(
 
     leaves = call.leaves
     started = time.perf_counter()
+    to_mark: list[tuple[torch.Tensor, int]] = []
     for index, wanted in dims.items():
         for dim in wanted:
             if is_kv_cache(leaves[index]):
                 kind = kv_cache_kind(leaves[index])
-                for _, field, tensor in kind.tensors(leaves[index]):
-                    if field in kind.rows:
-                        adapter.maybe_mark_dynamic(tensor, dim)
+                to_mark += [(t, dim) for _, f, t in kind.tensors(leaves[index]) if f in kind.rows]
             else:
-                adapter.maybe_mark_dynamic(leaves[index], dim)
+                to_mark.append((leaves[index], dim))
+    # the caller's tensors get Dynamo's marks for this trace only: left on them, a later
+    # trace of theirs (a compile_model naming no dynamic dim) was dynamic there too
+    marks = {id(t): (t, adapter.dynamo_marks(t)) for t, _ in to_mark}
+    for tensor, dim in to_mark:
+        adapter.maybe_mark_dynamic(tensor, dim)
 
     def compile_graph(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
         def by_input(value: Any) -> Any:
@@ -696,6 +700,8 @@ def _trace_and_compile(
         # identity reads the module's attributes, which the trace's Python may rebind).
         state.put_back(python_state)
         state.restore()
+        for tensor, before_marks in marks.values():
+            adapter.restore_dynamo_marks(tensor, before_marks)
     state.check()
     plan = build_plan(model, call, trace, advanced, dims)
     if reads_environment(trace.guards):

@@ -67,6 +67,23 @@ def maybe_mark_dynamic(tensor: torch.Tensor, dim: int) -> None:
     torch._dynamo.maybe_mark_dynamic(tensor, dim)
 
 
+def _is_dynamo_mark(name: str) -> bool:
+    return name.startswith("_dynamo_") or name == "_has_dynamo_dim_marking"
+
+
+def dynamo_marks(tensor: torch.Tensor) -> dict[str, Any]:
+    """The marks Dynamo keeps on ``tensor`` (its ``_dynamo_*`` attributes), copied."""
+    return {k: copy.copy(v) for k, v in vars(tensor).items() if _is_dynamo_mark(k)}
+
+
+def restore_dynamo_marks(tensor: torch.Tensor, marks: dict[str, Any]) -> None:
+    """Put ``tensor``'s Dynamo marks back to ``marks`` (``dynamo_marks``' snapshot)."""
+    for name in [k for k in vars(tensor) if _is_dynamo_mark(k) and k not in marks]:
+        delattr(tensor, name)
+    for name, value in marks.items():
+        setattr(tensor, name, value)
+
+
 def with_static_mark(original: torch.Tensor, copied: torch.Tensor) -> torch.Tensor:
     """``copied`` with Dynamo's static-address mark where ``original`` has one
     (transformers marks a StaticCache's tensors: a graph writes them in place, and a

@@ -749,3 +749,22 @@ def test_a_module_list_edited_by_del_is_refused_saying_what_to_do() -> None:
         del model.blocks[2]
         with pytest.raises(precompile.IncompatibleArtifactError, match="compile the model again"):
             compiled(torch.randn(5, 4))
+
+
+def test_compiling_leaves_no_dynamo_mark_on_the_callers_tensors() -> None:
+    """``dynamic=`` marked the caller's example tensors for Dynamo and left the marks: a
+    later compile of the same tensor naming no dynamic dim traced that dim as dynamic
+    (a client trial's finding, read as a build depending on the process's history).
+    The caller's own marks stay."""
+    model = _Blocks().eval()
+    example, marked = torch.randn(3, 4), torch.randn(3, 4)
+    torch._dynamo.mark_dynamic(marked, 0)
+    own = {k: v for k, v in vars(marked).items() if k.startswith("_dynamo")}
+    with torch.no_grad():
+        precompile.compile_model(model, (example,), dynamic={0: [0]}, cache=False)
+        assert not [k for k in vars(example) if "dynamo" in k]
+        precompile.compile_model(model, (marked,), cache=False)
+        assert {k: v for k, v in vars(marked).items() if k.startswith("_dynamo")} == own
+        static = precompile.compile_model(model, (example,), cache=False)
+    with pytest.raises(precompile.InputMismatchError, match="shape"):
+        static(torch.randn(5, 4))  # compiled for the example's batch only, as asked
