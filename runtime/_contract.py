@@ -329,7 +329,7 @@ class InputContract:
                 if tensor.numel() and tensor.untyped_storage().data_ptr() in storages:
                     return True
             return False
-        if self._mutated_input_aliased(args):
+        if self._mutated_input_aliased(args) is not None:
             return True
         ptrs: list[int | None] = [None] * len(args)
         for i in self._steady:
@@ -338,22 +338,24 @@ class InputContract:
         self._unaliased = (ptrs, written)
         return False
 
-    def _mutated_input_aliased(self, args: Sequence[Any]) -> bool:
-        """Whether an input the graph writes shares memory with another tensor input
-        (compiled code reads the others as they were before the write)."""
-        mutated = set()
+    def _mutated_input_aliased(self, args: Sequence[Any]) -> tuple[int, int] | None:
+        """An input the graph writes and another tensor input sharing its memory (compiled
+        code reads the other as it was before the write), as their indices; None where
+        none does."""
+        written: dict[int, int] = {}  # storage address -> the written input there
         for i in self._mutated:
             tensor = args[i]
             if tensor.numel():
-                mutated.add(tensor.untyped_storage().data_ptr())
-        if len(mutated) < sum(1 for i in self._mutated if args[i].numel()):
-            return True
+                address = tensor.untyped_storage().data_ptr()
+                if address in written:
+                    return written[address], i
+                written[address] = i
         for i in self._tensors:
             if i not in self._mutated:
                 tensor = args[i]
-                if tensor.numel() and tensor.untyped_storage().data_ptr() in mutated:
-                    return True
-        return False
+                if tensor.numel() and tensor.untyped_storage().data_ptr() in written:
+                    return written[tensor.untyped_storage().data_ptr()], i
+        return None
 
     # -- slow path -------------------------------------------------------------------
     def coerce(self, args: Sequence[Any], *, copy: bool = True) -> Prepared:
@@ -449,11 +451,14 @@ class InputContract:
         for index, spec in self._tensors.items():
             self._check_tensor_state(index, spec, args[index], grad)
             self._fit_layout(index, spec, prepared, copy)
-        if self._mutated and self._mutated_input_aliased(prepared.args):
+        aliased = self._mutated_input_aliased(prepared.args) if self._mutated else None
+        if aliased is not None:
+            written, other = (self._label(i) for i in aliased)
             raise InputMismatchError(
-                f"inputs {list(self._mutated)} are written by the graph, and one of them shares "
-                "memory with another tensor input; compiled code would read the other input "
-                "as it was before the write: pass separate tensors"
+                f"{written} is written by the graph and shares memory with {other}; "
+                "compiled code would read the other as it was before the write: pass "
+                "separate tensors",
+                input_name=written,
             )
         return prepared
 

@@ -137,7 +137,10 @@ def check_accumulate(art: Any, flat: Flat) -> list[str]:
         _refused(lambda: art(*flat(torch.zeros(1).expand(8), x)), "overlap")
         seen.append("expanded total")
         shared = torch.zeros(6, 8)
-        _refused(lambda: art(*flat(shared[0], shared[1:])), "shares memory")
+        said = _refused(lambda: art(*flat(shared[0], shared[1:])), "shares memory with")
+        # it names both inputs (a client trial: it listed the written ones by index only)
+        written, _, other = said.partition(" is written by the graph and shares memory with ")
+        assert written and other.split(";")[0] and written != other.split(";")[0], said
         seen.append("total aliasing x")
     return seen
 
