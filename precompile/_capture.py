@@ -35,8 +35,7 @@ def capture_graph(
 
     # the marks are this trace's: the caller's tensors get back the ones they had
     marked = [args[p] for p in dynamic] if isinstance(dynamic, Mapping) else []
-    before = [(tensor, adapter.dynamo_marks(tensor)) for tensor in marked]
-    try:
+    with adapter.marks_put_back(marked):
         if isinstance(dynamic, Mapping):
             for position, dims in dynamic.items():
                 for dim in dims:
@@ -46,9 +45,6 @@ def capture_graph(
             torch.compile(model, backend=keep, fullgraph=True, dynamic=dynamic is True or None)(
                 *args, **dict(kwargs or {})
             )
-    finally:
-        for tensor, marks in before:
-            adapter.restore_dynamo_marks(tensor, marks)
     return box["gm"], box["inputs"]
 
 

@@ -13,6 +13,7 @@ trace read are unchanged and runs the plan: no Dynamo frame, no compile, no comp
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import inspect
 import logging
@@ -635,7 +636,8 @@ def _trace_and_compile(
                 to_mark.append((leaves[index], dim))
     # the caller's tensors get Dynamo's marks for this trace only: left on them, a later
     # trace of theirs (a compile_model naming no dynamic dim) was dynamic there too
-    marks = {id(t): (t, adapter.dynamo_marks(t)) for t, _ in to_mark}
+    marks = contextlib.ExitStack()
+    marks.enter_context(adapter.marks_put_back([t for t, _ in to_mark]))
     for tensor, dim in to_mark:
         adapter.maybe_mark_dynamic(tensor, dim)
 
@@ -700,8 +702,7 @@ def _trace_and_compile(
         # identity reads the module's attributes, which the trace's Python may rebind).
         state.put_back(python_state)
         state.restore()
-        for tensor, before_marks in marks.values():
-            adapter.restore_dynamo_marks(tensor, before_marks)
+        marks.close()
     state.check()
     plan = build_plan(model, call, trace, advanced, dims)
     if reads_environment(trace.guards):

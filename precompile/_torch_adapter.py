@@ -71,17 +71,23 @@ def _is_dynamo_mark(name: str) -> bool:
     return name.startswith("_dynamo_") or name == "_has_dynamo_dim_marking"
 
 
-def dynamo_marks(tensor: torch.Tensor) -> dict[str, Any]:
-    """The marks Dynamo keeps on ``tensor`` (its ``_dynamo_*`` attributes), copied."""
-    return {k: copy.copy(v) for k, v in vars(tensor).items() if _is_dynamo_mark(k)}
-
-
-def restore_dynamo_marks(tensor: torch.Tensor, marks: dict[str, Any]) -> None:
-    """Put ``tensor``'s Dynamo marks back to ``marks`` (``dynamo_marks``' snapshot)."""
-    for name in [k for k in vars(tensor) if _is_dynamo_mark(k) and k not in marks]:
-        delattr(tensor, name)
-    for name, value in marks.items():
-        setattr(tensor, name, value)
+@contextmanager
+def marks_put_back(tensors: Sequence[torch.Tensor]) -> Iterator[None]:
+    """Dynamo's marks (``mark_dynamic``'s and the others, its ``_dynamo_*`` attributes)
+    made on ``tensors`` inside the block are taken off after it, and the ones they had
+    put back: a trace's marks stay that trace's."""
+    unique = list({id(t): t for t in tensors}.values())
+    before = [
+        (t, {k: copy.copy(v) for k, v in vars(t).items() if _is_dynamo_mark(k)}) for t in unique
+    ]
+    try:
+        yield
+    finally:
+        for tensor, marks in before:
+            for name in [k for k in vars(tensor) if _is_dynamo_mark(k) and k not in marks]:
+                delattr(tensor, name)
+            for name, value in marks.items():
+                setattr(tensor, name, value)
 
 
 def with_static_mark(original: torch.Tensor, copied: torch.Tensor) -> torch.Tensor:

@@ -351,10 +351,10 @@ class InputContract:
                     return written[address], i
                 written[address] = i
         for i in self._tensors:
-            if i not in self._mutated:
-                tensor = args[i]
-                if tensor.numel() and tensor.untyped_storage().data_ptr() in written:
-                    return written[tensor.untyped_storage().data_ptr()], i
+            if i not in self._mutated and args[i].numel():
+                found = written.get(args[i].untyped_storage().data_ptr())
+                if found is not None:
+                    return found, i
         return None
 
     # -- slow path -------------------------------------------------------------------
