@@ -17,7 +17,9 @@ import torch
 
 from precompile.runtime.compiler_interface import is_kv_cache, tree_flatten, tree_unflatten
 
-DynamicSpec = Mapping[int | str, Sequence[int]] | None
+# per argument (positional index or keyword name): its dynamic dims, as a list, or as a
+# mapping of each dim to the sizes it takes (``_size_ranges``: (least, most) or None)
+DynamicSpec = Mapping[int | str, Sequence[int] | Mapping[int, Any]] | None
 
 
 def argument_name(path: Any) -> str:

@@ -64,6 +64,7 @@ from ._example_call import DynamicSpec, ExampleCall, argument_name, with_distinc
 from ._model_plan import build_plan
 from ._offline import is_offline, refuse
 from ._random_policy import inductors_random_numbers
+from ._size_ranges import SizeRange, check_within, parse_range
 from ._variant_plan import Hints, Sizes, check_kinds
 
 log = logging.getLogger("precompile.compile")
@@ -125,6 +126,39 @@ def _dynamic_dims(call: ExampleCall, dynamic: DynamicSpec) -> dict[int, set[int]
                     )
             dims.setdefault(index, set()).update(wanted)
     return dims
+
+
+def _declared_ranges(call: ExampleCall, dynamic: DynamicSpec) -> dict[tuple[int, int], SizeRange]:
+    """The size ranges ``dynamic`` declares (an argument's dims mapped to ``(least,
+    most)``), per (leaf, dim); dims left at the default range are not listed."""
+    found: dict[tuple[int, int], SizeRange] = {}
+    if not isinstance(dynamic, Mapping):
+        return found
+    for key, wanted in dynamic.items():
+        if not isinstance(wanted, Mapping):
+            continue
+        for dim, value in wanted.items():
+            size_range = parse_range(value, f"{argument_name(key)} dim {dim}")
+            if size_range.default:
+                continue
+            for index, path in enumerate(call.paths):
+                leaf = call.leaves[index]
+                if path == key and (isinstance(leaf, torch.Tensor) or is_kv_cache(leaf)):
+                    found[(index, dim)] = size_range
+    return found
+
+
+def _check_ranges(
+    call: ExampleCall, ranges: Mapping[tuple[int, int], SizeRange], hints: Hints, sizes: Sizes
+) -> None:
+    """The example, hints and sizes lie in the declared ranges (before any trace)."""
+    if not ranges:
+        return
+    names = {place: f"{call.argument_name(place[0])} dim {place[1]}" for place in ranges}
+    example = {(leaf, dim): int(call.leaves[leaf].shape[dim]) for leaf, dim in ranges
+               if isinstance(call.leaves[leaf], torch.Tensor)}  # fmt: skip
+    key_of = {(leaf, dim): (call.paths[leaf], dim) for leaf, dim in ranges}
+    check_within(ranges, names, example, hints, sizes, key_of)
 
 
 def _kv_cache_batch_follows_call(call: ExampleCall, dims: dict[int, set[int]]) -> None:
@@ -295,6 +329,8 @@ def _compiled_model(
     """``compile_model`` up to its warm-up: found in the artifact store (``store_option``:
     the ``cache=`` it was given), or traced and compiled."""
     dims = _dynamic_dims(call, dynamic)
+    ranges = _declared_ranges(call, dynamic)
+    _check_ranges(call, ranges, hints, sizes)
     kv_caches = _prepare_kv_caches(model, call, state)
     if kv_caches:
         _kv_cache_batch_follows_call(call, dims)
@@ -303,6 +339,8 @@ def _compiled_model(
     from ._cache_key import cache_key, model_factors
 
     factors = model_factors(model, call.args, call.kwargs, dims, hints, sizes, options or {})
+    if ranges:  # a compile with declared ranges has other guards, and maybe fewer traces
+        factors["size_ranges"] = repr(sorted((p, r.least, r.most) for p, r in ranges.items()))
     key = cache_key(factors)
 
     blocks: list[str] = []
@@ -319,6 +357,7 @@ def _compiled_model(
                 model,
                 call,
                 dims,
+                ranges,
                 hints=hints,
                 sizes=sizes,
                 options=options,
@@ -775,6 +814,7 @@ def _trace_with_pieces(
     model: torch.nn.Module,
     call: ExampleCall,
     dims: Mapping[int, set[int]],
+    ranges: Mapping[tuple[int, int], SizeRange],
     *,
     hints: Hints,
     sizes: Sizes,
@@ -788,15 +828,23 @@ def _trace_with_pieces(
     trace, graph and plan, with the other lengths dynamic). A model whose Python branches
     on a length (``x * 2 if x.shape[0] > 1 else x * 3``) is so served each branch from a
     trace of it. Length 0 is refused (``NoVariantError``). A dynamic batch that a KV
-    cache follows is traced at 1 with a copy of the KV cache narrowed to batch 1."""
+    cache follows is traced at 1 with a copy of the KV cache narrowed to batch 1. A
+    length whose declared range (``ranges``) starts at 2 or more is not traced at 1, and
+    every graph is guarded to its lengths' declared ranges."""
     main = _trace_and_compile(
         model, call, dims, hints=hints, sizes=_at_least_two(sizes), options=options,
         store=store, state=state,
     )  # fmt: skip
-    lengths = _lengths(main, call.leaves)
+    declared = _symbol_ranges(main, call.leaves, ranges)
+    lengths = [length for length in _lengths(main, call.leaves)
+               if declared.get(length[0], SizeRange()).least < 2]  # fmt: skip
+    artifact = _within_ranges(main.artifact, declared)
+    declared_places = tuple(
+        (leaf, dim, r.least, r.most) for (leaf, dim), r in sorted(ranges.items())
+    )
+    plan = dataclasses.replace(main.plan, ranges=declared_places)
     if not lengths:
-        return main
-    artifact = main.artifact
+        return CompiledModel(model, artifact, plan, {})
     for name, _, _ in lengths:
         artifact = artifact.excluding(f"{name} >= 2")
     count = len(lengths)
@@ -838,13 +886,15 @@ def _trace_with_pieces(
                 str(exc)[:500],
             )  # fmt: skip
             continue
-        piece_artifact = piece.artifact
+        piece_artifact = _within_ranges(
+            piece.artifact, _symbol_ranges(piece, corner.leaves, ranges)
+        )
         for name, _, _ in _lengths(piece, corner.leaves):
             piece_artifact = piece_artifact.excluding(f"{name} >= 2")
         pieces[ones] = CompiledModel(model, piece_artifact, piece.plan, {})
         log.info("compile_model: traced %s apart, as Dynamo would", said)
     plan = dataclasses.replace(
-        main.plan,
+        plan,
         lengths=tuple(places[0] for _, places, _ in lengths),
         pieces=tuple(
             {"ones": sorted(ones), "manifest": p.artifact.manifest.to_json(),
@@ -876,6 +926,40 @@ def _lengths(
         if places and not other and all(int(leaves[leaf].shape[dim]) >= 2 for leaf, dim in places):
             found.append((symbol.name, places, sorted(kv_caches)))
     return found
+
+
+def _symbol_ranges(
+    compiled: CompiledModel, leaves: Sequence[Any], ranges: Mapping[tuple[int, int], SizeRange]
+) -> dict[str, SizeRange]:
+    """Per symbol of the compiled graph, the declared range of the dims it is read at (of
+    dims Dynamo found equal, the sizes all their ranges hold)."""
+    found: dict[str, SizeRange] = {}
+    if not ranges:
+        return found
+    bindings = compiled.plan.bindings
+    for symbol in compiled.artifact.manifest.symbols:
+        for src in symbol.sources:
+            kind, target = bindings[src.input_index]
+            place: tuple[int, int] | None = None
+            if kind == "leaf" and src.dim is not None:
+                place = (target, src.dim)
+            elif (
+                kind == "cache"
+                and src.dim == 0
+                and target[2] in kv_cache_kind(leaves[target[0]]).rows
+            ):
+                place = (target[0], 0)
+            if place is not None and place in ranges:
+                found[symbol.name] = found.get(symbol.name, SizeRange()).intersect(ranges[place])
+    return found
+
+
+def _within_ranges(artifact: Any, declared: Mapping[str, SizeRange]) -> Any:
+    """``artifact`` guarded to the declared ranges of its symbols."""
+    for name, size_range in sorted(declared.items()):
+        for guard in size_range.guards(name):
+            artifact = artifact.excluding(guard)
+    return artifact
 
 
 def _batch_of_one(kv_cache: Any) -> Any:

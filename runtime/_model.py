@@ -122,6 +122,9 @@ class ModelPlan:
     pieces: tuple[Mapping[str, Any], ...] = ()
     # tensor argument leaves the graph does not take, as traced (``_unbound``)
     unbound: Mapping[int, UnboundTensor] = field(default_factory=dict)
+    # sizes the caller declared a dynamic dim takes, (leaf, dim, least, most or None):
+    # the graphs are guarded to them; kept here to say so when a call is refused
+    ranges: tuple[tuple[int, int, int, int | None], ...] = ()
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -144,6 +147,7 @@ class ModelPlan:
             "lengths": [list(place) for place in self.lengths],
             "pieces": [dict(piece) for piece in self.pieces],
             "unbound": [[leaf, spec.to_json()] for leaf, spec in sorted(self.unbound.items())],
+            "ranges": [list(r) for r in self.ranges],
         }
 
     @staticmethod
@@ -258,6 +262,7 @@ class ModelPlan:
             lengths=_lengths_from_json(value.get("lengths", []), where),
             pieces=_pieces_from_json(value.get("pieces", []), where),
             unbound=_unbound_from_json(value.get("unbound"), where),
+            ranges=_ranges_from_json(value.get("ranges", []), where),
         )
 
 
@@ -279,6 +284,19 @@ def _lengths_from_json(value: Any, where: str) -> tuple[tuple[int, int], ...]:
     ):
         raise CorruptArtifactError(f"{where} field lengths is malformed")
     return tuple((p[0], p[1]) for p in value)
+
+
+def _ranges_from_json(value: Any, where: str) -> tuple[tuple[int, int, int, int | None], ...]:
+    def natural(item: Any) -> bool:
+        return type(item) is int and item >= 0
+
+    if not isinstance(value, list) or len(value) > 4096 or not all(
+        isinstance(r, list) and len(r) == 4 and all(natural(i) for i in r[:3])
+        and (r[3] is None or natural(r[3]))
+        for r in value
+    ):  # fmt: skip
+        raise CorruptArtifactError(f"{where} field ranges is malformed")
+    return tuple((r[0], r[1], r[2], r[3]) for r in value)
 
 
 def _pieces_from_json(value: Any, where: str) -> tuple[Mapping[str, Any], ...]:
@@ -418,8 +436,11 @@ class CompiledModel:
     def refused_at_one(self) -> list[tuple[str, int]]:
         """The dynamic lengths, as (argument, dim), that no trace serves at 1 alone: a
         call with that length at 1 is refused (``NoVariantError``), since the model's
-        forward refused such a call or could not be traced there when it was compiled."""
-        return [
+        forward refused such a call or could not be traced there when it was compiled, or
+        its declared range starts above 1."""
+        declared = [(self._names[leaf], dim) for leaf, dim, least, _ in self.plan.ranges
+                    if least >= 2]  # fmt: skip
+        return declared + [
             (self._names[leaf], dim)
             for index, (leaf, dim) in enumerate(self._lengths)
             if frozenset({index}) not in self.pieces
@@ -554,6 +575,30 @@ class CompiledModel:
             if said is None:
                 raise
             raise said from None
+        except NoVariantError:
+            outside = self._range_refusal(leaves)
+            if outside is None:
+                raise
+            raise outside from None
+
+    def _range_refusal(self, leaves: list[Any]) -> NoVariantError | None:
+        """Where a refused call has a dim outside the range the caller declared for it at
+        compile time: that, in the call's terms (the guards' words name symbols)."""
+        for leaf, dim, least, most in self.plan.ranges:
+            value = leaves[leaf]
+            if not isinstance(value, torch.Tensor) or dim >= value.dim():
+                continue
+            size = int(value.shape[dim])
+            if size < least or (most is not None and size > most):
+                name = f"{self._names[leaf]} dim {dim}"
+                return NoVariantError(
+                    f"{name} is {size}, outside the range [{least}, "
+                    f"{'no bound' if most is None else most}] it was compiled for "
+                    "(compile_model's dynamic=); compile with a range that holds it",
+                    sizes={name: size},
+                    candidates=(),
+                )
+        return None
 
     def _shape_refusal(self, leaves: list[Any]) -> InputMismatchError | None:
         """Where a refused call has a tensor argument of another rank, or another size in
@@ -817,6 +862,14 @@ class CompiledModel:
         sampling: Sampling,
         attention_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        if ("input_ids", 1) in self.refused_at_one():
+            raise NoVariantError(
+                "this model serves no call of one token (input_ids dim 1 at 1: its declared "
+                "range starts above 1, or no trace serves it), and every decode step is one; "
+                "compile it for lengths from 1",
+                sizes={"input_ids dim 1": 1},
+                candidates=(),
+            )
         names = [n for n in dict.fromkeys(self._names) if n]
         constants = {self._names[i]: v for i, v in self.plan.constants.items()}
         with torch.no_grad():
