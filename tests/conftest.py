@@ -41,8 +41,20 @@ sys.path.insert(0, os.path.join(ROOT, "examples"))
 
 from demo import MLP  # noqa: E402  (the demo's model doubles as the test MLP)
 
+# Folders by what their files cost, dearest first: pytest-xdist hands each worker the
+# next file in collection order (``--dist loadfile``), so the long files start first and
+# the short ones fill in at the end, instead of one worker running a long file alone.
+_COST_ORDER = ("models", "fleet", "compile", "gpu", "unit")
+
+
+def _cost_rank(item: pytest.Item) -> int:
+    parts = item.path.parts
+    folder = parts[parts.index("tests") + 1] if "tests" in parts[:-1] else ""
+    return _COST_ORDER.index(folder) if folder in _COST_ORDER else len(_COST_ORDER)
+
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    items.sort(key=_cost_rank)  # stable: a file's tests keep their order
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")

@@ -1024,7 +1024,10 @@ def test_generate_serves_left_padded_prompts(cache_dir: str, llama: tuple[Any, A
     call = {"input_ids": torch.randint(1, VOCAB, (2, 7)), "past_key_values": new_cache(model),
             "attention_mask": torch.ones(2, MAX_CACHE, dtype=torch.long),
             "position_ids": torch.arange(7).repeat(2, 1), "use_cache": True}  # fmt: skip
-    dynamic = {"input_ids": [0, 1], "attention_mask": [0], "position_ids": [0, 1]}
+    # batches of 2 and more (the prompts here are 3): no trace at batch 1, two not four
+    batches = (2, None)
+    dynamic = {"input_ids": {0: batches, 1: None}, "attention_mask": {0: batches},
+               "position_ids": {0: batches, 1: None}}  # fmt: skip
     with (
         torch.no_grad(),
         pytest.raises(

@@ -332,7 +332,8 @@ def test_labels_compiled_from_the_ids_tensor_are_an_input_of_their_own(tmp_path:
     with torch.no_grad():
         compiled = precompile.compile_model(
             model, (), {"input_ids": ids, "labels": ids, "use_cache": False},
-            dynamic={"input_ids": [1]}, hints=[8], sizes=[], cache=str(tmp_path), warmup=False,
+            dynamic={"input_ids": {1: (2, None)}}, hints=[8], sizes=[], cache=str(tmp_path),
+            warmup=False,
         )  # fmt: skip
         torch.manual_seed(5)
         for length in (6, 9):
@@ -382,7 +383,7 @@ x = torch.randn(5, 8)
 with torch.no_grad():
     try:
         compiled = precompile.compile_model(
-            model, (x,), dynamic={{0: [0]}}, cache={cache!r}, warmup=False
+            model, (x,), dynamic={{0: {{0: (2, None)}}}}, cache={cache!r}, warmup=False
         )
     except precompile.ArtifactNotFoundError as exc:
         print("ArtifactNotFoundError", exc)
