@@ -195,7 +195,11 @@ def test_a_model_whose_trace_draws_otherwise_is_refused() -> None:
     ids = torch.randint(1, 512, (1, 7))
     with torch.no_grad():
         compiled = precompile.compile_model(
-            model, (ids,), {"use_cache": False}, dynamic={0: {1: (2, None)}}, hints=[8],
+            model,
+            (ids,),
+            {"use_cache": False},
+            dynamic={0: {1: (2, None)}},
+            hints=[8],
             cache=False,
         )  # lengths of 2 and more: one trace
         for n in (7, 12):
