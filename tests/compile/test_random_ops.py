@@ -194,14 +194,11 @@ def test_a_model_whose_trace_draws_otherwise_is_refused() -> None:
     model = transformers.LlamaForCausalLM(config).train()
     ids = torch.randint(1, 512, (1, 7))
     with torch.no_grad():
+        # lengths of 2 and more, the lengths called below: one trace
         compiled = precompile.compile_model(
-            model,
-            (ids,),
-            {"use_cache": False},
-            dynamic={0: {1: (2, None)}},
-            hints=[8],
+            model, (ids,), {"use_cache": False}, dynamic={0: {1: (2, None)}}, hints=[8],
             cache=False,
-        )  # lengths of 2 and more: one trace
+        )  # fmt: skip
         for n in (7, 12):
             x = torch.randint(1, 512, (1, n))
             torch.manual_seed(4)
