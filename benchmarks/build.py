@@ -22,7 +22,9 @@ layers compiled once);
 ``compile_model, cuBLAS GEMMs``: with ``options={"config_patches": {"max_autotune_gemm":
 False}}`` (inductor's default GEMMs, no autotuning); ``compile_model, variants in
 workers`` and ``compile_model, variants in one process``: ``PRECOMPILE_COMPILE_WORKERS``
-4 and 0 (the default row has the library's choice). ``--logs DIR`` keeps each row's log.
+4 and 0 (the default row has the library's choice); ``compile_model, lengths from 2``: the
+sequence declared from 2 (``dynamic={0: {1: (2, None)}}``), so no trace at length 1.
+``--logs DIR`` keeps each row's log.
 
 ``--steady``: after its first output each row's process also times what a build trades
 against: the first call at sizes it has not run (``new_size_ms``: 100, 300 and 1000 tokens,
@@ -64,6 +66,7 @@ ROWS = [
     "compile_model before",
     "compile_model, variants in workers",
     "compile_model, variants in one process",
+    "compile_model, lengths from 2",
 ]
 DEFAULT_ROWS = ROWS[:5]
 GPU_ONLY = ("compile_model + cudagraphs",)
@@ -131,8 +134,10 @@ def child(row: str, layers: int, device: str, steady: bool = False) -> dict[str,
         if row.startswith("compile_model"):
             options = ({"config_patches": {"max_autotune_gemm": False}}
                        if row == "compile_model, cuBLAS GEMMs" else None)  # fmt: skip
+            # the sequence from 2 (a declared range): no trace at length 1
+            lengths = {1: (2, None)} if row == "compile_model, lengths from 2" else [1]
             compiled = precompile.compile_model(
-                model, (ids,), {"use_cache": False}, dynamic={0: [1]}, hints=HINTS,
+                model, (ids,), {"use_cache": False}, dynamic={0: lengths}, hints=HINTS,
                 cudagraphs=True if row == "compile_model + cudagraphs" else None,
                 options=options,
             )  # fmt: skip
