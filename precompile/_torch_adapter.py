@@ -506,14 +506,6 @@ def inductor_cache_dir(directory: str) -> Iterator[None]:
         yield
 
 
-def triton_kernel_dir(device: int) -> str:
-    """The directory Triton's compiled kernels for ``device`` go to in this process now:
-    ``$TRITON_CACHE_DIR``, else the one under inductor's cache dir."""
-    from torch._inductor.runtime.cache_dir_utils import triton_cache_dir
-
-    return str(triton_cache_dir(device))
-
-
 def clear_aot_autograd_cache(directory: str) -> None:
     """Remove the AOTAutograd cache entries under inductor's cache ``directory``."""
     shutil.rmtree(os.path.join(directory, "aotautograd"), ignore_errors=True)

@@ -117,17 +117,11 @@ def _job_key(request: VariantRequest) -> tuple[str, tuple[int, ...]]:
 
 
 class _Worker:
-    def __init__(self, context: str, triton_dir: str | None) -> None:
+    def __init__(self, context: str) -> None:
         env = dict(os.environ)
         env.pop("PRECOMPILE_BUILD_DIR", None)  # a worker builds in a directory of its own
         if env.get("TORCHINDUCTOR_CACHE_DIR") == build_dir():
             env.pop("TORCHINDUCTOR_CACHE_DIR")  # this process's build dir, swapped in
-        if triton_dir is not None:
-            # Triton's binaries in the building process's directory for them: Triton
-            # keys each by its source and options (written atomically), so a kernel one
-            # variant's process compiled is found by the others' (a template at one
-            # block config whatever the hint, a pointwise kernel at one launch config)
-            env["TRITON_CACHE_DIR"] = triton_dir
         self.process = subprocess.Popen(
             [sys.executable, "-m", "precompile._variant_workers", context],
             stdin=subprocess.PIPE,
@@ -188,9 +182,7 @@ class VariantWorkers:
     """Workers compiling the variants a graph's compile hands them, in queue order; the
     building process ``take``s each variant's result when it reaches it."""
 
-    def __init__(
-        self, context: bytes, jobs: Sequence[_Job], count: int, triton_dir: str | None
-    ) -> None:
+    def __init__(self, context: bytes, jobs: Sequence[_Job], count: int) -> None:
         # A file the workers read once they have imported torch, instead of a pipe that
         # would hold this process until each had (seconds per worker on a GPU host).
         descriptor, self._context = tempfile.mkstemp(suffix=".context", dir=build_dir())
@@ -200,7 +192,7 @@ class VariantWorkers:
         self._workers: list[_Worker] = []
         self._by_key: dict[tuple[str, tuple[int, ...]], _Worker] = {}
         for _ in range(count):
-            worker = _Worker(self._context, triton_dir)
+            worker = _Worker(self._context)
             self._workers.append(worker)
             self._next(worker)
 
@@ -253,8 +245,7 @@ class VariantWorkers:
             for number, request in enumerate(queue)
         ][1:]
         log.info("compiling %d variant(s) in %d worker process(es)", len(jobs), count)
-        triton_dir = adapter.triton_kernel_dir(torch.cuda.current_device()) if cuda else None
-        return cls(context, jobs, count, triton_dir)
+        return cls(context, jobs, count)
 
     def _next(self, worker: _Worker) -> None:
         """The next variant not handed out to ``worker``; one it cannot take (it died)
