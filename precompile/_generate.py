@@ -630,7 +630,8 @@ def _tokens_in_vocabulary(model: torch.nn.Module, kwargs: Mapping[str, Any]) -> 
 def _refusal(kwargs: Mapping[str, Any], dynamic_batch: bool, error: Exception) -> str:
     """Which of generate's calls could not be compiled, and why."""
     message = f"serve_generate could not compile {_describe_call(kwargs)}: {error}"
-    if dynamic_batch and "dynamic dim 0 " in str(error) and "specialized" in str(error):
+    specialized = getattr(error, "specialized", None)
+    if dynamic_batch and specialized is not None and specialized[1] == 0:
         message += (
             "; serve_generate(dynamic_batch=False) compiles each batch size apart, where "
             "the model's code fixes the batch"

@@ -1023,9 +1023,10 @@ def _check_dynamic(
             size = bound.get((leaf, dim))
             if isinstance(size, int):
                 raise UnsupportedGraphError(
-                    f"dynamic dim {dim} of argument {argument_name(paths[leaf])!r} was "
+                    f"dynamic dim {dim} of argument {paths[leaf]!r} was "
                     f"specialized to {size} by the trace (the model's code fixes it); the "
-                    "compiled model could serve that size only"
+                    "compiled model could serve that size only",
+                    specialized=(argument_name(paths[leaf]), dim),
                 )
 
 

@@ -95,7 +95,15 @@ class IncompatibleArtifactError(PrecompileError, RuntimeError):
 
 
 class UnsupportedGraphError(PrecompileError, NotImplementedError):
-    """The graph uses something this library cannot compile into checked variants yet."""
+    """The graph uses something this library cannot compile into checked variants yet.
+
+    ``specialized``: where the refusal is a dim asked to be dynamic that the trace fixed
+    (the model's code reads it as a constant), that ``(argument, dim)``; else None.
+    """
+
+    def __init__(self, *args: object, specialized: tuple[str, int] | None = None) -> None:
+        super().__init__(*args)
+        self.specialized = specialized
 
 
 class ArtifactNotFoundError(PrecompileError, FileNotFoundError):

@@ -372,7 +372,10 @@ def test_serve_generate_checks_its_options_before_any_call(
 
     def refuses(*args: Any, **kwargs: Any) -> None:
         tried.append(kwargs)
-        raise precompile.UnsupportedGraphError("dynamic dim 0 was specialized to 2")
+        # the hint follows the error's field, not its words
+        raise precompile.UnsupportedGraphError(
+            "the batch was fixed at 2 by the trace", specialized=("input_ids", 0)
+        )
 
     monkeypatch.setattr(_generate, "compile_model", refuses)
     prompt = torch.randint(0, VOCAB, (2, 4))
@@ -386,7 +389,7 @@ def test_serve_generate_checks_its_options_before_any_call(
                                do_sample=False, pad_token_id=0)  # fmt: skip
             text = str(refused.value)
             assert "generate's prefill" in text and "dynamic_batch=False" in text, text
-            assert "specialized to 2" in text
+            assert "fixed at 2" in text
     assert len(tried) == 1  # the second generate was refused without a new trace
     assert "forward" not in vars(model)
 

@@ -769,3 +769,20 @@ def test_compiling_leaves_no_dynamo_mark_on_the_callers_tensors() -> None:
         static = precompile.compile_model(model, (example,), cache=False)
     with pytest.raises(precompile.InputMismatchError, match="shape"):
         static(torch.randn(5, 4))  # compiled for the example's batch only, as asked
+
+
+class FixesItsRows(torch.nn.Module):
+    """Branches on one exact row count: Dynamo specializes the dim to it."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * 2 if x.shape[0] == 3 else x
+
+
+def test_a_dynamic_dim_the_trace_fixes_is_refused_naming_it() -> None:
+    """The refusal says which dim the model's code fixed, in words and in a field
+    (``specialized``) a caller such as ``serve_generate`` reads instead of the words."""
+    with torch.no_grad(), pytest.raises(precompile.UnsupportedGraphError) as refused:
+        precompile.compile_model(FixesItsRows(), (torch.randn(3, 4),), dynamic={0: [0]},
+                                 cache=False)  # fmt: skip
+    assert "dynamic dim 0 of argument 0 was specialized to 3" in str(refused.value)
+    assert refused.value.specialized == ("argument 0", 0)
