@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from numbers import Integral
 from typing import Any
 
 from precompile.runtime import InvalidOptionError
@@ -54,14 +55,27 @@ class SizeRange:
 
 
 def _bound(value: Any) -> int | None:
-    """A ``torch.export.Dim`` bound as an int (its unbounded max, ``int_oo``, as None)."""
-    if value is None:
+    """A ``torch.export.Dim`` bound as an int; its unbounded max (``int_oo``, a sympy
+    number, not an int) as None."""
+    if isinstance(value, bool) or not isinstance(value, int):
         return None
-    try:
-        number = int(value)
-    except (TypeError, ValueError, OverflowError):
-        return None  # int_oo converts to neither
-    return None if number >= 1 << 62 else number
+    return None if value >= 1 << 62 else value
+
+
+def _is_export_dim(value: Any) -> bool:
+    """A ``torch.export.Dim``: an instance of the class (torch 2.13), or the class a call
+    of ``Dim`` made (earlier torch, whose ``Dim`` is a function). Not any object with a
+    ``min`` and a ``max`` (a NumPy array has both, as methods)."""
+    import torch.export
+
+    dim = torch.export.Dim
+    if isinstance(dim, type) and isinstance(value, dim):
+        return True
+    return (
+        isinstance(value, type)
+        and type(value).__name__ == "_Dim"
+        and isinstance(getattr(value, "min", None), int)
+    )
 
 
 def parse_range(value: Any, where: str) -> SizeRange:
@@ -74,19 +88,19 @@ def parse_range(value: Any, where: str) -> SizeRange:
                 f"dynamic {where}: a range is (least, most), most None for no bound; got {value!r}"
             )
         least, most = value
-    elif hasattr(value, "min") and hasattr(value, "max") and not isinstance(value, (int, str)):
-        least, most = max(_bound(value.min) or 1, 1), _bound(value.max)  # torch.export.Dim
+    elif _is_export_dim(value):
+        least, most = max(_bound(value.min) or 1, 1), _bound(value.max)
     else:
         raise InvalidOptionError(
             f"dynamic {where}: a range is (least, most), a torch.export.Dim or None; got {value!r}"
         )
     for bound, name in ((least, "least"), (most, "most")):
-        if bound is not None and (isinstance(bound, bool) or not isinstance(bound, int)):
+        if bound is not None and (isinstance(bound, bool) or not isinstance(bound, Integral)):
             raise InvalidOptionError(
                 f"dynamic {where}: the {name} size must be an int, got {bound!r}"
             )
-    if least is None:
-        least = 1
+    least = 1 if least is None else int(least)
+    most = None if most is None else int(most)
     if least < 1:
         raise InvalidOptionError(
             f"dynamic {where}: the least size must be at least 1 (a call of size 0 is "

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from conftest import run_python
@@ -118,6 +119,18 @@ def test_a_range_is_a_torch_export_dim_too_and_bad_ranges_are_refused_before_a_t
         )  # fmt: skip
         with pytest.raises(precompile.NoVariantError, match=r"range \[2, 16\]"):
             compiled(torch.randn(1, 3))
+        # a Dim's defaults (no bound above), and NumPy's ints, are ranges too
+        unbounded = precompile.compile_model(
+            SumOrTriple(), example, dynamic={0: {0: Dim("rows", max=64)}}, hints=[8],
+            cache=False,
+        )  # fmt: skip
+        assert unbounded.pieces  # from 1: traced at 1 too
+        with pytest.raises(precompile.NoVariantError, match=r"range \[1, 64\]"):
+            unbounded(torch.randn(65, 3))
+        precompile.compile_model(SumOrTriple(), example, dynamic={0: {0: Dim("any")}},
+                                 hints=[8], cache=False)  # fmt: skip
+        precompile.compile_model(SumOrTriple(), example, dynamic={0: {0: (np.int64(2), None)}},
+                                 hints=[8], cache=False)  # fmt: skip
     cases = [
         ({0: {0: (0, 8)}}, [8], "least size must be at least 1"),
         ({0: {0: (5, 8)}}, [8], "is 4 in the example call, outside its declared range"),
@@ -125,6 +138,7 @@ def test_a_range_is_a_torch_export_dim_too_and_bad_ranges_are_refused_before_a_t
         ({0: {0: (2, 8, 9)}}, [8], "a range is"),
         ({0: {0: "wide"}}, [8], "a range is"),
         ({0: {0: (2.0, None)}}, [8], "must be an int"),
+        ({0: {0: np.array([2, 8])}}, [8], "a range is"),  # a min and a max, but not a Dim
         ({0: {0: (2, 8)}}, [16], "hint 16 .* outside its declared range .* per dim"),
         ({0: {0: (2, 8)}}, {(0, 0): [1]}, "hint 1 for argument 0 dim 0 is outside"),
     ]
