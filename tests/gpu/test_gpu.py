@@ -430,3 +430,29 @@ def test_a_torchvision_resnet_is_served_equal_to_eager_and_warm_starts(tmp_path:
         torch.backends.cudnn.allow_tf32 = allowed
     out = run_python(AUDIT + RESNET_WARM.format(counted=COUNTED, weights=weights, store=store))
     assert "frames 0 compiles 0 spawned 0 []" in out, out
+
+
+def test_a_cuda_llama_with_lengths_from_2_is_one_trace(tmp_path: object) -> None:
+    """The sequence declared from 2 to 512 on a bf16 Llama: no trace at 1, eager's logits
+    from 2 to 512 (one graph), and 1 and 513 refused by name, here and after a load."""
+    from tiny_models_helpers import VOCAB, tiny_llama
+
+    model = tiny_llama().to("cuda", torch.bfloat16)
+    ids = torch.randint(0, VOCAB, (2, 16), device="cuda")
+    options = dict(dynamic={0: {1: (2, 512)}}, hints={(0, 1): [16, 256]})
+    with torch.no_grad():
+        compiled = precompile.compile_model(model, (ids,), {"use_cache": False}, **options,
+                                            cache=str(tmp_path))  # fmt: skip
+        again = precompile.compile_model(model, (ids,), {"use_cache": False}, **options,
+                                         cache=str(tmp_path), compile=False)  # fmt: skip
+        assert compiled.pieces == {} and again.pieces == {}
+        for served in (compiled, again):
+            for length in (2, 7, 100, 512):
+                x = torch.randint(0, VOCAB, (2, length), device="cuda")
+                got = served(x, use_cache=False).logits
+                torch.testing.assert_close(got, model(x, use_cache=False).logits,
+                                           rtol=2e-2, atol=2e-2)  # fmt: skip
+            for length in (1, 513):
+                x = torch.randint(0, VOCAB, (2, length), device="cuda")
+                with pytest.raises(precompile.NoVariantError, match=r"range \[2, 512\]"):
+                    served(x, use_cache=False)
