@@ -78,8 +78,8 @@ class ExampleCall:
 
 
 def with_distinct_tensors(
-    call: ExampleCall, dynamic: DynamicSpec
-) -> tuple[ExampleCall, DynamicSpec]:
+    call: ExampleCall, dynamic: DynamicSpec, hints: Any = None
+) -> tuple[ExampleCall, DynamicSpec, Any]:
     """The example call with each tensor that fills more than one argument slot
     (``labels=input_ids``, the usual call of a causal LM's loss) copied into every slot
     after its first. Dynamo traces one tensor as one graph input, and the plan bound
@@ -91,7 +91,9 @@ def with_distinct_tensors(
     an input the graph writes). A copy's argument gets the dynamic dims ``dynamic``
     names for the slot it was copied from, where ``dynamic`` names none of its own: the
     same tensor, so the same dims (with ``labels=input_ids``, ``dynamic={"input_ids":
-    [1]}`` makes both lengths dynamic, as it did when they were one input)."""
+    [1]}`` makes both lengths dynamic, as it did when they were one input), and likewise
+    the per-dim ``hints`` keyed ``(argument, dim)`` (without them the copy's dim was
+    compiled at the example's size, not the hint the caller gave its twin)."""
     leaves, paths = list(call.leaves), call.paths
     first: dict[int, int] = {}
     twins: list[tuple[int, int]] = []
@@ -106,11 +108,18 @@ def with_distinct_tensors(
             twins.append((index, first[id(leaf)]))
         first.setdefault(id(leaf), index)
     if not twins:
-        return call, dynamic
+        return call, dynamic, hints
     if isinstance(dynamic, Mapping):
         dynamic = dict(dynamic)
         for copy_index, original in twins:
             source, target = paths[original], paths[copy_index]
             if source in dynamic and target not in dynamic:
                 dynamic[target] = dynamic[source]
-    return call.with_leaves(leaves), dynamic
+    if isinstance(hints, Mapping):
+        hints = dict(hints)
+        for copy_index, original in twins:
+            source, target = paths[original], paths[copy_index]
+            for key, values in list(hints.items()):
+                if isinstance(key, tuple) and len(key) == 2 and key[0] == source:
+                    hints.setdefault((target, key[1]), values)
+    return call.with_leaves(leaves), dynamic, hints

@@ -91,6 +91,16 @@ def _dynamic_dims(call: ExampleCall, dynamic: DynamicSpec) -> dict[int, set[int]
             f"dynamic must map an argument to its dynamic dims, got {dynamic!r}"
         )
     for key, wanted in dynamic.items():
+        if isinstance(wanted, (str, bytes)) or not isinstance(wanted, (Sequence, Mapping)):
+            raise InvalidOptionError(
+                f"dynamic[{key!r}] must be a list of dims or a dict of dims to size ranges "
+                f"((least, most)), got {wanted!r}"
+            )
+        for dim in wanted:
+            if isinstance(dim, bool) or not isinstance(dim, int):
+                raise InvalidOptionError(
+                    f"dynamic[{key!r}] names dim {dim!r}: a dim is an int index"
+                )
         matches = [
             i
             for i, path in enumerate(spec_paths)
@@ -149,9 +159,30 @@ def _declared_ranges(call: ExampleCall, dynamic: DynamicSpec) -> dict[tuple[int,
 
 
 def _check_ranges(
-    call: ExampleCall, ranges: Mapping[tuple[int, int], SizeRange], hints: Hints, sizes: Sizes
+    call: ExampleCall,
+    dims: Mapping[int, set[int]],
+    ranges: Mapping[tuple[int, int], SizeRange],
+    hints: Hints,
+    sizes: Sizes,
 ) -> None:
-    """The example, hints and sizes lie in the declared ranges (before any trace)."""
+    """Before any trace: per-dim hints name dynamic dims, at sizes of 1 and more, and the
+    example, hints and sizes lie in the declared ranges."""
+    for key, values in hints.items() if isinstance(hints, Mapping) else ():
+        if not (isinstance(key, tuple) and len(key) == 2):
+            continue  # symbol names: the graph's to check
+        argument, dim = key
+        if not any(path == argument and dim in dims.get(leaf, ()) for leaf, path in
+                   enumerate(call.paths)):  # fmt: skip
+            raise InvalidOptionError(
+                f"hints name {key!r}, but dim {dim!r} of argument {argument!r} is not a "
+                "dynamic dim of the call (dynamic= names those)"
+            )
+        bad = [v for v in (values if isinstance(values, Sequence) else ())
+               if isinstance(v, int) and not isinstance(v, bool) and v < 1]  # fmt: skip
+        if bad:
+            raise InvalidOptionError(
+                f"hints for {key!r} hold {bad[0]}: a hint is a size of 1 or more"
+            )
     if not ranges:
         return
     names = {place: f"{call.argument_name(place[0])} dim {place[1]}" for place in ranges}
@@ -296,7 +327,7 @@ def compile_model(
     kwargs = dict(sorted((example_kwargs or {}).items()))  # a call's kwargs, sorted by name
     call = ExampleCall.of(example_args, kwargs)
     _refuse_unrecordable_values(call)
-    call, dynamic = with_distinct_tensors(call, dynamic)
+    call, dynamic, hints = with_distinct_tensors(call, dynamic, hints)
     with CallerState(model, call.named_leaves()) as state:
         compiled = _compiled_model(
             model, call, state,
@@ -330,7 +361,7 @@ def _compiled_model(
     the ``cache=`` it was given), or traced and compiled."""
     dims = _dynamic_dims(call, dynamic)
     ranges = _declared_ranges(call, dynamic)
-    _check_ranges(call, ranges, hints, sizes)
+    _check_ranges(call, dims, ranges, hints, sizes)
     kv_caches = _prepare_kv_caches(model, call, state)
     if kv_caches:
         _kv_cache_batch_follows_call(call, dims)
@@ -835,14 +866,19 @@ def _trace_with_pieces(
         model, call, dims, hints=hints, sizes=_at_least_two(sizes), options=options,
         store=store, state=state,
     )  # fmt: skip
-    declared = _symbol_ranges(main, call.leaves, ranges)
+    places = _symbol_places(main, call.leaves)
+    declared = _symbol_ranges(places, ranges)
+    _refuse_narrowed_ranges(main.artifact, declared, places, call)
     lengths = [length for length in _lengths(main, call.leaves)
                if declared.get(length[0], SizeRange()).least < 2]  # fmt: skip
     artifact = _within_ranges(main.artifact, declared)
-    declared_places = tuple(
-        (leaf, dim, r.least, r.most) for (leaf, dim), r in sorted(ranges.items())
-    )
-    plan = dataclasses.replace(main.plan, ranges=declared_places)
+    # each dim's range is its symbol's: a dim Dynamo found equal to a declared one (the
+    # call's batch beside a KV cache's) is refused by name outside it too
+    effective = {place: declared[name] for name, found in places.items() if name in declared
+                 for place in found}  # fmt: skip
+    plan = dataclasses.replace(main.plan, ranges=tuple(
+        (leaf, dim, r.least, r.most) for (leaf, dim), r in sorted(effective.items())
+    ))  # fmt: skip
     if not lengths:
         return CompiledModel(model, artifact, plan, {})
     for name, _, _ in lengths:
@@ -886,9 +922,10 @@ def _trace_with_pieces(
                 str(exc)[:500],
             )  # fmt: skip
             continue
-        piece_artifact = _within_ranges(
-            piece.artifact, _symbol_ranges(piece, corner.leaves, ranges)
-        )
+        piece_places = _symbol_places(piece, corner.leaves)
+        piece_declared = _symbol_ranges(piece_places, ranges)
+        _refuse_narrowed_ranges(piece.artifact, piece_declared, piece_places, corner)
+        piece_artifact = _within_ranges(piece.artifact, piece_declared)
         for name, _, _ in _lengths(piece, corner.leaves):
             piece_artifact = piece_artifact.excluding(f"{name} >= 2")
         pieces[ones] = CompiledModel(model, piece_artifact, piece.plan, {})
@@ -928,14 +965,12 @@ def _lengths(
     return found
 
 
-def _symbol_ranges(
-    compiled: CompiledModel, leaves: Sequence[Any], ranges: Mapping[tuple[int, int], SizeRange]
-) -> dict[str, SizeRange]:
-    """Per symbol of the compiled graph, the declared range of the dims it is read at (of
-    dims Dynamo found equal, the sizes all their ranges hold)."""
-    found: dict[str, SizeRange] = {}
-    if not ranges:
-        return found
+def _symbol_places(
+    compiled: CompiledModel, leaves: Sequence[Any]
+) -> dict[str, list[tuple[int, int]]]:
+    """Per symbol of the compiled graph, the (leaf, dim) places it is read at: argument
+    dims, and a KV cache's batch as (its leaf, 0)."""
+    found: dict[str, list[tuple[int, int]]] = {}
     bindings = compiled.plan.bindings
     for symbol in compiled.artifact.manifest.symbols:
         for src in symbol.sources:
@@ -949,9 +984,67 @@ def _symbol_ranges(
                 and target[2] in kv_cache_kind(leaves[target[0]]).rows
             ):
                 place = (target[0], 0)
-            if place is not None and place in ranges:
-                found[symbol.name] = found.get(symbol.name, SizeRange()).intersect(ranges[place])
+            if place is not None and place not in found.setdefault(symbol.name, []):
+                found[symbol.name].append(place)
     return found
+
+
+def _symbol_ranges(
+    places: Mapping[str, list[tuple[int, int]]], ranges: Mapping[tuple[int, int], SizeRange]
+) -> dict[str, SizeRange]:
+    """Per symbol, the declared range of the dims it is read at (of dims Dynamo found
+    equal, the sizes all their ranges hold)."""
+    found: dict[str, SizeRange] = {}
+    for name, at in places.items():
+        for place in at:
+            if place in ranges:
+                found[name] = found.get(name, SizeRange()).intersect(ranges[place])
+    return found
+
+
+def _refuse_narrowed_ranges(
+    artifact: Any,
+    declared: Mapping[str, SizeRange],
+    places: Mapping[str, list[tuple[int, int]]],
+    call: ExampleCall,
+) -> None:
+    """A declared range the trace serves only part of is refused at compile time, as
+    ``torch.export`` refuses a constraint its trace violates: the model's code guarded
+    the dim (``if x.shape[1] > 10``, a position table of 32 rows), so calls inside the
+    range would be refused. Its least (at least 2, the trace's own bound) and its most
+    are each asked of every variant, the other dims at that variant's point."""
+    from precompile.runtime.compiler_interface import Dispatcher
+
+    dispatcher = Dispatcher(artifact.manifest)
+    names = [symbol.name for symbol in artifact.manifest.symbols]
+    traced_most = {symbol.name: symbol.max for symbol in artifact.manifest.symbols}
+    for name, size_range in sorted(declared.items()):
+        ends = [max(size_range.least, 2)]
+        if size_range.most is not None:
+            ends.append(size_range.most)
+        elif traced_most.get(name) is not None:  # no bound declared, but the trace has one
+            leaf, dim = places[name][0]
+            raise UnsupportedGraphError(
+                f"{call.argument_name(leaf)} dim {dim} was declared to take sizes "
+                f"{size_range}, but the model's trace serves it up to {traced_most[name]} "
+                f"only ({name} is that dim); declare ({size_range.least}, "
+                f"{traced_most[name]}) or less"
+            )
+        for end in ends:
+            points = [[end if n == name else v.point[n] for n in names]
+                      for v in artifact.manifest.variants]  # fmt: skip
+            if any(dispatcher.admits(v.index, point) for v, point in
+                   zip(artifact.manifest.variants, points, strict=True)):  # fmt: skip
+                continue
+            failed = sorted({g for c in dispatcher.explain(points[0]).candidates
+                             for g in c.failed_guards})  # fmt: skip
+            leaf, dim = places[name][0]
+            raise UnsupportedGraphError(
+                f"{call.argument_name(leaf)} dim {dim} was declared to take sizes "
+                f"{size_range}, but the model's trace does not serve {end}: it holds only "
+                f"where {'; '.join(failed) or 'its guards say'} ({name} is that dim); "
+                "declare a range the trace serves"
+            )
 
 
 def _within_ranges(artifact: Any, declared: Mapping[str, SizeRange]) -> Any:

@@ -106,10 +106,10 @@ def parse_range(value: Any, where: str) -> SizeRange:
             f"dynamic {where}: the least size must be at least 1 (a call of size 0 is "
             f"refused), got {least}"
         )
-    if most is not None and most < max(least, 2):
+    if most is not None and most < max(least + 1, 2):
         raise InvalidOptionError(
             f"dynamic {where}: the most size {most} leaves no dynamic range above the least "
-            f"{least} (a dynamic dim takes two sizes or more)"
+            f"{least} (a dynamic dim takes two sizes or more; one size is a static dim)"
         )
     return SizeRange(least, most)
 

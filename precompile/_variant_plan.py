@@ -64,8 +64,10 @@ def _by_symbol(
     resolved: dict[str, Any] = {}
     for key, value in mapping.items():
         name = _symbol_for(key, names, dims, what)
-        if name in resolved:
-            raise InvalidOptionError(f"{what} gives symbol {name} twice (as {key!r} too)")
+        if name in resolved and resolved[name] != value:  # two dims Dynamo found equal
+            raise InvalidOptionError(
+                f"{what} gives symbol {name} twice, otherwise (as {key!r} too)"
+            )
         resolved[name] = value
     return resolved
 

@@ -19,6 +19,7 @@ if TYPE_CHECKING:
     from ._cached import load_cached_model, store_artifact, store_model
     from ._calibration import synthesize_inputs
     from ._cudagraphs import CudaGraphsOption, cudagraph_options
+    from ._dispatch import Dispatcher
     from ._dtypes import dtype_name
     from ._entry_summary import (
         ABOUT_BLOCKS,
@@ -103,6 +104,7 @@ _LAZY = {
     "describe_global_state": "._global_state:describe",
     "describe_kv_cache": "._kv_cache:describe_cache",
     "describe_process_groups": "._process_groups:describe_groups",
+    "Dispatcher": "._dispatch",
     "dtype_name": "._dtypes",
     "encode_guard_value": "._model_guards:encode",
     "file_digest": "._model_identity",
@@ -149,6 +151,7 @@ __all__ = [
     "ABOUT_CONFIG",
     "ABOUT_GRAPH",
     "CudaGraphsOption",
+    "Dispatcher",
     "EntrySummary",
     "FORMAT_VERSION",
     "Guard",

@@ -332,9 +332,11 @@ def test_labels_compiled_from_the_ids_tensor_are_an_input_of_their_own(tmp_path:
     with torch.no_grad():
         compiled = precompile.compile_model(
             model, (), {"input_ids": ids, "labels": ids, "use_cache": False},
-            dynamic={"input_ids": {1: (2, None)}}, hints=[8], sizes=[], cache=str(tmp_path),
-            warmup=False,
+            dynamic={"input_ids": {1: (2, None)}}, hints={("input_ids", 1): [8]}, sizes=[],
+            cache=str(tmp_path), warmup=False,
         )  # fmt: skip
+        # the twin slot's length got input_ids' hint (it was compiled at the example's 6)
+        assert [set(v.point.values()) for v in compiled.artifact.variants] == [{8}]
         torch.manual_seed(5)
         for length in (6, 9):
             ids = torch.randint(0, VOCAB, (2, length))

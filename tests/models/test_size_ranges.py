@@ -133,6 +133,12 @@ def test_a_range_is_a_torch_export_dim_too_and_bad_ranges_are_refused_before_a_t
                                  hints=[8], cache=False)  # fmt: skip
     cases = [
         ({0: {0: (0, 8)}}, [8], "least size must be at least 1"),
+        ({0: {0: (3, 3)}}, [3], "leaves no dynamic range"),  # one size is a static dim
+        ({0: {True: (2, 8)}}, [8], "a dim is an int index"),
+        ({0: {(2, 8)}}, [8], "must be a list of dims or a dict"),  # a set by mistake
+        ({0: "0"}, [8], "must be a list of dims or a dict"),
+        ({0: {0: (2, 8)}}, {(0, 1): [4]}, "dim 1 of argument 0 is not a dynamic dim"),
+        ({0: [0]}, {(0, 0): [0]}, "a hint is a size of 1 or more"),
         ({0: {0: (5, 8)}}, [8], "is 4 in the example call, outside its declared range"),
         ({0: {0: (2, 1)}}, [8], "leaves no dynamic range"),
         ({0: {0: (2, 8, 9)}}, [8], "a range is"),
@@ -149,3 +155,32 @@ def test_a_range_is_a_torch_export_dim_too_and_bad_ranges_are_refused_before_a_t
     with pytest.raises(precompile.InvalidOptionError, match="size 12 for argument 0 dim 0"):
         precompile.compile_model(SumOrTriple(), example, dynamic={0: {0: (2, 8)}}, sizes=[12],
                                  cache=False)  # fmt: skip
+
+
+class ThresholdAt13(torch.nn.Module):
+    """The model's own code guards the length: its trace serves 2 to 13 only."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * 2 if x.shape[1] > 13 else x + 1
+
+
+def test_a_declared_range_the_trace_cuts_short_is_refused_at_compile_time() -> None:
+    """Found by a docs-only client trial: a range of [2, 20] over a trace that holds only
+    to 13 compiled, and calls at 14-20 (inside the declared range) were refused in the
+    guards' symbols. The compile now refuses it, naming the dim and the guard, as
+    ``torch.export`` refuses a violated constraint; a range the trace holds compiles."""
+    example = (torch.randn(3, 6),)
+    with torch.no_grad():
+        for declared, said in (
+            ((2, 20), "does not serve 20: it holds only where"),
+            ((2, None), r"serves it up to 13 only .* declare \(2, 13\)"),
+        ):
+            with pytest.raises(precompile.UnsupportedGraphError, match=said) as refused:
+                precompile.compile_model(ThresholdAt13(), example, dynamic={0: {1: declared}},
+                                         cache=False)  # fmt: skip
+            assert "argument 0 dim 1 was declared" in str(refused.value)
+        compiled = precompile.compile_model(ThresholdAt13(), example, dynamic={0: {1: (2, 13)}},
+                                            cache=False)  # fmt: skip
+        for length in (2, 13):
+            x = torch.randn(3, length)
+            torch.testing.assert_close(compiled(x), ThresholdAt13()(x))

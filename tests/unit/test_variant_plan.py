@@ -53,6 +53,12 @@ def test_duplicates_are_dropped() -> None:
     assert len(plan(hints=[4, 4, 8])) == 2
 
 
+def test_two_keys_of_one_symbol_may_give_it_the_same_hints() -> None:
+    """Two dims Dynamo found equal (a tensor passed in two slots, each slot keyed with the
+    same hints) name one symbol: the same hints twice are one request, not a conflict."""
+    assert plan(hints={"s0": [4, 8], (2, 0): [4, 8]}) == plan(hints={"s0": [4, 8]})
+
+
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
