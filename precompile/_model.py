@@ -956,6 +956,8 @@ def _lengths(
             kind, target = bindings[src.input_index]
             if kind == "leaf" and src.dim is not None:
                 places.append((target, src.dim))
+            elif kind == "size" and tuple(target) not in places:  # a size read off a leaf
+                places.append(tuple(target))
             elif kind == "cache":
                 leaf, _, field = target
                 other |= src.dim != 0 or field not in kv_cache_kind(leaves[leaf]).rows
@@ -978,6 +980,8 @@ def _symbol_places(
             place: tuple[int, int] | None = None
             if kind == "leaf" and src.dim is not None:
                 place = (target, src.dim)
+            elif kind == "size":
+                place = (target[0], target[1])
             elif (
                 kind == "cache"
                 and src.dim == 0

@@ -10,6 +10,7 @@ process runs the graph with no trace.
 from __future__ import annotations
 
 import inspect
+import re
 from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
@@ -106,7 +107,7 @@ def build_plan(
             bindings.append(("size", None))
     for index, (kind, _) in enumerate(bindings):
         if kind == "size":
-            bindings[index] = ("size", _size_source(manifest, index, bindings))
+            bindings[index] = ("size", _size_source(manifest, index, bindings, model, call))
     for leaf in kv_caches:
         bound = {(t[1], t[2]) for kind, t in bindings if kind == "cache" and t[0] == leaf}
         missing = [(layer, f) for layer in range(len(kv_caches[leaf].layer_classes))
@@ -207,6 +208,9 @@ def _unbound(
     traced size a bound leaf's dynamic dim shares is tied to that dim: Dynamo gave the two
     one symbol (duck sizing) and guards them equal."""
     bound = [target for kind, target in bindings if kind == "leaf"]
+    # a dim the graph takes as a size input of its own (``mask.shape[1]`` of a mask the
+    # graph does not read) is read at each call: tied to itself, it may take any size
+    read = {target for kind, target in bindings if kind == "size"}
     carriers: dict[int, tuple[int, int]] = {}
     for leaf in bound:
         for dim in sorted(dims.get(leaf, ())):
@@ -220,19 +224,60 @@ def _unbound(
             for dim in dims.get(index, ())
             if int(leaf.shape[dim]) in carriers
         }
+        tied.update({dim: (index, dim) for dim in range(leaf.dim()) if (index, dim) in read})
         found[index] = UnboundTensor.of(leaf, tied)
     return found
 
 
-def _size_source(manifest: Any, index: int, bindings: Sequence[tuple[str, Any]]) -> tuple[int, int]:
-    """Where graph input ``index`` (a SymInt) is read from a call: a dim of an argument."""
+# Dynamo's name of a size read off an argument the graph does not take: a parameter of
+# the forward (``L['mask'].size()[1]``) or a name in its ``**kwargs``
+_ARGUMENT_SIZE = re.compile(
+    r"^L\['(?:kwargs'\]\[')?(?P<name>[A-Za-z_]\w*)'\]\.size\(\)\[(?P<dim>\d+)\]$"
+)
+
+
+def _size_source(
+    manifest: Any,
+    index: int,
+    bindings: Sequence[tuple[str, Any]],
+    model: torch.nn.Module,
+    call: ExampleCall,
+) -> tuple[int, int]:
+    """Where graph input ``index`` (a SymInt) is read from a call: a dim of an argument
+    the graph takes, else of the argument Dynamo's name for it says (a tensor read only
+    for its size: ``n = mask.shape[1]``)."""
     for symbol in manifest.symbols:
         if not any(s.input_index == index and s.dim is None for s in symbol.sources):
             continue
         for source in symbol.sources:
             if source.dim is not None and bindings[source.input_index][0] == "leaf":
                 return bindings[source.input_index][1], source.dim
+    name = manifest.inputs[index].name or ""
+    match = _ARGUMENT_SIZE.match(name)
+    path = _argument_path(model, call, match.group("name")) if match else None
+    leaves = [i for i, p in enumerate(call.paths) if p == path and p is not None]
+    if match and len(leaves) == 1 and isinstance(call.leaves[leaves[0]], torch.Tensor):
+        dim = int(match.group("dim"))
+        if dim < call.leaves[leaves[0]].dim():
+            return leaves[0], dim
     raise UnsupportedGraphError(
-        f"graph input {index} is a size that no argument's dims carry; compile_model cannot "
-        "compute it from a call"
+        f"graph input {index} is a size ({name or 'unnamed'}) that no argument's dims "
+        "carry; compile_model cannot compute it from a call: pass that size's tensor as "
+        "an argument of its own, or read the size from a tensor the forward computes with"
     )
+
+
+def _argument_path(model: torch.nn.Module, call: ExampleCall, parameter: str) -> Any:
+    """The argument (positional index or keyword name) of ``call`` that the forward's
+    ``parameter`` receives, or None."""
+    if parameter in call.kwargs:
+        return parameter
+    try:
+        signature = inspect.signature(model.forward)
+    except (TypeError, ValueError):
+        return None
+    positional = [p.name for p in signature.parameters.values()
+                  if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]  # fmt: skip
+    if parameter in positional and positional.index(parameter) < len(call.args):
+        return positional.index(parameter)
+    return None

@@ -788,3 +788,37 @@ def test_a_dynamic_dim_the_trace_fixes_is_refused_naming_it() -> None:
                                  cache=False)  # fmt: skip
     assert "dynamic dim 0 of argument 0 was specialized to 3" in str(refused.value)
     assert refused.value.specialized == ("argument 0", 0)
+
+
+class ReadsOnlyTheMasksLength(torch.nn.Module):
+    """Takes ``x`` up to the mask's length: the mask itself is never read, only its size."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        return self.proj(x[:, : mask.shape[1]])
+
+
+def test_a_tensor_read_only_for_its_size_is_served_at_every_size() -> None:
+    """Found by a docs-only client trial: an argument the graph takes only as a size
+    (``mask.shape[1]``; Dynamo passes the size, not the tensor) was refused at build time
+    as "a size that no argument's dims carry". Its size is now read off that argument at
+    each call (Dynamo's name for it, ``L['mask'].size()[1]``, says which), its length at 1
+    traced apart as any other's; positional and keyword calls."""
+    torch.manual_seed(0)
+    model = ReadsOnlyTheMasksLength().eval()
+    x = torch.randn(2, 10, 8)
+    with torch.no_grad():
+        for keyword in (False, True):
+            args, kwargs = (
+                ((x,), {"mask": torch.ones(2, 6)}) if keyword else ((x, torch.ones(2, 6)), {})
+            )
+            dynamic: dict[int | str, list[int]] = {"mask" if keyword else 1: [1]}
+            compiled = precompile.compile_model(model, args, kwargs, dynamic=dynamic,
+                                                cache=False)  # fmt: skip
+            for length in (6, 3, 9, 1):
+                mask = torch.ones(2, length)
+                got = compiled(x, mask=mask) if keyword else compiled(x, mask)
+                torch.testing.assert_close(got, model(x, mask))
