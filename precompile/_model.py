@@ -954,14 +954,17 @@ def _lengths(
         places, kv_caches, other = [], set(), False
         for src in symbol.sources:
             kind, target = bindings[src.input_index]
+            place = None
             if kind == "leaf" and src.dim is not None:
-                places.append((target, src.dim))
-            elif kind == "size" and tuple(target) not in places:  # a size read off a leaf
-                places.append(tuple(target))
+                place = (target, src.dim)
+            elif kind == "size":  # a size the graph takes, read off a leaf
+                place = (target[0], target[1])
             elif kind == "cache":
                 leaf, _, field = target
                 other |= src.dim != 0 or field not in kv_cache_kind(leaves[leaf]).rows
                 kv_caches.add(leaf)
+            if place is not None and place not in places:
+                places.append(place)
         if places and not other and all(int(leaves[leaf].shape[dim]) >= 2 for leaf, dim in places):
             found.append((symbol.name, places, sorted(kv_caches)))
     return found
