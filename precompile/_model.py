@@ -303,6 +303,9 @@ def compile_model(
     arguments by name) or ``torch._dynamo.mark_dynamic`` on the example tensors. Lengths
     at 1 are traced apart, as Dynamo traces them, into the same compiled model (decode
     steps are served from a trace at 1; see ``_trace_with_pieces``); 0 is refused.
+    ``dynamic={0: {1: (2, 4096)}}`` declares the sizes a dim takes (``(least, most)``,
+    most None for no bound, or a ``torch.export.Dim``): a least of 2 or more is not traced
+    at 1, and calls outside a range are refused by name (``NoVariantError``).
     ``hints``, ``sizes``, ``options`` and ``cudagraphs`` as for ``standalone_compile``.
     ``cache``: the artifact store, where a later process with the same model and call
     finds the compiled model without tracing. ``warmup``: load every variant
