@@ -865,9 +865,9 @@ def _trace_with_pieces(
     cache follows is traced at 1 with a copy of the KV cache narrowed to batch 1. A
     length whose declared range (``ranges``) starts at 2 or more is not traced at 1, and
     every graph is guarded to its lengths' declared ranges."""
-    main = _trace_and_compile(
-        model, call, dims, hints=hints, sizes=_at_least_two(sizes), options=options,
-        store=store, state=state,
+    main = _past_the_ast_race(
+        _trace_and_compile, model, call, dims, hints=hints, sizes=_at_least_two(sizes),
+        options=options, store=store, state=state,
     )  # fmt: skip
     places = _symbol_places(main, call.leaves)
     declared = _symbol_ranges(places, ranges)
@@ -913,8 +913,9 @@ def _trace_with_pieces(
             )  # fmt: skip
             continue
         try:
-            piece = _trace_and_compile(
-                model, corner, {leaf: d for leaf, d in corner_dims.items() if d},
+            piece = _past_the_ast_race(
+                _trace_and_compile, model, corner,
+                {leaf: d for leaf, d in corner_dims.items() if d},
                 hints=_hints_besides(hints, call, at_one), sizes=[], options=options,
                 store=store, state=state,
             )  # fmt: skip
@@ -943,6 +944,36 @@ def _trace_with_pieces(
         ),
     )  # fmt: skip
     return CompiledModel(model, artifact, plan, pieces)
+
+
+# CPython before 3.13 keeps one AST-construction depth per interpreter, not per thread:
+# two threads building ``ast`` trees at once (a trace's and, say, a background warm-up's
+# or a user's) can fail either with this SystemError (python/cpython#106905). A trace
+# changes nothing it does not put back, so it is simply made again.
+_AST_RACE = "AST constructor recursion depth mismatch"
+_AST_RACE_TRIES = 3
+
+
+def _past_the_ast_race(
+    trace: Callable[..., CompiledModel], *args: Any, **kwargs: Any
+) -> CompiledModel:
+    """``trace(*args, **kwargs)``, made again where CPython's AST race failed it."""
+    for attempt in range(_AST_RACE_TRIES):
+        try:
+            return trace(*args, **kwargs)
+        except Exception as exc:
+            cause: BaseException | None = exc
+            while cause is not None and not (
+                isinstance(cause, SystemError) and _AST_RACE in str(cause)
+            ):
+                cause = cause.__cause__ or cause.__context__
+            if cause is None and _AST_RACE not in str(exc):
+                raise
+            if attempt + 1 == _AST_RACE_TRIES:
+                raise
+            log.info("compile_model: CPython's AST race failed a trace (%s); tracing again",
+                     _AST_RACE)  # fmt: skip
+    raise AssertionError("unreachable")
 
 
 def _lengths(

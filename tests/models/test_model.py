@@ -822,3 +822,33 @@ def test_a_tensor_read_only_for_its_size_is_served_at_every_size() -> None:
                 mask = torch.ones(2, length)
                 got = compiled(x, mask=mask) if keyword else compiled(x, mask)
                 torch.testing.assert_close(got, model(x, mask))
+
+
+def test_a_trace_failed_by_cpythons_ast_race_is_made_again() -> None:
+    """Found in a full CI run: a trace at length 1 failed with ``SystemError: AST
+    constructor recursion depth mismatch`` (CPython keeps that depth per interpreter, so
+    two threads building ``ast`` trees at once can fail either; Dynamo wrapped it), and
+    compile_model refused calls at 1. Such a trace is made again; other errors are not."""
+    from precompile import _model
+
+    tries: list[int] = []
+
+    def racing(fails: int, error: BaseException) -> Any:
+        def trace() -> str:
+            tries.append(1)
+            if len(tries) <= fails:
+                raise RuntimeError("backend='backend' raised") from error
+            return "traced"
+
+        return trace
+
+    race = SystemError("AST constructor recursion depth mismatch (before=297, after=45)")
+    assert _model._past_the_ast_race(racing(2, race)) == "traced" and len(tries) == 3
+    tries.clear()
+    with pytest.raises(RuntimeError):  # the race every time: the last failure stands
+        _model._past_the_ast_race(racing(3, race))
+    assert len(tries) == 3
+    tries.clear()
+    with pytest.raises(RuntimeError):  # another error: not made again
+        _model._past_the_ast_race(racing(1, SystemError("something else")))
+    assert len(tries) == 1
