@@ -585,7 +585,7 @@ class CompiledModel:
         """Where a refused call has a dim outside the range the caller declared for it at
         compile time: that, in the call's terms (the guards' words name symbols)."""
         for leaf, dim, least, most in self.plan.ranges:
-            value = leaves[leaf]
+            value = leaves[leaf] if leaf < len(leaves) else None  # a plan edited by hand
             if not isinstance(value, torch.Tensor) or dim >= value.dim():
                 continue
             size = int(value.shape[dim])
