@@ -439,7 +439,7 @@ class CompiledModel:
         forward refused such a call or could not be traced there when it was compiled, or
         its declared range starts above 1."""
         declared = [(self._names[leaf], dim) for leaf, dim, least, _ in self.plan.ranges
-                    if least >= 2]  # fmt: skip
+                    if least >= 2 and leaf < len(self._names)]  # fmt: skip
         return declared + [
             (self._names[leaf], dim)
             for index, (leaf, dim) in enumerate(self._lengths)
