@@ -869,12 +869,9 @@ def _trace_with_pieces(
         _trace_and_compile, model, call, dims, hints=hints, sizes=_at_least_two(sizes),
         options=options, store=store, state=state,
     )  # fmt: skip
-    places = _symbol_places(main, call.leaves)
-    declared = _symbol_ranges(places, ranges)
-    _refuse_narrowed_ranges(main.artifact, declared, places, call)
+    artifact, places, declared = _held_to_ranges(main, call, ranges)
     lengths = [length for length in _lengths(main, call.leaves)
                if declared.get(length[0], SizeRange()).least < 2]  # fmt: skip
-    artifact = _within_ranges(main.artifact, declared)
     # each dim's range is its symbol's: a dim Dynamo found equal to a declared one (the
     # call's batch beside a KV cache's) is refused by name outside it too
     effective = {place: declared[name] for name, found in places.items() if name in declared
@@ -926,10 +923,7 @@ def _trace_with_pieces(
                 str(exc)[:500],
             )  # fmt: skip
             continue
-        piece_places = _symbol_places(piece, corner.leaves)
-        piece_declared = _symbol_ranges(piece_places, ranges)
-        _refuse_narrowed_ranges(piece.artifact, piece_declared, piece_places, corner)
-        piece_artifact = _within_ranges(piece.artifact, piece_declared)
+        piece_artifact = _held_to_ranges(piece, corner, ranges)[0]
         for name, _, _ in _lengths(piece, corner.leaves):
             piece_artifact = piece_artifact.excluding(f"{name} >= 2")
         pieces[ones] = CompiledModel(model, piece_artifact, piece.plan, {})
@@ -981,35 +975,31 @@ def _lengths(
 ) -> list[tuple[str, list[Any], list[int]]]:
     """The graph's dynamic lengths Dynamo traced at 2 or more, by symbol, each with the
     argument dims it is read at and the KV caches whose batch it is (a dynamic batch the
-    KV cache follows: a trace at batch 1 takes a copy of it narrowed to batch 1)."""
-    bindings = compiled.plan.bindings
+    KV cache follows: a trace at batch 1 takes a copy of it narrowed to batch 1). A
+    symbol a KV cache reads otherwise than as its batch is not one."""
+    places, elsewhere = _symbol_places(compiled, leaves)
     found = []
-    for symbol in compiled.artifact.manifest.symbols:
-        places, kv_caches, other = [], set(), False
-        for src in symbol.sources:
-            kind, target = bindings[src.input_index]
-            place = None
-            if kind == "leaf" and src.dim is not None:
-                place = (target, src.dim)
-            elif kind == "size":  # a size the graph takes, read off a leaf
-                place = (target[0], target[1])
-            elif kind == "cache":
-                leaf, _, field = target
-                other |= src.dim != 0 or field not in kv_cache_kind(leaves[leaf]).rows
-                kv_caches.add(leaf)
-            if place is not None and place not in places:
-                places.append(place)
-        if places and not other and all(int(leaves[leaf].shape[dim]) >= 2 for leaf, dim in places):
-            found.append((symbol.name, places, sorted(kv_caches)))
+    for name, at in places.items():
+        dims = [(leaf, dim) for leaf, dim in at if not is_kv_cache(leaves[leaf])]
+        kv_caches = sorted(leaf for leaf, _ in at if is_kv_cache(leaves[leaf]))
+        if (
+            name not in elsewhere
+            and dims
+            and all(int(leaves[leaf].shape[dim]) >= 2 for leaf, dim in dims)
+        ):
+            found.append((name, dims, kv_caches))
     return found
 
 
 def _symbol_places(
     compiled: CompiledModel, leaves: Sequence[Any]
-) -> dict[str, list[tuple[int, int]]]:
-    """Per symbol of the compiled graph, the (leaf, dim) places it is read at: argument
-    dims, and a KV cache's batch as (its leaf, 0)."""
+) -> tuple[dict[str, list[tuple[int, int]]], set[str]]:
+    """Per symbol of the compiled graph, the (leaf, dim) places a call's size is read at:
+    argument dims (those the graph takes, and sizes it takes read off one), and a KV
+    cache's batch as (its leaf, 0); and the symbols a KV cache also reads otherwise (a
+    length of its own, not the call's)."""
     found: dict[str, list[tuple[int, int]]] = {}
+    elsewhere: set[str] = set()
     bindings = compiled.plan.bindings
     for symbol in compiled.artifact.manifest.symbols:
         for src in symbol.sources:
@@ -1019,15 +1009,25 @@ def _symbol_places(
                 place = (target, src.dim)
             elif kind == "size":
                 place = (target[0], target[1])
-            elif (
-                kind == "cache"
-                and src.dim == 0
-                and target[2] in kv_cache_kind(leaves[target[0]]).rows
-            ):
-                place = (target[0], 0)
+            elif kind == "cache":
+                if src.dim == 0 and target[2] in kv_cache_kind(leaves[target[0]]).rows:
+                    place = (target[0], 0)
+                else:
+                    elsewhere.add(symbol.name)
             if place is not None and place not in found.setdefault(symbol.name, []):
                 found[symbol.name].append(place)
-    return found
+    return found, elsewhere
+
+
+def _held_to_ranges(
+    compiled: CompiledModel, call: ExampleCall, ranges: Mapping[tuple[int, int], SizeRange]
+) -> tuple[Any, dict[str, list[tuple[int, int]]], dict[str, SizeRange]]:
+    """A trace's artifact guarded to the declared ranges (refused where its trace serves
+    only part of one), with its symbols' places and their declared ranges."""
+    places, _ = _symbol_places(compiled, call.leaves)
+    declared = _symbol_ranges(places, ranges)
+    _refuse_narrowed_ranges(compiled.artifact, declared, places, call)
+    return _within_ranges(compiled.artifact, declared), places, declared
 
 
 def _symbol_ranges(
@@ -1060,16 +1060,16 @@ def _refuse_narrowed_ranges(
     names = [symbol.name for symbol in artifact.manifest.symbols]
     traced_most = {symbol.name: symbol.max for symbol in artifact.manifest.symbols}
     for name, size_range in sorted(declared.items()):
+        leaf, dim = places[name][0]
+        said = f"{call.argument_name(leaf)} dim {dim} was declared to take sizes {size_range}"
         ends = [max(size_range.least, 2)]
         if size_range.most is not None:
             ends.append(size_range.most)
         elif traced_most.get(name) is not None:  # no bound declared, but the trace has one
-            leaf, dim = places[name][0]
             raise UnsupportedGraphError(
-                f"{call.argument_name(leaf)} dim {dim} was declared to take sizes "
-                f"{size_range}, but the model's trace serves it up to {traced_most[name]} "
-                f"only ({name} is that dim); declare ({size_range.least}, "
-                f"{traced_most[name]}) or less"
+                f"{said}, but the model's trace serves it up to {traced_most[name]} only "
+                f"({name} is that dim); declare ({size_range.least}, {traced_most[name]}) "
+                "or less"
             )
         for end in ends:
             points = [[end if n == name else v.point[n] for n in names]
@@ -1079,12 +1079,10 @@ def _refuse_narrowed_ranges(
                 continue
             failed = sorted({g for c in dispatcher.explain(points[0]).candidates
                              for g in c.failed_guards})  # fmt: skip
-            leaf, dim = places[name][0]
             raise UnsupportedGraphError(
-                f"{call.argument_name(leaf)} dim {dim} was declared to take sizes "
-                f"{size_range}, but the model's trace does not serve {end}: it holds only "
-                f"where {'; '.join(failed) or 'its guards say'} ({name} is that dim); "
-                "declare a range the trace serves"
+                f"{said}, but the model's trace does not serve {end}: it holds only where "
+                f"{'; '.join(failed) or 'its guards say'} ({name} is that dim); declare a "
+                "range the trace serves"
             )
 
 
