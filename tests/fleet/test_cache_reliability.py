@@ -471,7 +471,8 @@ def test_a_forked_worker_does_not_remove_its_parents_build_dir(
 
     path = cases(mlp, str(tmp_path), sizes=[1, 5, 100, 3000, 8])
     out = run_python(
-        FORK.replace("sys.argv[1]", repr(saved["binary"])).replace("sys.argv[2]", repr(path))
+        FORK.replace("sys.argv[1]", repr(saved["binary"])).replace("sys.argv[2]", repr(path)),
+        env={"PRECOMPILE_BUILD_DIR": ""},  # each process's private dir, not the tests' shared one
     )
     assert "child dir differs True" in out, out
     assert "parent dir survives True" in out and "parent still loads" in out, out
