@@ -18,7 +18,6 @@ import logging
 import os
 import pickle
 import re
-import shutil
 import sys
 import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -506,9 +505,14 @@ def inductor_cache_dir(directory: str) -> Iterator[None]:
         yield
 
 
-def clear_aot_autograd_cache(directory: str) -> None:
-    """Remove the AOTAutograd cache entries under inductor's cache ``directory``."""
-    shutil.rmtree(os.path.join(directory, "aotautograd"), ignore_errors=True)
+def tagging_compile_caches(tag: str) -> contextlib.AbstractContextManager[Any]:
+    """torch's compile caches (AOTAutograd's, inductor's) keyed with ``tag`` too, for the
+    duration: ``torch.compiler.config.cache_key_tag``, which every key of theirs hashes,
+    the caller's own tag kept in front."""
+    from torch.compiler import config as compiler_config
+
+    current = compiler_config.cache_key_tag
+    return compiler_config.patch(cache_key_tag=f"{current}|{tag}" if current else tag)  # type: ignore[no-any-return]
 
 
 def tracing(fake_mode: Any) -> contextlib.AbstractContextManager[Any]:
