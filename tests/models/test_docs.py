@@ -130,13 +130,10 @@ def test_page_code_runs_as_written(
 ) -> None:
     base = tmp_path_factory.getbasetemp()
     shared = base / "docs-cache"  # pages share their compiles
-    # and the kernels those compiles built: the pages run one after another, so one build
-    # dir serves them all (decode.md: 111 -> 65 s on 2 cores; docs/reliability.md)
-    built = base / "docs-build"
-    built.mkdir(mode=0o700, exist_ok=True)
+    # and the kernels those compiles built, through the run's one build dir (conftest;
+    # decode.md: 111 -> 65 s on 2 cores when the pages first shared one)
     path = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
-    env = {**os.environ, "PRECOMPILE_CACHE_DIR": str(shared), "PRECOMPILE_BUILD_DIR": str(built),
-           "PYTHONPATH": path}  # fmt: skip
+    env = {**os.environ, "PRECOMPILE_CACHE_DIR": str(shared), "PYTHONPATH": path}
     result = subprocess.run(
         [sys.executable, "-c", page_program(page)],
         capture_output=True, text=True, cwd=tmp_path, env=env, timeout=900,
