@@ -51,7 +51,8 @@ def _check_eager(captured: Captured, artifact: Any) -> None:
 
 @pytest.fixture(scope="module")
 def serial(captured: Captured) -> Iterator[Any]:
-    with pytest.MonkeyPatch.context() as patch:
+    # a tag of its own: the compiles compared with it load nothing it left in torch's caches
+    with pytest.MonkeyPatch.context() as patch, torch.compiler.config.patch(cache_key_tag="serial"):
         yield _compile(captured, "0", patch)
 
 

@@ -362,7 +362,9 @@ def test_cuda_variants_from_workers_are_the_code_one_process_compiles() -> None:
     not diagnosed), where two fresh processes agreed once inductor's kernel-path
     comments were left out of the digest."""
     tests = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = {"PYTHONPATH": os.pathsep.join([tests, os.environ.get("PYTHONPATH", "")])}
+    # each its own build dir: the second build loads nothing the first left in torch's caches
+    env = {"PYTHONPATH": os.pathsep.join([tests, os.environ.get("PYTHONPATH", "")]),
+           "PRECOMPILE_BUILD_DIR": ""}  # fmt: skip
     one = json.loads(
         run_python(_BUILD_AND_PRINT_CODES, env={**env, "PRECOMPILE_COMPILE_WORKERS": "0"})
         .strip().splitlines()[-1]
