@@ -385,6 +385,25 @@ class CacheGuard:
             self._accepted.add(pair)
         return layers
 
+    def initialized_copies(self, leaves: list[Any]) -> list[Any]:
+        """``leaves`` with each fresh cache replaced by a copy initialized as a call would
+        initialize it, for ``explain``: the caller's cache stays as it is (a call's first
+        write initializes it; a question about the call does not)."""
+        fresh = [
+            slot
+            for slot in self.slots
+            if not all(
+                layer.is_initialized for layer in self._check_structure(slot, leaves[slot.leaf])
+            )
+        ]
+        if not fresh:
+            return leaves
+        copied = list(leaves)
+        for slot in fresh:
+            copied[slot.leaf] = copy.deepcopy(leaves[slot.leaf])
+            self._initialize(slot, list(copied[slot.leaf].layers), copied)
+        return copied
+
     def _initialize(self, slot: CacheSlot, layers: list[Any], leaves: list[Any]) -> None:
         """Initialize a fresh cache's layers with the compiled shapes, as eager does on its
         first write (zeros, length 0; the layer marks its tensors' addresses static)."""

@@ -1026,8 +1026,16 @@ class CompiledModel:
         return all([warm, *(piece.wait_warm(timeout) for piece in self.pieces.values())])
 
     def explain(self, *args: Any, **kwargs: Any) -> Any:
-        """Which variant a call with these arguments runs, and why."""
-        leaves, _ = adapter.tree_flatten((args, dict(sorted(kwargs.items()))), is_leaf=is_kv_cache)
+        """Which variant a call with these arguments runs, and why. A fresh KV cache is
+        explained as the call would initialize it, on a copy: explaining writes nothing."""
+        leaves, spec = adapter.tree_flatten(
+            (args, dict(sorted(kwargs.items()))), is_leaf=is_kv_cache
+        )
+        if self._caches is not None:
+            initialized = self._caches.initialized_copies(leaves)
+            if initialized is not leaves:
+                leaves = initialized
+                args, kwargs = adapter.tree_unflatten(leaves, spec)
         piece = self._piece_for(leaves) if self._lengths else None
         if piece is not None:
             return piece.explain(*args, **kwargs)

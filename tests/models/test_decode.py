@@ -117,6 +117,24 @@ def test_batch_one_steps_pass_the_fast_input_check(
     assert "GUARD" in contract.read_key.__code__.co_names
 
 
+def test_explain_leaves_a_fresh_cache_fresh(llama: tuple[Any, Any]) -> None:
+    """``explain`` with a fresh ``StaticCache`` (the first call initializes it) says what
+    that call runs, and writes nothing: before, it refused the cache's missing tensors
+    ("should be a float32 tensor on cpu, got NoneType")."""
+    model, compiled = llama
+    fresh = new_cache(model)
+    call = {"input_ids": torch.randint(0, VOCAB, (3, 5)), "use_cache": True,
+            "cache_position": torch.arange(5)}  # fmt: skip
+    explained = str(compiled.explain(**call, past_key_values=fresh))
+    assert "s" in explained and "variant" in explained, explained
+    assert not any(layer.is_initialized for layer in fresh.layers)
+    with torch.no_grad():
+        compiled(**call, past_key_values=fresh)
+    assert int(fresh.layers[0].cumulative_length) == 5
+    fresh.reset()  # initialized and empty: what the copy was
+    assert str(compiled.explain(**call, past_key_values=fresh)) == explained
+
+
 def test_bad_caches_are_refused_naming_what_differs(llama: tuple[Any, Any]) -> None:
     model, compiled = llama
     one = torch.zeros(1, 1, dtype=torch.long)
