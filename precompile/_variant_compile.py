@@ -12,6 +12,7 @@ import hashlib
 import logging
 import pickle
 import threading
+import uuid
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
@@ -137,6 +138,7 @@ _in_build_dir = _BuildDirState()
 
 
 def variant_tag(
+    gm: torch.fx.GraphModule,
     graph: GraphDescription,
     point: Mapping[sympy.Symbol, int],
     dynamic: bool,
@@ -148,7 +150,16 @@ def variant_tag(
     the inputs' symbolic metadata, the configs, torch's version): the hints it is
     compiled at, the specializations its fresh inputs carry, the attention backends and
     this library's compile hooks. Variants of one graph share an AOTAutograd key without
-    it, so a later variant would load an earlier one's code, tuned for other hints."""
+    it, so a later variant would load an earlier one's code, tuned for other hints. A
+    graph calling an operator whose Python the compile inlines (a custom op's
+    CompositeImplicitAutograd kernel) gets a tag of its own each time: torch's keys name
+    the operator, not its implementation, which may have changed since."""
+    inlined = adapter.inlined_operators(gm)
+    if inlined:
+        # Their Python is compiled into the variant, and no key hashes it: such a graph is
+        # compiled afresh every time, as every graph was before the tag.
+        log.debug("not reusing torch's cached compiles: the graph inlines %s", inlined)
+        return f"precompile variant, inlining {', '.join(inlined)}: {uuid.uuid4().hex}"
     described = repr((
         graph.inputs, graph.symbols, sorted((str(s), r) for s, r in graph.ranges.items()),
         graph.caller_guards, sorted((str(s), int(v)) for s, v in point.items()), dynamic,
@@ -290,7 +301,7 @@ def _compile_once(
     ``attention`` says: their fake mode, the map back to the caller's symbols, the
     payload, its built kernels and input uses."""
     inputs, fake_mode, reverse = _fresh_inputs(graph, point, dynamic)
-    tag = variant_tag(graph, point, dynamic, options, size_oblivious, attention)
+    tag = variant_tag(gm, graph, point, dynamic, options, size_oblivious, attention)
     with (
         _compile_context(fake_mode, size_oblivious, tag),
         attention_backends(attention),
