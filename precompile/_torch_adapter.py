@@ -18,6 +18,7 @@ import logging
 import os
 import pickle
 import re
+import shutil
 import sys
 import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -505,51 +506,9 @@ def inductor_cache_dir(directory: str) -> Iterator[None]:
         yield
 
 
-def inlined_operators(gm: torch.fx.GraphModule) -> list[str]:
-    """The operators outside aten and prims that ``gm`` (or a graph nested in it) calls
-    and whose Python a compile inlines: a CompositeImplicitAutograd kernel, a Python
-    kernel, a decomposition or an inductor lowering registered for them. Torch's cache
-    keys name such an operator, not its implementation."""
-    from torch._decomp import decomposition_table
-    from torch._inductor.lowering import lowerings
-
-    found: set[str] = set()
-    for module in gm.modules():
-        if not isinstance(module, torch.fx.GraphModule):
-            continue
-        for node in module.graph.nodes:
-            target = node.target
-            if node.op != "call_function" or not isinstance(
-                target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)
-            ):
-                continue
-            if isinstance(target, torch._ops.OpOverloadPacket):
-                overloads = [getattr(target, name) for name in target.overloads()]
-            else:
-                overloads = [target]
-            for op in overloads:
-                if op.namespace in ("aten", "prims"):
-                    continue
-                if (
-                    torch._C._dispatch_has_kernel_for_dispatch_key(
-                        op.name(), "CompositeImplicitAutograd"
-                    )
-                    or op.py_kernels
-                    or op in decomposition_table
-                    or op in lowerings
-                ):
-                    found.add(op.name())
-    return sorted(found)
-
-
-def tagging_compile_caches(tag: str) -> contextlib.AbstractContextManager[Any]:
-    """torch's compile caches (AOTAutograd's, inductor's) keyed with ``tag`` too, for the
-    duration: ``torch.compiler.config.cache_key_tag``, which every key of theirs hashes,
-    the caller's own tag kept in front."""
-    from torch.compiler import config as compiler_config
-
-    current = compiler_config.cache_key_tag
-    return compiler_config.patch(cache_key_tag=f"{current}|{tag}" if current else tag)  # type: ignore[no-any-return]
+def clear_aot_autograd_cache(directory: str) -> None:
+    """Remove the AOTAutograd cache entries under inductor's cache ``directory``."""
+    shutil.rmtree(os.path.join(directory, "aotautograd"), ignore_errors=True)
 
 
 def tracing(fake_mode: Any) -> contextlib.AbstractContextManager[Any]:

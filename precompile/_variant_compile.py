@@ -8,11 +8,9 @@ Inductor, so guards that one variant's compile adds stay with that variant.
 from __future__ import annotations
 
 import copy
-import hashlib
 import logging
 import pickle
 import threading
-import uuid
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
@@ -21,7 +19,7 @@ from typing import Any
 import sympy
 import torch
 
-from precompile.runtime import NativeKernel, PrecompileError, UnsupportedGraphError, __version__
+from precompile.runtime import NativeKernel, PrecompileError, UnsupportedGraphError
 from precompile.runtime.compiler_interface import build_dir
 
 from . import _torch_adapter as adapter
@@ -32,7 +30,6 @@ from ._compiler_config import inductor_config_changes
 from ._gemm_policy import gemm_options
 from ._graph import GraphDescription, has_backward
 from ._graph_description import symbol_hint
-from ._kernel_checks import MARK as KERNELS
 from ._kernel_checks import raise_index_checks
 from ._precision_policy import PATCHES as PRECISION_PATCHES
 from ._random_policy import PATCHES as RANDOM_PATCHES
@@ -137,53 +134,20 @@ class _BuildDirState(threading.local):
 _in_build_dir = _BuildDirState()
 
 
-def variant_tag(
-    gm: torch.fx.GraphModule,
-    graph: GraphDescription,
-    point: Mapping[sympy.Symbol, int],
-    dynamic: bool,
-    options: Mapping[str, Any],
-    size_oblivious: bool,
-    attention: Mapping[str, bool],
-) -> str:
-    """What a variant's compile reads beyond what torch's own cache keys hash (the graph,
-    the inputs' symbolic metadata, the configs, torch's version): the hints it is
-    compiled at, the specializations its fresh inputs carry, the attention backends and
-    this library's compile hooks. Variants of one graph share an AOTAutograd key without
-    it, so a later variant would load an earlier one's code, tuned for other hints. A
-    graph calling an operator whose Python the compile inlines (a custom op's
-    CompositeImplicitAutograd kernel) gets a tag of its own each time: torch's keys name
-    the operator, not its implementation, which may have changed since."""
-    inlined = adapter.inlined_operators(gm)
-    if inlined:
-        # Their Python is compiled into the variant, and no key hashes it: such a graph is
-        # compiled afresh every time, as every graph was before the tag.
-        log.debug("not reusing torch's cached compiles: the graph inlines %s", inlined)
-        return f"precompile variant, inlining {', '.join(inlined)}: {uuid.uuid4().hex}"
-    described = repr((
-        graph.inputs, graph.symbols, sorted((str(s), r) for s, r in graph.ranges.items()),
-        graph.caller_guards, sorted((str(s), int(v)) for s, v in point.items()), dynamic,
-        sorted(options.items(), key=lambda item: str(item[0])), size_oblivious,
-        sorted(attention.items()), __version__, KERNELS, FUSED_NAME_LIMIT,
-    ))  # fmt: skip
-    return "precompile variant " + hashlib.sha256(described.encode()).hexdigest()
-
-
 @contextmanager
-def _compile_context(fake_mode: Any, size_oblivious: bool, tag: str) -> Iterator[None]:
+def _compile_context(fake_mode: Any, size_oblivious: bool) -> Iterator[None]:
     """Inductor's settings for one variant's compile. ``size_oblivious``: answer 0/1
     questions about sizes (is this dim broadcast?) for every size instead of guarding
     them at the hint, so a variant hinted at 8 also serves 1 (vLLM decodes at 1 token
-    through the artifact it compiled for a range traced at a larger size). ``tag``
-    (``variant_tag``) joins torch's cache keys: the same variant compiled again (in this
-    process, or another sharing ``$PRECOMPILE_BUILD_DIR``) loads from AOTAutograd's
-    cache, checked by its guards as ``torch.compile``'s warm starts are."""
+    through the artifact it compiled for a range traced at a larger size)."""
     patches: dict[str, Any] = {"bundled_autograd_cache": True}
     if adapter.functorch_config_has("force_non_lazy_backward_lowering"):
         patches["force_non_lazy_backward_lowering"] = True
     with ExitStack() as stack:
         stack.enter_context(compiling_in_build_dir())
-        stack.enter_context(adapter.tagging_compile_caches(tag))
+        # Variants of one graph share an AOTAutograd key; drop earlier entries so a later
+        # variant is compiled for its own hints instead of reusing an earlier one's code.
+        adapter.clear_aot_autograd_cache(build_dir())
         stack.enter_context(adapter.tracing(fake_mode))
         inductor = {"triton.autotune_at_compile_time": True, **RANDOM_PATCHES, **PRECISION_PATCHES}
         stack.enter_context(adapter.patch_inductor_config(inductor))
@@ -301,9 +265,8 @@ def _compile_once(
     ``attention`` says: their fake mode, the map back to the caller's symbols, the
     payload, its built kernels and input uses."""
     inputs, fake_mode, reverse = _fresh_inputs(graph, point, dynamic)
-    tag = variant_tag(gm, graph, point, dynamic, options, size_oblivious, attention)
     with (
-        _compile_context(fake_mode, size_oblivious, tag),
+        _compile_context(fake_mode, size_oblivious),
         attention_backends(attention),
         _short_kernel_names(),
     ):

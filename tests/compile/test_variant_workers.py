@@ -51,8 +51,7 @@ def _check_eager(captured: Captured, artifact: Any) -> None:
 
 @pytest.fixture(scope="module")
 def serial(captured: Captured) -> Iterator[Any]:
-    # a tag of its own: the compiles compared with it load nothing it left in torch's caches
-    with pytest.MonkeyPatch.context() as patch, torch.compiler.config.patch(cache_key_tag="serial"):
+    with pytest.MonkeyPatch.context() as patch:
         yield _compile(captured, "0", patch)
 
 

@@ -362,7 +362,7 @@ def test_cuda_variants_from_workers_are_the_code_one_process_compiles() -> None:
     not diagnosed), where two fresh processes agreed once inductor's kernel-path
     comments were left out of the digest."""
     tests = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    # each its own build dir: the second build loads nothing the first left in torch's caches
+    # each its own build dir (not the tests' shared one): two builds as two fresh hosts make them
     env = {"PYTHONPATH": os.pathsep.join([tests, os.environ.get("PYTHONPATH", "")]),
            "PRECOMPILE_BUILD_DIR": ""}  # fmt: skip
     one = json.loads(

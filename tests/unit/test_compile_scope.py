@@ -99,7 +99,7 @@ def test_every_variant_compile_enters_it(monkeypatch: pytest.MonkeyPatch) -> Non
         yield
 
     monkeypatch.setattr(compile_adapter, "precompiling_templates_in_threads", recording)
-    with _variant_compile._compile_context(FakeTensorMode(), size_oblivious=False, tag="t"):
+    with _variant_compile._compile_context(FakeTensorMode(), size_oblivious=False):
         assert entered == [True]
 
 
