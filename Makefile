@@ -22,10 +22,7 @@ demo: $(STAMP)
 # loadfile on the same day's slower machine; one run each.)
 PYTEST_WORKERS ?= 2
 
-# Bytecode first: where PYTHONDONTWRITEBYTECODE is set (this CI machine sets it), every
-# test subprocess would otherwise compile the package's sources again on import.
 test: $(STAMP)
-	$(PY) -m compileall -q precompile runtime cache tests examples
 	$(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadfile
 
 # The edit-test loop: tests/unit, the tests that compile nothing (about 15 s on 2 cores).
