@@ -38,6 +38,7 @@ from precompile.runtime.compiler_interface import (
     ABOUT_BLOCKS,
     ABOUT_CONFIG,
     CudaGraphsOption,
+    Dispatcher,
     KVCacheLayout,
     ModelPlan,
     TensorInput,
@@ -1054,8 +1055,6 @@ def _refuse_narrowed_ranges(
     the dim (``if x.shape[1] > 10``, a position table of 32 rows), so calls inside the
     range would be refused. Its least (at least 2, the trace's own bound) and its most
     are each asked of every variant, the other dims at that variant's point."""
-    from precompile.runtime.compiler_interface import Dispatcher
-
     dispatcher = Dispatcher(artifact.manifest)
     names = [symbol.name for symbol in artifact.manifest.symbols]
     traced_most = {symbol.name: symbol.max for symbol in artifact.manifest.symbols}
