@@ -15,6 +15,7 @@ from precompile.runtime import PrecompileError, UnsupportedGraphError
 
 from . import _torch_adapter as adapter
 from ._collectives import LocalCollectives
+from ._operator_kernels import operator_kernel_files
 
 
 @dataclass
@@ -64,7 +65,8 @@ def trace_model(
             "code": codes[0] if codes else None,
             "inputs": list(example_inputs),
             "names": [n.name for n in gm.graph.nodes if n.op == "placeholder"],
-            "files": {c.co_filename for c in codes if os.path.isfile(c.co_filename)},
+            "files": {c.co_filename for c in codes if os.path.isfile(c.co_filename)}
+            | operator_kernel_files(gm),  # a custom op's Python kernel, traced through
             "artifact": compile_graph(gm, list(example_inputs)),
             "outputs": None,
             "size_outputs": tuple(_size_outputs(gm)),

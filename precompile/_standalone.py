@@ -39,6 +39,7 @@ from precompile.runtime.compiler_interface import (
     cudagraph_options,
     current_environment,
     dtype_name,
+    file_digest,
     move_refusal,
     store_artifact,
 )
@@ -57,6 +58,7 @@ from ._graph_description import DYNAMIC_SHAPES, describe_graph
 from ._graph_name import graph_name
 from ._lean_plan import LeanPlan, lean_plan
 from ._offline import is_offline, refuse
+from ._operator_kernels import operator_kernel_files
 from ._precision_policy import check_switch as check_casts_switch
 from ._random_policy import graph_draws_random, inductors_random_numbers
 from ._variant_plan import DEFAULT_MAX_VARIANTS, Hints, Sizes, VariantRequest, plan_variants
@@ -772,6 +774,11 @@ def standalone_compile(
         factors["process_groups"] = repr(
             [(g.name, g.size, g.backend, list(g.ranks)) for g in groups]
         )
+    kernels = sorted(filter(None, map(file_digest, operator_kernel_files(gm))))
+    if kernels:
+        # the Python kernels of custom ops traced through (their code is in the graph's,
+        # their names alone in its text): by content, never by path
+        factors["operator_kernels"] = repr(kernels)
     if graph.caller_guards:
         # the sizes the traced graph holds at, beyond the ranges the inputs already key
         factors["caller_guards"] = repr(sorted(map(adapter.print_expr, graph.caller_guards)))

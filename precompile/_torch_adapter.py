@@ -378,6 +378,32 @@ def fake_run(func: Any, args: Any, kwargs: Any) -> Any:
         return func(*args, **kwargs)
 
 
+def run_on_example_values(node: torch.fx.Node) -> None:
+    """Call a graph node's operator on clones of the values its inputs were traced with
+    (``example_value``), in their fake mode: what tracing it ran, run again alone.
+    ``LookupError`` where an input has no recorded value."""
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+    from torch.fx.node import map_arg
+    from torch.utils import _pytree as pytree
+
+    missing: list[str] = []
+
+    def value(arg: torch.fx.Node) -> Any:
+        found = example_value(arg)
+        if found is None:
+            missing.append(arg.name)
+        return found
+
+    args, kwargs = map_arg((node.args, node.kwargs), value)
+    if missing:
+        raise LookupError(f"no traced value for {', '.join(missing)}")
+    fakes = [v for v in pytree.tree_leaves((args, kwargs)) if isinstance(v, FakeTensor)]
+    mode = fakes[0].fake_mode if fakes else None
+    with mode if mode is not None else FakeTensorMode(allow_non_fake_inputs=True):
+        args, kwargs = pytree.tree_map_only(torch.Tensor, torch.Tensor.clone, (args, kwargs))
+        node.target(*args, **kwargs)  # type: ignore[operator]
+
+
 # -- operators ------------------------------------------------------------------------
 # torch's scaled-dot-product-attention callables as a graph names them
 SDPA_TARGETS = (

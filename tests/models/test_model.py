@@ -370,7 +370,8 @@ def activate(x):  # a helper the forward calls, in a file of no module class
     return torch.relu(x){shift}
 """
 
-CHANGED = """
+# a script's start: the directory importable, precompile's log records kept
+KEEP_RECORDS = """
 import logging, sys, torch, precompile
 sys.path.insert(0, {directory!r})
 records = []
@@ -378,6 +379,9 @@ class Keep(logging.Handler):
     def emit(self, record): records.append(record.getMessage())
 logging.getLogger("precompile").addHandler(Keep())
 logging.getLogger("precompile").setLevel(logging.INFO)
+"""
+
+CHANGED = KEEP_RECORDS + """
 from scaler_model import Scaler
 torch.manual_seed(0)
 model = Scaler().eval()
@@ -421,6 +425,55 @@ def test_a_changed_source_file_is_a_miss_never_a_stale_hit(tmp_path: Any) -> Non
         handle.write(MODEL_SOURCE.format(factor=3))  # forward changed: outputs differ
     out = run_python(offline)
     assert "ArtifactNotFoundError" in out and "model_sources" in out, out
+
+
+OPS_SOURCE = """
+import torch
+
+library = torch.library.Library("precompile_kernel_edit", "DEF")
+library.define("affine(Tensor x) -> Tensor")
+# a kernel the compile traces through: the graph names the op, its code is inlined
+library.impl("affine", lambda x: x * {factor} + 1, "CompositeImplicitAutograd")
+"""
+
+KERNEL_EDITED = KEEP_RECORDS + """
+import affine_ops  # in a file of no module class, as a library's ops are
+
+class UsesTheOp(torch.nn.Module):
+    def forward(self, x):
+        return torch.ops.precompile_kernel_edit.affine(x).relu()
+
+model = UsesTheOp().eval()
+x, y = torch.randn(5, 8), torch.randn(6, 8)
+with torch.no_grad():
+    whole = precompile.compile_model(
+        model, (x,), dynamic={{0: {{0: (2, None)}}}}, cache={cache!r}, warmup=False
+    )
+    torch.testing.assert_close(whole(y), model(y))
+    graph = torch.compile(model, backend=precompile.backend(cache={cache!r}), dynamic=True)
+    torch.testing.assert_close(graph(y), model(y))
+print("model hit" if any("model cache hit" in r for r in records) else "model miss")
+print("graph miss" if any(r.startswith("graph cache miss") for r in records) else "graph hit")
+"""
+
+
+def test_an_edited_custom_op_kernel_is_a_miss_never_a_stale_hit(tmp_path: Any) -> None:
+    """A custom op's Python kernel (CompositeImplicitAutograd) is traced into the graph,
+    whose text names only the op: an edit to its file made the next process's
+    ``compile_model`` a hit that ran the old kernel (3.0 where eager gave 4.0). Both the
+    model's plan and a graph's key now hold that file, so the edit is a miss for both
+    (the asserts inside compare each with eager)."""
+    directory = str(tmp_path / "ops")
+    os.makedirs(directory)
+    ops = os.path.join(directory, "affine_ops.py")
+    script = textwrap.dedent(KERNEL_EDITED.format(directory=directory, cache=str(tmp_path / "c")))
+    with open(ops, "w") as handle:
+        handle.write(OPS_SOURCE.format(factor=2))
+    assert run_python(script).splitlines()[-2:] == ["model miss", "graph miss"]
+    assert run_python(script).splitlines()[-2:] == ["model hit", "graph hit"]
+    with open(ops, "w") as handle:
+        handle.write(OPS_SOURCE.format(factor=3))
+    assert run_python(script).splitlines()[-2:] == ["model miss", "graph miss"]
 
 
 class _Breaks(torch.nn.Module):
