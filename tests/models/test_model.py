@@ -381,7 +381,9 @@ logging.getLogger("precompile").addHandler(Keep())
 logging.getLogger("precompile").setLevel(logging.INFO)
 """
 
-CHANGED = KEEP_RECORDS + """
+CHANGED = (
+    KEEP_RECORDS
+    + """
 from scaler_model import Scaler
 torch.manual_seed(0)
 model = Scaler().eval()
@@ -399,6 +401,7 @@ with torch.no_grad():
 print("hit" if any("model cache hit" in r for r in records) else "miss")
 print([r for r in records if "model cache miss" in r])
 """
+)
 
 
 def test_a_changed_source_file_is_a_miss_never_a_stale_hit(tmp_path: Any) -> None:
@@ -436,7 +439,9 @@ library.define("affine(Tensor x) -> Tensor")
 library.impl("affine", lambda x: x * {factor} + 1, "CompositeImplicitAutograd")
 """
 
-KERNEL_EDITED = KEEP_RECORDS + """
+KERNEL_EDITED = (
+    KEEP_RECORDS
+    + """
 import affine_ops  # in a file of no module class, as a library's ops are
 
 class UsesTheOp(torch.nn.Module):
@@ -455,6 +460,7 @@ with torch.no_grad():
 print("model hit" if any("model cache hit" in r for r in records) else "model miss")
 print("graph miss" if any(r.startswith("graph cache miss") for r in records) else "graph hit")
 """
+)
 
 
 def test_an_edited_custom_op_kernel_is_a_miss_never_a_stale_hit(tmp_path: Any) -> None:
