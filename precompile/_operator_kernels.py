@@ -108,7 +108,6 @@ def _skipped_dirs() -> tuple[str, ...]:
 def operator_kernel_files(gm: torch.fx.GraphModule) -> set[str]:
     """The source files (absolute paths) of the Python code the graph's library
     operators run, beyond torch's and the standard library's."""
-    skipped = _skipped_dirs()
     files: set[str] = set()
     for node in gm.graph.nodes:
         if node.op != "call_function":
@@ -127,6 +126,6 @@ def operator_kernel_files(gm: torch.fx.GraphModule) -> set[str]:
             continue
         for path in ran:
             path = os.path.abspath(path)
-            if not path.startswith(skipped) and os.path.isfile(path):
+            if not path.startswith(_skipped_dirs()) and os.path.isfile(path):
                 files.add(path)
     return files
