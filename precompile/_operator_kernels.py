@@ -17,7 +17,6 @@ else a profile hook). Files of torch and of the standard library are left out.
 from __future__ import annotations
 
 import functools
-import importlib.util
 import logging
 import os
 import re
@@ -86,23 +85,25 @@ def _code_starts(run: Callable[[], None]) -> set[str]:
 def _skipped_dirs() -> tuple[str, ...]:
     """torch's folder, the standard library's, this package's, and those of the packages
     torch requires (sympy runs in a traced call with symbolic sizes): the environment
-    key holds their versions."""
+    key holds their versions. Some milliseconds, once a process."""
     torch_dir, _ = adapter.torch_code_dirs()
-    dirs = [torch_dir, sysconfig.get_paths()["stdlib"], os.path.dirname(os.path.abspath(__file__))]
+    paths = {torch_dir, sysconfig.get_paths()["stdlib"], os.path.dirname(__file__)}
     try:
-        required = {re.split(r"[ ;<>=!~\[]", r, maxsplit=1)[0].lower().replace("_", "-")
-                    for r in metadata.requires("torch") or []}  # fmt: skip
-        for module, dists in metadata.packages_distributions().items():
-            if any(d.lower().replace("_", "-") in required for d in dists):
-                spec = importlib.util.find_spec(module)
-                origin = spec.origin if spec is not None else None
-                if spec is not None and origin and origin not in ("built-in", "frozen"):
-                    package = spec.submodule_search_locations is not None
-                    dirs.append(os.path.dirname(origin) if package else origin)
-    except (metadata.PackageNotFoundError, ImportError, ValueError):
-        pass  # torch from a source tree: its requirements' files are recorded too
-    return tuple(os.path.join(os.path.abspath(d), "") if os.path.isdir(d) else os.path.abspath(d)
-                 for d in dirs)  # fmt: skip
+        requirements = metadata.requires("torch") or []
+    except metadata.PackageNotFoundError:  # torch from a source tree
+        requirements = []
+    for requirement in requirements:
+        name = re.split(r"[ ;<>=!~\[(]", requirement, maxsplit=1)[0]
+        try:
+            distribution = metadata.distribution(name)
+        except metadata.PackageNotFoundError:  # an optional one, not installed
+            continue
+        record = distribution.read_text("RECORD") or ""  # its files (parsed: 20x slower)
+        for top in {line.split(",", 1)[0].split("/", 1)[0] for line in record.splitlines()}:
+            if top not in ("..", "__pycache__") and not top.endswith((".dist-info", ".egg-info")):
+                paths.add(str(distribution.locate_file(top)))
+    absolute = (os.path.abspath(p) for p in paths)
+    return tuple(os.path.join(p, "") if os.path.isdir(p) else p for p in absolute)
 
 
 def operator_kernel_files(gm: torch.fx.GraphModule) -> set[str]:
