@@ -10,7 +10,9 @@ process runs the graph with no trace.
 from __future__ import annotations
 
 import inspect
+import logging
 import re
+import types
 from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
@@ -18,12 +20,15 @@ import torch
 
 from precompile.runtime import UnsupportedGraphError
 from precompile.runtime.compiler_interface import (
+    NO_FILE,
     KVCacheLayout,
     ModelPlan,
     UnboundTensor,
     class_path,
+    code_digest,
     describe_kv_cache,
     file_digest,
+    fileless_functions,
     is_kv_cache,
     kv_cache_kind,
     kv_cache_tensors,
@@ -35,6 +40,8 @@ from precompile.runtime.compiler_interface import (
 
 from ._example_call import ExampleCall
 from ._trace_read import trace_read
+
+log = logging.getLogger("precompile.compile")
 
 
 def _token_source(
@@ -180,6 +187,7 @@ def build_plan(
     # length follows them, whichever dims the call made dynamic): not held to its trace
     unbound = {i: s for i, s in _unbound(leaves, bindings, dims).items() if i != position}
     files = {path: digest for path in sorted(trace.traced_files) if (digest := file_digest(path))}
+    files.update(_fileless_places(trace.fileless_code, trace.kernel_fileless_code))
     return ModelPlan(
         model_class=class_path(model),
         in_spec=in_json,
@@ -234,6 +242,35 @@ def _unbound(
 _ARGUMENT_SIZE = re.compile(
     r"^L\['(?:kwargs'\]\[')?(?P<name>[A-Za-z_]\w*)'\]\.size\(\)\[(?P<dim>\d+)\]$"
 )
+
+
+def _fileless_places(
+    traced: Collection[types.CodeType], kernels: Collection[types.CodeType]
+) -> dict[str, str]:
+    """Code with no source file (``python -c``, a notebook cell) by the name a later
+    process finds it under (``<no file: __main__.helper>``), with its digest. Traced code
+    no module names (a generated ``__init__``) is not checked (docs/limits.md); a custom
+    op's kernel no module names (one ``exec``'d from text) is recorded as unverifiable,
+    so that only the compiling process uses the plan."""
+    if not traced and not kernels:
+        return {}
+    names = {code: name for name, code in fileless_functions().items()}
+    found = {}
+    for code in {*traced, *kernels}:
+        name = names.get(code)
+        if name is not None:
+            found[f"{NO_FILE}{name}>"] = code_digest(code)
+        elif code in kernels:
+            qualified = getattr(code, "co_qualname", code.co_name)
+            found[f"{NO_FILE}{qualified} at {code.co_filename}, named by no module>"] = "0" * 64
+            log.warning(
+                "compile_model: a custom op's kernel %s has no source file and no module "
+                "names it: a later process cannot check it, so it compiles again; define "
+                "it in a .py file to reuse the build", qualified,
+            )  # fmt: skip
+        else:
+            log.debug("traced code with no source file and no name to check it by: %s", code)
+    return found
 
 
 def _size_source(

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import types
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -15,7 +16,7 @@ from precompile.runtime import PrecompileError, UnsupportedGraphError
 
 from . import _torch_adapter as adapter
 from ._collectives import LocalCollectives
-from ._operator_kernels import operator_kernel_files
+from ._operator_kernels import operator_kernel_code
 
 
 @dataclass
@@ -37,6 +38,12 @@ class ModelTrace:
     wrapper: Any = None
     # graph outputs that are sizes (SymInt, SymFloat, SymBool: ``x.shape[0]``), by name
     size_outputs: tuple[str, ...] = ()
+    # code it traced or its custom ops ran that has no source file (``python -c``, a
+    # notebook cell): checked at load by name where it can be found (``_model_plan``)
+    fileless_code: set[types.CodeType] = field(default_factory=set)
+    # the same for code its custom ops' kernels ran (the caller's alone): where no name
+    # finds it, the plan cannot be checked and no later process uses it
+    kernel_fileless_code: set[types.CodeType] = field(default_factory=set)
 
 
 def trace_model(
@@ -61,12 +68,14 @@ def trace_model(
 
     def backend(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
         codes = adapter.traced_codes()
+        kernel_files, kernel_code = operator_kernel_code(gm)  # custom ops traced through
         record: dict[str, Any] = {
             "code": codes[0] if codes else None,
             "inputs": list(example_inputs),
             "names": [n.name for n in gm.graph.nodes if n.op == "placeholder"],
-            "files": {c.co_filename for c in codes if os.path.isfile(c.co_filename)}
-            | operator_kernel_files(gm),  # a custom op's Python kernel, traced through
+            "files": {c.co_filename for c in codes if os.path.isfile(c.co_filename)} | kernel_files,
+            "fileless": {c for c in codes if not os.path.isfile(c.co_filename)},
+            "kernel_fileless": kernel_code,
             "artifact": compile_graph(gm, list(example_inputs)),
             "outputs": None,
             "size_outputs": tuple(_size_outputs(gm)),
@@ -122,6 +131,8 @@ def trace_model(
         traced_code=record["code"],
         wrapper=wrapper,
         size_outputs=record["size_outputs"],
+        fileless_code=record["fileless"],
+        kernel_fileless_code=record["kernel_fileless"],
     )
 
 

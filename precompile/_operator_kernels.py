@@ -17,13 +17,15 @@ else a profile hook). Files of torch and of the standard library are left out.
 from __future__ import annotations
 
 import functools
+import inspect
 import logging
 import os
 import re
 import sys
 import sysconfig
 import threading
-from collections.abc import Callable
+import types
+from collections.abc import Callable, Mapping
 from importlib import metadata
 from typing import Any
 
@@ -38,10 +40,50 @@ _TORCH_NAMESPACES = ("aten", "prims")
 _TOOL_NAME = "precompile kernel sources"
 
 
-def _code_starts(run: Callable[[], None]) -> set[str]:
-    """The files of every Python function this thread starts while ``run()`` runs."""
-    files: set[str] = set()
+def _referenced_files(code: types.CodeType, namespace: Mapping[str, Any]) -> set[str]:
+    """The files of the modules and functions a running code's global names hold
+    (``helpers.coeff()``, ``from helpers import coeff``): a call answered from a cache
+    (``functools.lru_cache``) or by TorchScript starts no Python function there, and a
+    constant read off a module starts none at all."""
+    files = set()
+    for name in code.co_names:
+        value = namespace.get(name)
+        if isinstance(value, types.ModuleType):
+            path = getattr(value, "__file__", None)
+        else:
+            target = inspect.unwrap(value) if callable(value) else None
+            path = getattr(getattr(target, "__code__", None), "co_filename", None)
+        if isinstance(path, str):
+            files.add(path)
+    return files
+
+
+def _is_users(code: types.CodeType, namespace: Mapping[str, Any]) -> bool:
+    """Whether code is the caller's: from a file outside the skipped folders, or with no
+    file and run in the namespace of such a module or of a fileless ``__main__`` (``exec``
+    of a kernel's text, ``python -c``, a notebook cell); not code generated for torch's
+    own classes (dataclasses' methods), which some runs start and others not."""
+    if os.path.isfile(code.co_filename):
+        return not os.path.abspath(code.co_filename).startswith(_skipped_dirs())
+    module_file = namespace.get("__file__")
+    if isinstance(module_file, str):
+        return not os.path.abspath(module_file).startswith(_skipped_dirs())
+    return namespace.get("__name__") == "__main__"
+
+
+def _code_starts(run: Callable[[], None]) -> tuple[set[types.CodeType], set[str]]:
+    """The code of every Python function this thread starts while ``run()`` runs, and
+    the files its global names refer to (``_referenced_files``)."""
+    codes: set[types.CodeType] = set()
+    referenced: set[str] = set()
     thread = threading.get_ident()
+
+    def seen(code: types.CodeType, namespace: Mapping[str, Any]) -> None:
+        if code in codes or not _is_users(code, namespace):
+            return  # torch's own (and its requirements'): which of it runs varies
+        codes.add(code)
+        referenced.update(_referenced_files(code, namespace))
+
     monitoring: Any = getattr(sys, "monitoring", None)
     if monitoring is not None:
         tool = next((i for i in range(6) if monitoring.get_tool(i) is None), None)
@@ -49,7 +91,7 @@ def _code_starts(run: Callable[[], None]) -> set[str]:
 
             def started(code: Any, _offset: int) -> None:
                 if threading.get_ident() == thread:
-                    files.add(code.co_filename)
+                    seen(code, sys._getframe(1).f_globals)  # the frame that starts
 
             monitoring.use_tool_id(tool, _TOOL_NAME)
             try:
@@ -60,12 +102,12 @@ def _code_starts(run: Callable[[], None]) -> set[str]:
                 monitoring.set_events(tool, 0)
                 monitoring.register_callback(tool, monitoring.events.PY_START, None)
                 monitoring.free_tool_id(tool)
-            return files
+            return codes, referenced
     previous = sys.getprofile()
 
     def profile(frame: Any, event: Any, arg: Any) -> None:
         if event == "call":
-            files.add(frame.f_code.co_filename)
+            seen(frame.f_code, frame.f_globals)
         if callable(previous):
             previous(frame, event, arg)
 
@@ -78,7 +120,7 @@ def _code_starts(run: Callable[[], None]) -> set[str]:
         else:  # a C profiler (cProfile's) takes its hook back itself
             sys.setprofile(None)
             getattr(previous, "enable", lambda: None)()
-    return files
+    return codes, referenced
 
 
 @functools.cache
@@ -106,10 +148,12 @@ def _skipped_dirs() -> tuple[str, ...]:
     return tuple(os.path.join(p, "") if os.path.isdir(p) else p for p in absolute)
 
 
-def operator_kernel_files(gm: torch.fx.GraphModule) -> set[str]:
-    """The source files (absolute paths) of the Python code the graph's library
-    operators run, beyond torch's and the standard library's."""
+def operator_kernel_code(gm: torch.fx.GraphModule) -> tuple[set[str], set[types.CodeType]]:
+    """What the graph's library operators run, beyond torch's, the standard library's and
+    torch's requirements' code: the source files (absolute paths), and the code that has
+    no file (defined by ``python -c``, a notebook cell, ``exec``)."""
     files: set[str] = set()
+    fileless: set[types.CodeType] = set()
     for node in gm.graph.nodes:
         if node.op != "call_function":
             continue
@@ -125,8 +169,17 @@ def operator_kernel_files(gm: torch.fx.GraphModule) -> set[str]:
                 signature[0], type(exc).__name__, exc,
             )  # fmt: skip
             continue
-        for path in ran:
+        codes, referenced = ran
+        for code in codes:
+            if not os.path.isfile(code.co_filename):
+                fileless.add(code)
+        for path in {c.co_filename for c in codes} | referenced:
             path = os.path.abspath(path)
-            if not path.startswith(_skipped_dirs()) and os.path.isfile(path):
+            if os.path.isfile(path) and not path.startswith(_skipped_dirs()):
                 files.add(path)
-    return files
+        # where its kernels were registered (which function, with which arguments)
+        for site in adapter.operator_registration_sites(signature[0]):
+            path = os.path.abspath(site)
+            if os.path.isfile(path) and not path.startswith(_skipped_dirs()):
+                files.add(path)
+    return files, fileless

@@ -36,6 +36,7 @@ from precompile.runtime.compiler_interface import (
     MemoryPayloads,
     ProcessGroupSpec,
     TensorInput,
+    code_digest,
     cudagraph_options,
     current_environment,
     dtype_name,
@@ -58,7 +59,7 @@ from ._graph_description import DYNAMIC_SHAPES, describe_graph
 from ._graph_name import graph_name
 from ._lean_plan import LeanPlan, lean_plan
 from ._offline import is_offline, refuse
-from ._operator_kernels import operator_kernel_files
+from ._operator_kernels import operator_kernel_code
 from ._precision_policy import check_switch as check_casts_switch
 from ._random_policy import graph_draws_random, inductors_random_numbers
 from ._variant_plan import DEFAULT_MAX_VARIANTS, Hints, Sizes, VariantRequest, plan_variants
@@ -774,7 +775,10 @@ def standalone_compile(
         factors["process_groups"] = repr(
             [(g.name, g.size, g.backend, list(g.ranks)) for g in groups]
         )
-    kernels = sorted(filter(None, map(file_digest, operator_kernel_files(gm))))
+    kernel_files, kernel_code = operator_kernel_code(gm)
+    kernels = sorted(
+        [*filter(None, map(file_digest, kernel_files)), *map(code_digest, kernel_code)]
+    )
     if kernels:
         # the Python kernels of custom ops traced through (their code is in the graph's,
         # their names alone in its text): by content, never by path

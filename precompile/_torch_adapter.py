@@ -404,6 +404,16 @@ def run_on_example_values(node: torch.fx.Node) -> None:
         node.target(*args, **kwargs)  # type: ignore[operator]
 
 
+def operator_registration_sites(qualified: str) -> set[str]:
+    """The files the dispatcher says an operator's schema and kernels were registered
+    at (``registered at path:line``: for a ``torch.library.Library``, where it was made)."""
+    try:
+        dump = torch._C._dispatch_dump(qualified)
+    except RuntimeError:  # not a registered operator
+        return set()
+    return {m.group(1) for m in re.finditer(r"registered at (.+?):\d+", dump)}
+
+
 # -- operators ------------------------------------------------------------------------
 # torch's scaled-dot-product-attention callables as a graph names them
 SDPA_TARGETS = (

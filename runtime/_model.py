@@ -64,7 +64,14 @@ from ._kv_cache import (
 )
 from ._manifest import Manifest, TensorInput
 from ._model_guards import BoundGuards, TraceRead
-from ._model_identity import check_identity, class_path, file_digest
+from ._model_identity import (
+    NO_FILE,
+    check_identity,
+    class_path,
+    code_digest,
+    file_digest,
+    fileless_functions,
+)
 from ._process_groups import this_rank
 from ._sampling import Sampling
 from ._unbound import UnboundTensor
@@ -316,8 +323,20 @@ def _pieces_from_json(value: Any, where: str) -> tuple[Mapping[str, Any], ...]:
 
 
 def changed_files(plan: ModelPlan) -> list[str]:
-    """The traced source files that differ from (or are gone since) the trace."""
-    return [path for path, digest in plan.traced_files.items() if file_digest(path) != digest]
+    """The traced source files that differ from (or are gone since) the trace; code
+    defined where no file is (``<no file: module.function>``) is looked up by name."""
+    fileless = None
+    changed = []
+    for place, digest in plan.traced_files.items():
+        if place.startswith(NO_FILE):
+            if fileless is None:
+                fileless = fileless_functions()
+            code = fileless.get(place[len(NO_FILE) : -1])
+            if code is None or code_digest(code) != digest:
+                changed.append(place)
+        elif file_digest(place) != digest:
+            changed.append(place)
+    return changed
 
 
 def stale_reason(plan: ModelPlan) -> str | None:

@@ -12,8 +12,10 @@ another layer count, ``rms_norm_eps`` or activation runs other code than was com
 from __future__ import annotations
 
 import hashlib
+import inspect
 import json
 import sys
+import types
 from collections.abc import Mapping
 from typing import Any
 
@@ -58,14 +60,81 @@ def canonical_digest(value: Any) -> str:
     return hashlib.sha256(text.encode()).hexdigest()
 
 
+def code_digest(code: types.CodeType) -> str:
+    """sha256 of what a code object runs: its bytecode, constants (nested code by its own
+    digest), names and signature; not its file name or line numbers, so the same
+    function typed again (a notebook cell run again) has the same digest."""
+    consts = [code_digest(c) if isinstance(c, types.CodeType) else repr(c) for c in code.co_consts]
+    parts = [code.co_code.hex(), consts, code.co_names, code.co_varnames, code.co_freevars,
+             code.co_cellvars, code.co_argcount, code.co_kwonlyargcount, code.co_flags]  # fmt: skip
+    return canonical_digest(parts)
+
+
+def _functions(cls: type) -> list[tuple[str, types.CodeType]]:
+    """The code of each function a class defines (methods, static and class methods,
+    properties' accessors), by name."""
+    found = []
+    for name, value in sorted(vars(cls).items()):
+        if isinstance(value, (staticmethod, classmethod)):
+            value = value.__func__
+        accessors = [value.fget, value.fset] if isinstance(value, property) else [value]
+        for function in accessors:
+            code = getattr(inspect.unwrap(function), "__code__", None) if function else None
+            if isinstance(code, types.CodeType):
+                found.append((name, code))
+    return found
+
+
+def fileless_classes(model: torch.nn.Module) -> list[type]:
+    """The classes of the model's modules (and their bases) defined where no source file
+    is: ``python -c``, a notebook cell, ``exec``."""
+    found: dict[type, None] = {}
+    for module in model.modules():
+        for cls in type(module).__mro__:
+            if cls.__module__ == "builtins":
+                continue
+            if not getattr(sys.modules.get(cls.__module__), "__file__", None):
+                found.setdefault(cls)
+    return list(found)
+
+
+def fileless_class_codes(model: torch.nn.Module) -> set[types.CodeType]:
+    """The code objects whose digests ``module_sources`` holds for fileless classes."""
+    return {code for cls in fileless_classes(model) for _, code in _functions(cls)}
+
+
+NO_FILE = "<no file: "  # how a traced file's place names code defined where no file is
+
+
+def fileless_functions() -> dict[str, types.CodeType]:
+    """The code of every function defined where no source file is (``python -c``, a
+    notebook, ``exec`` into a module without one), by ``module.qualname[.function]``:
+    module-level functions, and the functions of classes defined there."""
+    found: dict[str, types.CodeType] = {}
+    for module_name, module in list(sys.modules.items()):
+        if module is None or getattr(module, "__file__", None) or module_name == "builtins":
+            continue
+        for name, value in list(vars(module).items()):
+            if isinstance(value, type) and value.__module__ == module_name:
+                for function, code in _functions(value):
+                    found[f"{module_name}.{value.__qualname__}.{function}"] = code
+            elif isinstance(value, types.FunctionType) and value.__module__ == module_name:
+                found[f"{module_name}.{name}"] = value.__code__
+    return found
+
+
 def module_sources(model: torch.nn.Module) -> dict[str, str]:
-    """sha256 of the source file of every module class in the model (and the model's)."""
+    """sha256 of the source file of every module class in the model (and the model's);
+    a class defined where no file is (``python -c``, a notebook), by its functions' code."""
     found: dict[str, str] = {}
     for module in model.modules():
         name = type(module).__module__
         path = getattr(sys.modules.get(name), "__file__", None)
         if path and path not in found:
             found[path] = file_digest(path) or "unreadable"
+    for cls in fileless_classes(model):
+        codes = [[name, code_digest(code)] for name, code in _functions(cls)]
+        found[f"{NO_FILE}{cls.__module__}.{cls.__qualname__}>"] = canonical_digest(codes)
     return dict(sorted(found.items()))
 
 

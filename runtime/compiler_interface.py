@@ -60,7 +60,15 @@ if TYPE_CHECKING:
     from ._model_guards import named as guard_identity
     from ._model_guards import readable as readable_guard_expr
     from ._model_guards import roots_of as guard_roots
-    from ._model_identity import canonical_digest, class_path, file_digest, model_identity
+    from ._model_identity import (
+        NO_FILE,
+        canonical_digest,
+        class_path,
+        code_digest,
+        file_digest,
+        fileless_functions,
+        model_identity,
+    )
     from ._native_kernels import cpu_features_for_flags, find_cpp_kernels
     from ._native_kernels import kernel_key as native_kernel_key
     from ._payloads import MemoryPayloads
@@ -108,6 +116,9 @@ _LAZY = {
     "dtype_name": "._dtypes",
     "encode_guard_value": "._model_guards:encode",
     "file_digest": "._model_identity",
+    "fileless_functions": "._model_identity",
+    "code_digest": "._model_identity",
+    "NO_FILE": "._model_identity",
     "find_cpp_kernels": "._native_kernels",
     "guard_identity": "._model_guards:named",
     "guard_roots": "._model_guards:roots_of",
@@ -181,6 +192,9 @@ __all__ = [
     "dtype_name",
     "encode_guard_value",
     "file_digest",
+    "fileless_functions",
+    "code_digest",
+    "NO_FILE",
     "find_cpp_kernels",
     "guard_identity",
     "guard_roots",

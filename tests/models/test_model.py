@@ -432,11 +432,19 @@ def test_a_changed_source_file_is_a_miss_never_a_stale_hit(tmp_path: Any) -> Non
 
 OPS_SOURCE = """
 import torch
+import affine_shift
 
 library = torch.library.Library("precompile_kernel_edit", "DEF")
 library.define("affine(Tensor x) -> Tensor")
 # a kernel the compile traces through: the graph names the op, its code is inlined
-library.impl("affine", lambda x: x * {factor} + 1, "CompositeImplicitAutograd")
+library.impl("affine", lambda x: x * {factor} + affine_shift.shift(), "CompositeImplicitAutograd")
+"""
+SHIFT_SOURCE = """
+import functools
+
+@functools.lru_cache  # called from the kernel, answered from the cache after the first call
+def shift():
+    return {shift}
 """
 
 KERNEL_EDITED = (
@@ -467,19 +475,73 @@ def test_an_edited_custom_op_kernel_is_a_miss_never_a_stale_hit(tmp_path: Any) -
     """A custom op's Python kernel (CompositeImplicitAutograd) is traced into the graph,
     whose text names only the op: an edit to its file made the next process's
     ``compile_model`` a hit that ran the old kernel (3.0 where eager gave 4.0). Both the
-    model's plan and a graph's key now hold that file, so the edit is a miss for both
-    (the asserts inside compare each with eager)."""
+    model's plan and a graph's key now hold that file, the file the op was registered in,
+    and those of what the kernel's global names hold (a helper answered from its
+    ``lru_cache`` runs no code a profiler sees), so each edit is a miss for both (the
+    asserts inside compare each with eager)."""
     directory = str(tmp_path / "ops")
     os.makedirs(directory)
-    ops = os.path.join(directory, "affine_ops.py")
     script = textwrap.dedent(KERNEL_EDITED.format(directory=directory, cache=str(tmp_path / "c")))
-    with open(ops, "w") as handle:
-        handle.write(OPS_SOURCE.format(factor=2))
+
+    def write(name: str, text: str) -> None:
+        with open(os.path.join(directory, name), "w") as handle:
+            handle.write(text)
+
+    write("affine_ops.py", OPS_SOURCE.format(factor=2))
+    write("affine_shift.py", SHIFT_SOURCE.format(shift=1.0))
     assert run_python(script).splitlines()[-2:] == ["model miss", "graph miss"]
     assert run_python(script).splitlines()[-2:] == ["model hit", "graph hit"]
-    with open(ops, "w") as handle:
-        handle.write(OPS_SOURCE.format(factor=3))
+    write("affine_ops.py", OPS_SOURCE.format(factor=3))  # the kernel and its registration
     assert run_python(script).splitlines()[-2:] == ["model miss", "graph miss"]
+    write("affine_shift.py", SHIFT_SOURCE.format(shift=2.0))  # a cached helper it calls
+    assert run_python(script).splitlines()[-2:] == ["model miss", "graph miss"]
+
+
+FILELESS = (
+    KEEP_RECORDS
+    + """
+def act(x):  # a helper the forward calls: defined where no file is, as in a notebook
+    return torch.relu(x){shift}
+
+class Scaler(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        return act(self.proj(x)) * {factor}
+
+torch.manual_seed(0)
+model = Scaler().eval()
+x = torch.randn(5, 8)
+with torch.no_grad():
+    compiled = precompile.compile_model(
+        model, (x,), dynamic={{0: {{0: (2, None)}}}}, cache={cache!r}, warmup=False
+    )
+    torch.testing.assert_close(compiled(x), model(x))
+print("hit" if any("model cache hit" in r for r in records) else "miss")
+print([r for r in records if "stale" in r or "model cache miss" in r][:1])
+"""
+)
+
+
+def test_code_defined_without_a_file_is_checked_by_its_code(tmp_path: Any) -> None:
+    """A model written in ``python -c`` or a notebook cell has no source file to hash:
+    an edit to its forward, or to a helper it calls, was a stale hit in the next process
+    (0.89 off eager). The class's functions are now in the key by their code, and the
+    traced helpers are checked at load by name; the same code typed again still hits."""
+    cache = str(tmp_path / "cache")
+
+    def run(factor: int, shift: str) -> list[str]:  # run_python runs ``python -c``: no file
+        code = FILELESS.format(directory=str(tmp_path), cache=cache, factor=factor, shift=shift)
+        return run_python(code).splitlines()[-2:]
+
+    assert run(2, "")[0] == "miss"
+    assert run(2, "")[0] == "hit"
+    edited_helper = run(2, " + 1")
+    assert edited_helper[0] == "miss" and "<no file: __main__.act>" in edited_helper[1]
+    edited_forward = run(3, " + 1")
+    assert edited_forward[0] == "miss" and "model_sources" in edited_forward[1], edited_forward
 
 
 class _Breaks(torch.nn.Module):
