@@ -60,11 +60,23 @@ def canonical_digest(value: Any) -> str:
     return hashlib.sha256(text.encode()).hexdigest()
 
 
+def _constant(value: Any) -> Any:
+    """A code constant as the digest holds it: nested code by its digest, a frozenset
+    (``x in {"a", "b"}``) sorted, since its order follows the process's string hashes."""
+    if isinstance(value, types.CodeType):
+        return code_digest(value)
+    if isinstance(value, frozenset):
+        return ["frozenset", sorted(repr(_constant(v)) for v in value)]
+    if isinstance(value, tuple):
+        return [_constant(v) for v in value]
+    return repr(value)
+
+
 def code_digest(code: types.CodeType) -> str:
     """sha256 of what a code object runs: its bytecode, constants (nested code by its own
     digest), names and signature; not its file name or line numbers, so the same
     function typed again (a notebook cell run again) has the same digest."""
-    consts = [code_digest(c) if isinstance(c, types.CodeType) else repr(c) for c in code.co_consts]
+    consts = [_constant(c) for c in code.co_consts]
     parts = [code.co_code.hex(), consts, code.co_names, code.co_varnames, code.co_freevars,
              code.co_cellvars, code.co_argcount, code.co_kwonlyargcount, code.co_flags]  # fmt: skip
     return canonical_digest(parts)
