@@ -12,7 +12,6 @@ another layer count, ``rms_norm_eps`` or activation runs other code than was com
 from __future__ import annotations
 
 import hashlib
-import inspect
 import json
 import sys
 import types
@@ -82,19 +81,38 @@ def code_digest(code: types.CodeType) -> str:
     return canonical_digest(parts)
 
 
+def _wrapped_chain(value: Any) -> list[types.CodeType]:
+    """The code of a function and of each function it wraps (``functools.wraps``,
+    ``lru_cache``: the wrapper's code is the same whatever it wraps), read from
+    ``__dict__`` alone (no attribute lookup that could run code)."""
+    codes = []
+    for _ in range(8):
+        if isinstance(value, types.FunctionType):
+            codes.append(value.__code__)
+        inner = getattr(value, "__dict__", {}).get("__wrapped__")
+        if inner is None:
+            break
+        value = inner
+    return codes
+
+
 def _functions(cls: type) -> list[tuple[str, types.CodeType]]:
     """The code of each function a class defines (methods, static and class methods,
-    properties' accessors), by name."""
-    found = []
+    properties' accessors, and what their decorators wrap), by name."""
+    found: list[tuple[str, types.CodeType]] = []
     for name, value in sorted(vars(cls).items()):
         if isinstance(value, (staticmethod, classmethod)):
             value = value.__func__
         accessors = [value.fget, value.fset] if isinstance(value, property) else [value]
         for function in accessors:
-            code = getattr(inspect.unwrap(function), "__code__", None) if function else None
-            if isinstance(code, types.CodeType):
-                found.append((name, code))
+            found.extend((name, code) for code in _wrapped_chain(function))
     return found
+
+
+def _file_of(module: Any) -> Any:
+    """A module's ``__file__`` from its ``__dict__`` (a module's ``__getattr__``, as
+    ``torch.ops`` has, is not asked)."""
+    return getattr(module, "__dict__", {}).get("__file__")
 
 
 def fileless_classes(model: torch.nn.Module) -> list[type]:
@@ -105,7 +123,7 @@ def fileless_classes(model: torch.nn.Module) -> list[type]:
         for cls in type(module).__mro__:
             if cls.__module__ == "builtins":
                 continue
-            if not getattr(sys.modules.get(cls.__module__), "__file__", None):
+            if not _file_of(sys.modules.get(cls.__module__)):
                 found.setdefault(cls)
     return list(found)
 
@@ -115,23 +133,38 @@ def fileless_class_codes(model: torch.nn.Module) -> set[types.CodeType]:
     return {code for cls in fileless_classes(model) for _, code in _functions(cls)}
 
 
+def _defined_in(value: Any) -> Any:
+    """The module a function (or a wrapper object ``functools`` made) was defined in."""
+    if isinstance(value, types.FunctionType):
+        return value.__module__
+    namespace = getattr(value, "__dict__", None)
+    if isinstance(namespace, dict) and "__wrapped__" in namespace:
+        return namespace.get("__module__")
+    return None
+
+
 NO_FILE = "<no file: "  # how a traced file's place names code defined where no file is
 
 
 def fileless_functions() -> dict[str, types.CodeType]:
     """The code of every function defined where no source file is (``python -c``, a
-    notebook, ``exec`` into a module without one), by ``module.qualname[.function]``:
-    module-level functions, and the functions of classes defined there."""
+    notebook, a module made by ``exec``: no ``__file__``, no import spec), by
+    ``module.qualname[.function]``: module-level functions, the functions of classes
+    defined there, and what their decorators wrap (``.__wrapped__``)."""
     found: dict[str, types.CodeType] = {}
     for module_name, module in list(sys.modules.items()):
-        if module is None or getattr(module, "__file__", None) or module_name == "builtins":
+        namespace = getattr(module, "__dict__", None)
+        if not isinstance(namespace, dict) or module_name == "builtins":
             continue
-        for name, value in list(vars(module).items()):
+        if namespace.get("__file__") or namespace.get("__spec__") is not None:
+            continue  # a file, or an import system's module (C extensions, packages)
+        for name, value in list(namespace.items()):
             if isinstance(value, type) and value.__module__ == module_name:
                 for function, code in _functions(value):
-                    found[f"{module_name}.{value.__qualname__}.{function}"] = code
-            elif isinstance(value, types.FunctionType) and value.__module__ == module_name:
-                found[f"{module_name}.{name}"] = value.__code__
+                    found.setdefault(f"{module_name}.{value.__qualname__}.{function}", code)
+            elif _defined_in(value) == module_name:
+                for depth, code in enumerate(_wrapped_chain(value)):
+                    found[f"{module_name}.{name}" + ".__wrapped__" * depth] = code
     return found
 
 
