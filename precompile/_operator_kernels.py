@@ -11,7 +11,12 @@ on their contents, ``compile_model`` checks them at load with the files Dynamo t
 How they are found: each call of an operator outside torch's own namespaces is run
 again alone, on clones of the fake values it was traced with, while this thread's
 Python function starts are recorded (``sys.monitoring`` where the interpreter has it,
-else a profile hook). Files of torch and of the standard library are left out.
+else a profile hook). Kept: the files of the caller's code that started, of the modules
+and functions its global names hold (a cached helper, a module's constant), and the
+file the dispatcher names as where the operator was registered; code with no file
+(``exec``, ``python -c``) is kept as code. Torch's, its requirements' and the standard
+library's code is left out (the environment key holds their versions). What stays
+unseen is listed in docs/limits.md.
 """
 
 from __future__ import annotations
