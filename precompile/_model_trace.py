@@ -105,6 +105,11 @@ def trace_model(
         raise UnsupportedGraphError(
             f"the model does not trace as one graph (a graph break): {str(exc).strip()[:2000]}"
         ) from None
+    except adapter.trace_user_error() as exc:  # a custom op's kernel reading a value, say
+        raise UnsupportedGraphError(
+            f"the model does not trace: its code needs what a trace cannot know "
+            f"({type(exc).__name__}): {str(exc).strip()[:2000]}"
+        ) from None
     except Exception as exc:
         # Dynamo wraps what the backend raised: one of ours (a refusal naming the input)
         # is raised as itself, so callers catch it by its class

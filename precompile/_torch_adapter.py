@@ -174,6 +174,12 @@ def graph_break_error() -> type[Exception]:
     return torch._dynamo.exc.Unsupported  # type: ignore[no-any-return]
 
 
+def trace_user_error() -> type[Exception]:
+    """What a trace raises where the traced code asks what tracing cannot answer (a guard
+    on a data-dependent value, a constraint on a dynamic dim)."""
+    return torch._dynamo.exc.UserError  # type: ignore[no-any-return]
+
+
 def backend_failure(exc: BaseException) -> BaseException | None:
     """What a ``torch.compile`` backend raised, where ``exc`` is Dynamo's wrapper of it."""
     if isinstance(exc, torch._dynamo.exc.BackendCompilerFailed):

@@ -534,6 +534,25 @@ print([r for r in records if "stale" in r or "model cache miss" in r][:1])
 )
 
 
+def test_a_kernel_that_reads_a_value_is_refused_with_our_error() -> None:
+    """A custom op's Python kernel that turns a tensor into a Python number cannot be
+    traced: Dynamo's ``UserError`` ("Could not guard on data-dependent expression") came
+    out of ``compile_model`` as itself (a client trial); it is ``UnsupportedGraphError``."""
+    library = torch.library.Library("precompile_reads_a_value", "DEF")
+    library.define("scaled(Tensor x) -> Tensor")
+    library.impl("scaled", lambda x: x * float(x.abs().max()), "CompositeImplicitAutograd")
+
+    class ReadsAValue(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.ops.precompile_reads_a_value.scaled(x) + 1
+
+    try:
+        with pytest.raises(precompile.UnsupportedGraphError, match="data-dependent"):
+            precompile.compile_model(ReadsAValue(), (torch.randn(4, 8),), cache=False)
+    finally:
+        library._destroy()
+
+
 def test_code_defined_without_a_file_is_checked_by_its_code(tmp_path: Any) -> None:
     """A model written in ``python -c`` or a notebook cell has no source file to hash:
     an edit to its forward, or to a helper it calls, was a stale hit in the next process
