@@ -128,11 +128,6 @@ def fileless_classes(model: torch.nn.Module) -> list[type]:
     return list(found)
 
 
-def fileless_class_codes(model: torch.nn.Module) -> set[types.CodeType]:
-    """The code objects whose digests ``module_sources`` holds for fileless classes."""
-    return {code for cls in fileless_classes(model) for _, code in _functions(cls)}
-
-
 def _defined_in(value: Any) -> Any:
     """The module a function (or a wrapper object ``functools`` made) was defined in."""
     if isinstance(value, types.FunctionType):
